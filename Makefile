@@ -1,0 +1,41 @@
+# eagleflow: `make test` and `make demo` are all a fresh machine with Python 3.11 needs.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+# Keep every cache inside the repo's ignored folders, never in the home folder.
+export HF_HOME := $(CURDIR)/.cache/hf
+export HF_DATASETS_CACHE := $(CURDIR)/.cache/hf/datasets
+export PIP_CACHE_DIR := $(CURDIR)/.cache/pip
+export AIRFLOW_HOME ?= $(CURDIR)/.airflow
+export MPLCONFIGDIR := $(CURDIR)/.cache/matplotlib
+export HF_HUB_OFFLINE := 1
+export PYTHONUNBUFFERED := 1
+
+.PHONY: venv test test-fast demo airflow bench clean
+
+venv:
+	@scripts/bootstrap.sh
+
+## the whole suite (CI runs this through .ci/run)
+test: venv
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+## the suite without the real-scheduler tests
+test-fast: venv
+	$(PY) -m pytest -m "not scheduler" $(PYTEST_ARGS)
+
+## the main job on CPU: tiny verifier, synthetic data, the whole DAG through Airflow
+demo: venv
+	$(PY) scripts/demo.py
+
+## Airflow UI on 127.0.0.1:8080 with our DAG and plugin
+airflow: venv
+	scripts/airflow-standalone.sh
+
+bench: venv
+	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf .cache .airflow runs

@@ -1,0 +1,65 @@
+"""``python -m eagleflow <step> …``: one sub-command per pipeline step.
+
+Each step module offers ``add_arguments(parser)`` and ``main(args) -> int``; the module is
+imported only when its step runs, so ``--help`` and unrelated steps stay fast. Errors a user
+can fix (bad input, bad flags) are raised as :class:`eagleflow.errors.UserError` and turned
+into exit code 2 with the message, nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from eagleflow.errors import UserError
+
+# step name -> (module, one-line help)
+STEPS: dict[str, tuple[str, str]] = {
+    "make-tiny-model": ("eagleflow.tiny_model", "write a tiny DeepSeek-V3-architecture verifier"),
+    "make-dataset": ("eagleflow.synthetic_data", "write synthetic chat conversations as JSONL"),
+    "serve-reference": ("eagleflow.reference_engine", "serve the CPU reference engine"),
+    "prepare-dataset": ("eagleflow.prepare", "tokenize conversations into the training dataset"),
+    "dataset-stats": ("eagleflow.stats", "rows, tokens and hidden-state bytes of a dataset"),
+    "check-disk": ("eagleflow.disk_check", "fail early when the disk cannot hold the hidden states"),
+    "extract": ("eagleflow.extract", "extract hidden states for a range of rows"),
+    "build-vocab": ("eagleflow.vocab", "build the draft vocabulary (d2t/t2d)"),
+    "train": ("eagleflow.train", "train the EAGLE-3 drafter with speculators"),
+    "plot": ("eagleflow.plot", "draw loss and accuracy charts from training metrics"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser; each step's flags are added only when that step is chosen."""
+    parser = argparse.ArgumentParser(prog="python -m eagleflow", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="step", required=True, metavar="STEP")
+    for name, (_, summary) in STEPS.items():
+        sub.add_parser(name, help=summary, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one step and return its exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Line buffering even when stdout is a pipe: the operator streams our output into the
+    # task log, and a block-buffered child left the seed's log empty for hours.
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    if not argv or argv[0] not in STEPS:
+        build_parser().parse_args(argv)  # prints usage / the unknown-step error and exits 2
+        return 2
+    name, rest = argv[0], argv[1:]
+    module = importlib.import_module(STEPS[name][0])
+    parser = argparse.ArgumentParser(prog=f"python -m eagleflow {name}", description=STEPS[name][1])
+    module.add_arguments(parser)
+    args = parser.parse_args(rest)
+    args.step = name
+    try:
+        return int(module.main(args) or 0)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

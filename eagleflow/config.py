@@ -1,0 +1,101 @@
+"""Typed step configurations and the one way they become command-line flags.
+
+Each step declares its knobs once, as a pydantic model whose fields carry a description
+(anchor: speculators ``train/config/schema.py``). :func:`add_model_arguments` derives the
+``--flag`` of every field from it, and :func:`model_from_args` turns parsed flags back into
+the model, so a flag, its type, its default and its help text live in one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from eagleflow.errors import UserError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def flag_name(field: str) -> str:
+    """``max_new_tokens`` -> ``--max-new-tokens``."""
+    return "--" + field.replace("_", "-")
+
+
+def parse_int_list(text: str) -> list[int]:
+    """``"2,4,6"`` or ``"[2, 4, 6]"`` -> ``[2, 4, 6]``; used for layer ids."""
+    text = text.strip().strip("[]")
+    if not text:
+        return []
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+
+
+def _strip_optional(annotation: Any) -> Any:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
+    """Add one ``--flag`` per field of ``model`` (required when the field has no default)."""
+    for name, field in model.model_fields.items():
+        annotation = _strip_optional(field.annotation)
+        origin = typing.get_origin(annotation)
+        kwargs: dict[str, Any] = {"dest": name, "help": field.description or ""}
+        if field.is_required():
+            kwargs["required"] = True
+        else:
+            kwargs["default"] = argparse.SUPPRESS  # the model fills its own default
+            default = field.get_default(call_default_factory=True)
+            kwargs["help"] += f" (default: {default})"
+        if annotation is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif origin is list:
+            (item,) = typing.get_args(annotation)
+            kwargs["type"] = parse_int_list if item is int else (lambda s: [p for p in s.split(",") if p])
+            kwargs["metavar"] = "A,B,…"
+        elif origin is typing.Literal:
+            kwargs["choices"] = list(typing.get_args(annotation))
+        elif annotation in (int, float, str, Path):
+            kwargs["type"] = annotation
+        else:
+            kwargs["type"] = str
+        parser.add_argument(flag_name(name), **kwargs)
+
+
+def model_from_args(model: type[M], args: argparse.Namespace | dict[str, Any]) -> M:
+    """Build ``model`` from parsed flags; a validation error names the flag and raises UserError."""
+    values = dict(vars(args) if isinstance(args, argparse.Namespace) else args)
+    values = {k: v for k, v in values.items() if k in model.model_fields}
+    try:
+        return model(**values)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{flag_name(str(err['loc'][0])) if err['loc'] else model.__name__}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise UserError(problems) from exc
+
+
+def model_to_argv(config: BaseModel) -> list[str]:
+    """The flags that rebuild ``config`` through :func:`add_model_arguments` (an argv list, no shell)."""
+    argv: list[str] = []
+    for name, value in config.model_dump().items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            argv.append(flag_name(name) if value else "--no-" + name.replace("_", "-"))
+        elif isinstance(value, list):
+            argv += [flag_name(name), ",".join(str(v) for v in value)]
+        else:
+            argv += [flag_name(name), str(value)]
+    return argv

@@ -1,0 +1,44 @@
+"""Atomic publication of files: write beside the target, fsync, then rename over it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+@contextlib.contextmanager
+def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary path in ``target``'s folder; on success fsync it and rename it to ``target``.
+
+    The temporary name starts with ``.`` and ends with ``.tmp`` so no reader globbing for the
+    final name ever sees a half-written file; on error the temporary file is removed.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write_text(target: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` to ``target`` atomically and return the target path."""
+    with atomic_path(target) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return Path(target)
+
+
+def atomic_write_json(target: str | os.PathLike[str], data: Any) -> Path:
+    """Write ``data`` as indented JSON to ``target`` atomically."""
+    return atomic_write_text(target, json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,106 @@
+"""The run folder (DESIGN.md §3.6): the one place that knows where each artefact lives.
+
+::
+
+    <output_root>/<run_name>/
+      dataset/                     training dataset (§3.3) with hidden_states/
+      shards/rows_0-2000.json      per-shard manifest
+      server/server.log            engine output; server/dumps/ the hook's hand-off folder
+      train/checkpoints/<epoch>/   speculators layout; train/metrics.jsonl; train/train.log
+      train-progress/*.png, *.svg
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagleflow.errors import UserError
+
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def shard_name(start: int, end: int) -> str:
+    """``rows_{start}-{end}`` with ``end`` exclusive: the only place shard names are made."""
+    return f"rows_{start}-{end}"
+
+
+def plan_shards(num_rows: int, shard_size: int) -> list[dict[str, int | str]]:
+    """Split ``num_rows`` rows into shards of ``shard_size`` (the last one may be shorter).
+
+    Returns the XCom payload of DESIGN.md §3.5: ``[{"name", "start", "end"}, …]``.
+    """
+    if shard_size < 1:
+        raise UserError(f"--shard-size must be at least 1, got {shard_size}")
+    return [
+        {"name": shard_name(start, min(start + shard_size, num_rows)), "start": start, "end": min(start + shard_size, num_rows)}
+        for start in range(0, num_rows, shard_size)
+    ]
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Paths of one run's artefacts under ``<output_root>/<run_name>``."""
+
+    root: Path
+
+    @classmethod
+    def of(cls, output_root: str | Path, run_name: str) -> RunLayout:
+        """Layout of ``run_name`` under ``output_root``; the name must be a plain folder name."""
+        if not _RUN_NAME.match(run_name):
+            raise UserError(
+                f"run name {run_name!r} must be 1-128 letters, digits, '.', '_' or '-' and start with a letter or digit"
+            )
+        return cls(Path(output_root).absolute() / run_name)
+
+    @property
+    def dataset(self) -> Path:
+        return self.root / "dataset"
+
+    @property
+    def hidden_states(self) -> Path:
+        return self.dataset / "hidden_states"
+
+    @property
+    def shards(self) -> Path:
+        return self.root / "shards"
+
+    def shard_manifest(self, name: str) -> Path:
+        return self.shards / f"{name}.json"
+
+    @property
+    def server(self) -> Path:
+        return self.root / "server"
+
+    @property
+    def server_log(self) -> Path:
+        return self.server / "server.log"
+
+    @property
+    def server_state(self) -> Path:
+        return self.server / "server.json"
+
+    @property
+    def dump_dir(self) -> Path:
+        return self.server / "dumps"
+
+    @property
+    def train(self) -> Path:
+        return self.root / "train"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.train / "checkpoints"
+
+    @property
+    def metrics(self) -> Path:
+        return self.train / "metrics.jsonl"
+
+    @property
+    def train_log(self) -> Path:
+        return self.train / "train.log"
+
+    @property
+    def charts(self) -> Path:
+        return self.root / "train-progress"

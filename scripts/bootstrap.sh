@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Create .venv and install eagleflow's CPU environment (DESIGN.md §8). Idempotent: a stamp
+# file keyed on pyproject.toml skips the work when nothing changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
+VENV=.venv
+export PIP_CACHE_DIR=${PIP_CACHE_DIR:-$PWD/.cache/pip}
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+stamp="$VENV/.eagleflow-installed-$(sha256sum pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ]; then
+  exit 0
+fi
+
+"$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 11), f"eagleflow needs Python 3.11, found {sys.version}"'
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip "$@"; }
+
+echo "[bootstrap] installing torch 2.13.0 (CPU) first so nothing pulls a CUDA build"
+pip install --quiet "torch==2.13.0"
+echo "[bootstrap] installing eagleflow and its pinned dependencies"
+pip install --quiet -e ".[dev]"
+# speculators' metadata requires torchvision/torchaudio; PyPI's are CUDA builds that break
+# `import transformers` on CPU. Its other requirements are in pyproject.toml, so --no-deps.
+spec_pin=$(grep -o '"speculators==[^"]*"' pyproject.toml | tr -d '"')
+echo "[bootstrap] installing $spec_pin without its torchvision/torchaudio requirements"
+pip install --quiet --no-deps "$spec_pin"
+for bad in torchvision torchaudio; do
+  if "$VENV/bin/python" -m pip show --quiet "$bad" >/dev/null 2>&1; then
+    echo "[bootstrap] removing $bad (CUDA wheel; breaks transformers on CPU)"
+    pip uninstall --yes --quiet "$bad"
+  fi
+done
+"$VENV/bin/python" -c 'import speculators, speculators.train.trainer, transformers, airflow.sdk' \
+  || { echo "[bootstrap] the environment does not import; see above" >&2; exit 1; }
+rm -f "$VENV"/.eagleflow-installed-*
+touch "$stamp"
+echo "[bootstrap] environment ready in $VENV"
