@@ -265,6 +265,9 @@ def write_training_dataset(input_ids: Sequence[Sequence[int]], loss_mask: Sequen
         {"input_ids": list(input_ids), "loss_mask": list(loss_mask), "seq_len": [len(ids) for ids in input_ids]},
         features=features,
     )
+    # speculators indexes rows as tensors (torch.equal on input_ids); its own preprocessing
+    # saves with the torch format set, and save_to_disk keeps that format in state.json.
+    table.set_format(type="torch")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.staging-{os.getpid()}"

@@ -48,12 +48,14 @@ class Progress:
         self._last_count = 0
         self._last_time = self.start
 
-    def advance(self, n: int = 1, extra: str = "") -> None:
-        """Count ``n`` more items and print a line if one is due."""
+    def advance(self, n: int = 1, extra: str = "") -> bool:
+        """Count ``n`` more items and print a line if one is due; True when it printed."""
         self.done += n
         now = self.clock()
         if self.done - self._last_count >= self.every or now - self._last_time >= self.interval or self.done >= self.total:
             self.report(extra)
+            return True
+        return False
 
     def report(self, extra: str = "") -> str:
         """Print and return the current progress line."""

@@ -29,7 +29,7 @@ def dataset_stats(dataset_dir: Path, n_slots: int, hidden_size: int) -> dict[str
     import datasets
 
     try:
-        lengths = list(datasets.load_from_disk(str(dataset_dir))["seq_len"])
+        lengths = list(datasets.load_from_disk(str(dataset_dir)).with_format(None)["seq_len"])
     except FileNotFoundError as exc:
         raise UserError(f"--dataset {dataset_dir} is not a prepared dataset: {exc}") from exc
     tokens = int(sum(lengths))
