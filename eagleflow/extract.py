@@ -33,6 +33,7 @@ from eagleflow.files import atomic_write_json
 from eagleflow.layout import shard_name
 from eagleflow.progress import Progress
 from eagleflow.results import emit_result
+from eagleflow.serve import pid_alive
 from eagleflow.sample_store import SampleState, publish_dump, sample_path, validate
 from eagleflow.verifier import config_int
 from sglang_patch.dump_writer import dump_path, error_path
@@ -396,21 +397,6 @@ class ShardExtractor:
 
     def _write_manifest(self) -> None:
         atomic_write_json(self.manifest_path, self.report.as_manifest())
-
-
-def pid_alive(pid: int) -> bool:
-    """True while process ``pid`` exists and is not a zombie."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

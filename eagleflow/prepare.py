@@ -26,6 +26,7 @@ from eagleflow.config import add_model_arguments, model_from_args
 from eagleflow.errors import UserError
 from eagleflow.files import atomic_write_json, atomic_write_text
 from eagleflow.progress import Progress
+from eagleflow.results import emit_result
 from eagleflow.verifier import config_int
 
 MARKER_FILE = "prepare.json"
@@ -352,5 +353,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     summary = prepare_dataset(model_from_args(PrepareConfig, args))
-    print(json.dumps({k: v for k, v in summary.items() if k != "fingerprint"}), flush=True)
+    emit_result({k: v for k, v in summary.items() if k != "fingerprint"})
     return 0

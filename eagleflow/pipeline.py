@@ -1,0 +1,187 @@
+"""The knobs of one pipeline run (the DAG's Params form), declared once.
+
+``PipelineConfig`` is what a user sets when triggering a run; each Airflow operator builds it
+from the run's params (:meth:`PipelineConfig.from_params`) and turns it into the argv of its
+step. :func:`param_schemas` gives the JSON schema of every field, which the DAG turns into
+Airflow ``Param`` objects, so a knob's default, type, title and description live here only.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+from eagleflow.errors import UserError
+from eagleflow.layout import RunLayout
+
+
+class PipelineConfig(BaseModel):
+    """Every Param of the eagleflow DAG."""
+
+    engine: Literal["reference", "sglang"] = Field(
+        "reference",
+        title="Engine",
+        description="sglang: launch SGLang with the capture hook (GPU node). reference: the transformers "
+        "reference engine (CPU or GPU), for demos, tests and checking the hook.",
+    )
+    model_path: str = Field(
+        title="Verifier model folder",
+        description="Local folder of the base model (config.json, safetensors, tokenizer), e.g. Kimi-K2.5.",
+    )
+    dataset_input: str = Field(
+        title="Dataset input",
+        description="JSONL or Parquet: chat rows ({'messages': [...]}) or token ids ({'input_ids': [...], 'loss_mask': [...]}).",
+    )
+    output_root: str = Field(
+        title="Output root", description="Folder that holds one sub-folder per run (dataset, shards, server log, training, charts)."
+    )
+    run_name: str | None = Field(
+        None,
+        title="Run name",
+        description="Sub-folder of the output root. Reusing a name resumes that run's work; empty: derived from the DAG run id.",
+    )
+    aux_layer_ids: list[int] | None = Field(
+        None,
+        title="Aux layer ids",
+        description="Layer ids whose input state is captured (state entering layer k); the final pre-norm state is "
+        "added. Empty: speculators' default [2, n//2, n-3]. The seed's Kimi-K2.5 run used [3, 31, 59].",
+    )
+    max_len: int = Field(2048, ge=2, title="Max sequence length", description="Rows longer than this are truncated.")
+    skip_bad_rows: bool = Field(
+        False, title="Skip bad rows", description="Leave unusable input rows out (listed in bad_rows.jsonl) instead of failing."
+    )
+    disk_margin: float = Field(
+        1.1, ge=1.0, title="Disk margin", description="Fail early unless free space >= estimated hidden-state bytes × this."
+    )
+    shard_size: int = Field(2000, ge=1, title="Shard size", description="Rows per extraction shard (one mapped task each).")
+    concurrency: int = Field(8, ge=1, le=256, title="Requests in flight", description="Concurrent /generate requests per shard.")
+    server_port: int = Field(
+        30000, ge=0, le=65535, title="Server port", description="Port of the launched engine; 0 picks a free port."
+    )
+    tp_size: int = Field(8, ge=1, title="Tensor parallel size", description="SGLang --tp-size (GPUs for the server).")
+    server_extra_args: list[str] = Field(
+        default_factory=list,
+        title="Extra server arguments",
+        description="Appended to the engine command line as separate arguments (never through a shell).",
+    )
+    warmup_timeout_minutes: float = Field(
+        45.0, gt=0, title="Warmup timeout (minutes)", description="Fail the readiness wait after this long."
+    )
+    server_url: str | None = Field(
+        None,
+        title="Remote server URL",
+        description="Use an engine that is already running (e.g. http://gpu-node:30000): launch and stop are skipped.",
+    )
+    server_dump_dir: str | None = Field(
+        None,
+        title="Remote server dump folder",
+        description="With a remote server: the folder its capture hook writes to, as seen from the workers.",
+    )
+
+    @model_validator(mode="after")
+    def _remote_needs_dump_dir(self) -> PipelineConfig:
+        if self.server_url and not self.server_dump_dir:
+            raise ValueError("server_dump_dir is required with server_url (where the remote hook writes its dumps)")
+        return self
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any], run_id: str = "") -> PipelineConfig:
+        """Build from a DAG run's params; a bad value raises :class:`UserError` naming the Param."""
+        values = {k: v for k, v in dict(params).items() if k in cls.model_fields}
+        for name in ("run_name", "server_url", "server_dump_dir", "aux_layer_ids"):
+            if values.get(name) in ("", []):
+                values[name] = None
+        try:
+            cfg = cls(**values)
+        except ValidationError as exc:
+            problems = "; ".join(f"Param {'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
+            raise UserError(problems) from exc
+        if cfg.run_name is None:
+            cfg = cfg.model_copy(update={"run_name": run_name_from_run_id(run_id)})
+        return cfg
+
+    @property
+    def layout(self) -> RunLayout:
+        return RunLayout.of(self.output_root, self.run_name or "run")
+
+    def resolved_aux_layer_ids(self) -> list[int]:
+        """The aux ids to capture: given, or speculators' default for the verifier's depth."""
+        from eagleflow.verifier import config_int
+
+        num_layers = config_int(self.model_path, "num_hidden_layers")
+        ids = self.aux_layer_ids or default_aux_layer_ids(num_layers)
+        bad = [k for k in ids if not 0 <= k <= num_layers]
+        if bad:
+            raise UserError(f"Param aux_layer_ids: {bad} outside 0..{num_layers} (the verifier has {num_layers} layers)")
+        return ids
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """speculators' default target layer ids ``[2, n//2, n-3]`` (speculators/models/utils.py)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def run_name_from_run_id(run_id: str) -> str:
+    """A folder name from a DAG run id (``manual__2026-11-30T16:00:00+00:00`` -> ``manual__2026-11-30T16-00-00-00-00``)."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", run_id).strip("-.") or "run"
+    return name[:128]
+
+
+def param_schemas() -> dict[str, dict[str, Any]]:
+    """JSON schema of each field (``default``, ``type``, ``title``, ``description``, bounds), in form order."""
+    schema = PipelineConfig.model_json_schema()
+    out: dict[str, dict[str, Any]] = {}
+    for name, prop in schema["properties"].items():
+        prop = dict(prop)
+        if "anyOf" in prop:  # Optional[X] -> type [X, "null"]
+            variants = prop.pop("anyOf")
+            types = [v.get("type") for v in variants if "type" in v]
+            prop["type"] = types
+            item = next((v.get("items") for v in variants if v.get("items")), None)
+            if item:
+                prop["items"] = item
+        if name in schema.get("required", []):
+            prop.setdefault("default", None)
+        field = PipelineConfig.model_fields[name]
+        if field.default_factory is not None:
+            prop["default"] = field.default_factory()
+        out[name] = prop
+    return out
+
+
+def model_dir(cfg: PipelineConfig) -> Path:
+    """The verifier folder as an absolute path (checkpoints record it as typed, DESIGN.md §8)."""
+    return Path(cfg.model_path).absolute()
+
+
+def server_command(cfg: PipelineConfig, port: int) -> tuple[list[str], dict[str, str]]:
+    """argv and environment of the engine this run launches (never a shell string)."""
+    import sys
+
+    from eagleflow.config import model_to_argv
+
+    layout = cfg.layout
+    aux_ids = cfg.resolved_aux_layer_ids()
+    if cfg.engine == "reference":
+        from eagleflow.reference_engine import ReferenceEngineConfig
+
+        engine = ReferenceEngineConfig(
+            model=model_dir(cfg), dump_dir=layout.dump_dir, aux_layers=aux_ids, host="127.0.0.1", port=port
+        )
+        argv = [sys.executable, "-u", "-m", "eagleflow", "serve-reference", *model_to_argv(engine)]
+        return argv + list(cfg.server_extra_args), {"PYTHONUNBUFFERED": "1"}
+    from eagleflow.sglang_server import SGLangServerConfig, build_command
+
+    sglang = SGLangServerConfig(
+        model_path=str(model_dir(cfg)),
+        tp_size=cfg.tp_size,
+        host="127.0.0.1",
+        port=port,
+        aux_layer_ids=aux_ids,
+        dump_dir=str(layout.dump_dir),
+        extra_args=list(cfg.server_extra_args),
+    )
+    return build_command(sglang)

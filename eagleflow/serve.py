@@ -1,0 +1,206 @@
+"""The engine process seen from outside: start it, tell whether it is ready, stop it.
+
+Shared by the Airflow operators (launch, readiness sensor and its trigger, teardown) and the
+extractor, so "ready", "dead" and "stopped" mean one thing everywhere. No Airflow import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from eagleflow.files import atomic_write_json
+
+READY_PATH = "/health_generate"
+LOG_TAIL_LINES = 50
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """XCom payload of DESIGN.md §3.5: where the engine answers and how to find its process."""
+
+    url: str
+    pid: int | None
+    host: str
+    log_path: str
+    dump_dir: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ServerInfo:
+        return cls(**{k: data.get(k) for k in ("url", "pid", "host", "log_path", "dump_dir")})
+
+    @property
+    def is_local(self) -> bool:
+        """Whether ``pid`` names a process on this machine (the triggerer may run elsewhere)."""
+        return self.pid is not None and self.host == socket.gethostname()
+
+
+class Readiness(str, enum.Enum):
+    READY = "ready"
+    STARTING = "starting"
+    DEAD = "dead"
+
+
+@dataclass(frozen=True)
+class ReadinessCheck:
+    state: Readiness
+    message: str
+
+
+def pid_alive(pid: int) -> bool:
+    """True while process ``pid`` exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def check_ready(server: ServerInfo, timeout: float = 5.0) -> ReadinessCheck:
+    """One readiness probe: the process (when local) and ``GET /health_generate``.
+
+    A refused connection or a 503 means "not yet" (warmup); a vanished process means dead.
+    """
+    import requests
+
+    if server.is_local and not pid_alive(int(server.pid)):  # type: ignore[arg-type]
+        return ReadinessCheck(Readiness.DEAD, f"engine process {server.pid} has exited")
+    try:
+        response = requests.get(server.url.rstrip("/") + READY_PATH, timeout=timeout)
+    except requests.ConnectionError:
+        return ReadinessCheck(Readiness.STARTING, "not accepting connections yet")
+    except requests.Timeout:
+        return ReadinessCheck(Readiness.STARTING, f"{READY_PATH} did not answer within {timeout:.0f}s")
+    if response.status_code == 200:
+        return ReadinessCheck(Readiness.READY, f"{READY_PATH} answered 200")
+    return ReadinessCheck(Readiness.STARTING, f"{READY_PATH} answered {response.status_code}")
+
+
+def log_tail(path: str | os.PathLike[str], lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` lines of a log file ('' when there is none)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            return "".join(deque(handle, maxlen=lines))
+    except FileNotFoundError:
+        return ""
+
+
+def read_log_from(path: str | os.PathLike[str], offset: int, limit: int = 256_000) -> tuple[str, int]:
+    """New text of a log since byte ``offset`` (at most ``limit`` bytes) and the next offset."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(offset)
+            data = handle.read(limit)
+    except FileNotFoundError:
+        return "", offset
+    cut = data.rfind(b"\n") + 1 if len(data) == limit else len(data)
+    return data[:cut].decode("utf-8", errors="replace"), offset + cut
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now."""
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def start_server(argv: list[str], env: dict[str, str], log_path: Path, state_path: Path, url: str, dump_dir: Path) -> ServerInfo:
+    """Start the engine in its own session, its output appended to ``log_path``.
+
+    Its own session: a killed Airflow task takes its process group down with it, and the
+    server must outlive the launch task. The state file lets a later task (or a retry)
+    find and reuse or stop it.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(argv)}\n".encode())
+        log.flush()
+        process = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **env},
+            start_new_session=True,
+            close_fds=True,
+        )
+    info = ServerInfo(url=url, pid=process.pid, host=socket.gethostname(), log_path=str(log_path), dump_dir=str(dump_dir))
+    atomic_write_json(state_path, info.as_dict())
+    return info
+
+
+def running_server(state_path: Path) -> ServerInfo | None:
+    """The engine recorded in ``state_path`` if it is still alive here and answering or warming up."""
+    try:
+        info = ServerInfo.from_dict(json.loads(state_path.read_text()))
+    except (FileNotFoundError, json.JSONDecodeError, TypeError):
+        return None
+    if not info.is_local or check_ready(info).state is Readiness.DEAD:
+        return None
+    return info
+
+
+def stop_server(pid: int, grace: float = 30.0) -> str:
+    """Stop the engine's whole process group: SIGTERM, then SIGKILL after ``grace`` seconds."""
+    if not pid_alive(pid):
+        _reap(pid)
+        return f"engine process {pid} had already exited"
+    try:
+        pgid = os.getpgid(pid)
+    except ProcessLookupError:
+        return f"engine process {pid} had already exited"
+    os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        _reap(pid)
+        if not pid_alive(pid) and not _group_alive(pgid):
+            return f"engine process group {pgid} stopped with SIGTERM"
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+    _reap(pid)
+    return f"engine process group {pgid} did not stop within {grace:.0f}s; killed it"
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # Zombies keep the group "alive" for kill(); look for a live member.
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def _reap(pid: int) -> None:
+    """Collect the exit status when the engine is our own child (in-process test runs)."""
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)

@@ -1,0 +1,82 @@
+"""Work done during the engine warmup: prepare the dataset, size it, check the disk, plan shards."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import BaseOperator
+
+from operators.step import EagleflowStepOperator, pipeline_config
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+
+class PrepareDatasetOperator(EagleflowStepOperator):
+    """Tokenize the input into ``<run>/dataset`` (``prepare-dataset``); returns rows/tokens/truncated."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(step="prepare-dataset", **kwargs)
+
+    def step_argv(self, context: Context) -> list[str]:
+        from eagleflow.pipeline import model_dir
+
+        cfg = pipeline_config(context)
+        argv = ["--input", cfg.dataset_input, "--tokenizer", str(model_dir(cfg)), "--out", str(cfg.layout.dataset)]
+        argv += ["--max-len", str(cfg.max_len), "--skip-bad-rows" if cfg.skip_bad_rows else "--no-skip-bad-rows"]
+        return argv
+
+
+class DatasetStatsOperator(EagleflowStepOperator):
+    """Rows, tokens and estimated hidden-state bytes (``dataset-stats``), as a table in the log."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(step="dataset-stats", **kwargs)
+
+    def step_argv(self, context: Context) -> list[str]:
+        from eagleflow.pipeline import model_dir
+
+        cfg = pipeline_config(context)
+        ids = ",".join(str(k) for k in cfg.resolved_aux_layer_ids())
+        return ["--dataset", str(cfg.layout.dataset), "--model", str(model_dir(cfg)), "--aux-layer-ids", ids]
+
+
+class CheckDiskOperator(EagleflowStepOperator):
+    """Fail before any extraction when free space < estimate × margin (``check-disk``).
+
+    :param stats: the dataset-stats XCom (templated).
+    """
+
+    template_fields: Sequence[str] = ("stats",)
+
+    def __init__(self, *, stats: Any = None, **kwargs: Any) -> None:
+        super().__init__(step="check-disk", **kwargs)
+        self.stats = stats
+
+    def step_argv(self, context: Context) -> list[str]:
+        cfg = pipeline_config(context)
+        needed = int(self.stats["estimated_bytes"])
+        return ["--folder", str(cfg.layout.hidden_states), "--needed-bytes", str(needed), "--margin", str(cfg.disk_margin)]
+
+
+class PlanShardsOperator(BaseOperator):
+    """Split the prepared rows into shards of ``shard_size``: ``[{name, start, end}, …]``.
+
+    :param prepared: the prepare-dataset XCom (templated), which holds the row count.
+    """
+
+    template_fields: Sequence[str] = ("prepared",)
+
+    def __init__(self, *, prepared: Any = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.prepared = prepared
+
+    def execute(self, context: Context) -> list[dict[str, Any]]:
+        from eagleflow.layout import plan_shards
+
+        cfg = pipeline_config(context)
+        shards = plan_shards(int(self.prepared["rows"]), cfg.shard_size)
+        self.log.info("%d rows -> %d shards of up to %d rows: %s", self.prepared["rows"], len(shards), cfg.shard_size,
+                      ", ".join(str(s["name"]) for s in shards))
+        return shards

@@ -1,0 +1,245 @@
+"""Engine lifecycle in the DAG: launch (setup), readiness sensor + trigger (setup), stop (teardown)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import BaseOperator, BaseSensorOperator
+from airflow.sdk.exceptions import AirflowException, AirflowSkipException
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from operators.step import pipeline_config
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+# How often the trigger hands the new server log lines back to the task log while waiting.
+LOG_REPORT_SECONDS = 60.0
+
+
+class SGLangServerOperator(BaseOperator):
+    """Start the engine (SGLang with the capture hook, or the reference engine) for this run.
+
+    The server runs in its own session and outlives this task; its output goes to
+    ``<run>/server/server.log``. If this run's engine is already up (a retry, or a cleared
+    shard re-running its setups while the old one still runs) it is reused. With the
+    ``server_url`` Param set the task is skipped: the engine is someone else's.
+
+    Returns ``{url, pid, host, log_path, dump_dir}``.
+    """
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        from eagleflow.pipeline import server_command
+        from eagleflow.serve import free_port, running_server, start_server
+
+        cfg = pipeline_config(context)
+        if cfg.server_url:
+            raise AirflowSkipException(f"remote-server mode: using the engine at {cfg.server_url}")
+        layout = cfg.layout
+        existing = running_server(layout.server_state)
+        if existing is not None:
+            self.log.info("Reusing this run's engine: pid %s at %s (log %s)", existing.pid, existing.url, existing.log_path)
+            return existing.as_dict()
+        port = cfg.server_port or free_port()
+        argv, env = server_command(cfg, port)
+        self.log.info("Starting %s engine: %s", cfg.engine, " ".join(argv))
+        info = start_server(argv, env, layout.server_log, layout.server_state, f"http://127.0.0.1:{port}", layout.dump_dir)
+        self.log.info("Engine pid %s, log %s", info.pid, info.log_path)
+        return info.as_dict()
+
+
+class StopServerOperator(BaseOperator):
+    """Teardown: stop the run's engine and its whole process group (TERM, then KILL).
+
+    :param server: the launch task's XCom (templated); missing when launch was skipped or failed.
+    :param grace_seconds: how long SIGTERM gets before SIGKILL.
+    """
+
+    template_fields: Sequence[str] = ("server",)
+
+    def __init__(self, *, server: Any = None, grace_seconds: float = 30.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.server = server
+        self.grace_seconds = grace_seconds
+
+    def execute(self, context: Context) -> str:
+        import json
+
+        from eagleflow.serve import ServerInfo, stop_server
+
+        cfg = pipeline_config(context)
+        if cfg.server_url:
+            raise AirflowSkipException("remote-server mode: the engine is not ours to stop")
+        state = cfg.layout.server_state
+        info = ServerInfo.from_dict(self.server) if isinstance(self.server, dict) else None
+        if info is None and state.exists():
+            info = ServerInfo.from_dict(json.loads(state.read_text()))
+        if info is None or info.pid is None:
+            self.log.info("No engine was started for this run; nothing to stop")
+            return "nothing to stop"
+        if not info.is_local:
+            raise AirflowException(f"engine pid {info.pid} runs on {info.host}, not here; cannot stop it from this worker")
+        message = stop_server(info.pid, self.grace_seconds)
+        state.unlink(missing_ok=True)
+        self.log.info("%s", message)
+        return message
+
+
+class ServerReadyTrigger(BaseTrigger):
+    """Polls the engine's readiness without holding a worker slot.
+
+    Fires ``{"status": "ready"}`` when ``/health_generate`` answers 200, ``{"status": "dead"}``
+    as soon as the engine process is gone, ``{"status": "timeout"}`` at the deadline, and
+    ``{"status": "running", "log_offset": n}`` every so often so the task can show the
+    warmup's log lines and defer again. A refused connection is "not ready yet" (the stock
+    HttpSensorTrigger fails on it).
+
+    :param server: the engine's ``ServerInfo`` dict.
+    :param deadline: absolute epoch seconds after which the wait fails.
+    :param poll_interval: seconds between probes.
+    :param log_offset: byte offset of the server log already shown.
+    :param report_every: seconds between ``running`` events.
+    """
+
+    def __init__(
+        self,
+        server: dict[str, Any],
+        deadline: float,
+        poll_interval: float = 5.0,
+        log_offset: int = 0,
+        report_every: float = LOG_REPORT_SECONDS,
+    ) -> None:
+        super().__init__()
+        self.server = server
+        self.deadline = deadline
+        self.poll_interval = poll_interval
+        self.log_offset = log_offset
+        self.report_every = report_every
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            "operators.server.ServerReadyTrigger",
+            {
+                "server": self.server,
+                "deadline": self.deadline,
+                "poll_interval": self.poll_interval,
+                "log_offset": self.log_offset,
+                "report_every": self.report_every,
+            },
+        )
+
+    def _event(self, status: str, message: str) -> dict[str, Any]:
+        return {"status": status, "message": message, "log_offset": self.log_offset, "deadline": self.deadline}
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        from eagleflow.serve import Readiness, ServerInfo, check_ready
+
+        info = ServerInfo.from_dict(self.server)
+        report_at = time.time() + self.report_every
+        while True:
+            check = await asyncio.to_thread(check_ready, info)
+            if check.state is Readiness.READY:
+                yield TriggerEvent(self._event("ready", check.message))
+                return
+            if check.state is Readiness.DEAD:
+                yield TriggerEvent(self._event("dead", check.message))
+                return
+            now = time.time()
+            if now >= self.deadline:
+                yield TriggerEvent(self._event("timeout", check.message))
+                return
+            if now >= report_at:
+                yield TriggerEvent(self._event("running", check.message))
+                return
+            await asyncio.sleep(min(self.poll_interval, max(self.deadline - now, 0.0)))
+
+
+class ServerReadySensor(BaseSensorOperator):
+    """Waits out the engine's warmup (about 9 minutes for Kimi-K2.5 on 8 GPUs), deferred.
+
+    Pokes once; if not ready, defers to :class:`ServerReadyTrigger`. Fails at once, with the
+    last 50 lines of the server log, when the engine process dies or the timeout passes.
+    Returns the engine's ``{url, pid, host, log_path, dump_dir}`` (also in remote-server mode,
+    where it comes from the ``server_url`` / ``server_dump_dir`` Params).
+
+    :param server: the launch task's XCom (templated; empty in remote-server mode).
+    :param poll_interval: seconds between probes.
+    """
+
+    template_fields: Sequence[str] = ("server",)
+
+    def __init__(self, *, server: Any = None, poll_interval: float = 5.0, **kwargs: Any) -> None:
+        kwargs.setdefault("trigger_rule", "none_failed")  # launch is skipped in remote-server mode
+        super().__init__(poke_interval=poll_interval, **kwargs)
+        self.server = server
+        self.poll_interval = poll_interval
+
+    def _server_info(self, context: Context) -> tuple[dict[str, Any], float]:
+        from eagleflow.serve import ServerInfo
+
+        cfg = pipeline_config(context)
+        timeout = cfg.warmup_timeout_minutes * 60
+        if cfg.server_url:
+            remote = ServerInfo(url=cfg.server_url, pid=None, host="", log_path="", dump_dir=str(cfg.server_dump_dir))
+            return remote.as_dict(), timeout
+        if not isinstance(self.server, dict):
+            raise AirflowException("no engine info from launch_server; did it run?")
+        return dict(self.server), timeout
+
+    def poke(self, context: Context) -> bool:
+        from eagleflow.serve import Readiness, ServerInfo, check_ready
+
+        server, _ = self._server_info(context)
+        check = check_ready(ServerInfo.from_dict(server))
+        if check.state is Readiness.DEAD:
+            self._fail("dead", check.message, server)
+        return check.state is Readiness.READY
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        server, timeout = self._server_info(context)
+        if self.poke(context):
+            self.log.info("Engine at %s is ready", server["url"])
+            return server
+        self._defer(server, time.time() + timeout, 0)
+
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
+        """Resume point: show the new server log lines, then finish, fail, or wait again."""
+        server, _ = self._server_info(context)
+        offset = self._show_new_log(server, int(event.get("log_offset", 0)))
+        status = event.get("status")
+        if status == "ready":
+            self.log.info("Engine at %s is ready (%s)", server["url"], event.get("message"))
+            return server
+        if status == "running":
+            self.log.info("Engine still warming up: %s", event.get("message"))
+            self._defer(server, float(event["deadline"]), offset)
+        self._fail(str(status), str(event.get("message")), server)
+
+    def _defer(self, server: dict[str, Any], deadline: float, log_offset: int) -> None:
+        trigger = ServerReadyTrigger(server=server, deadline=deadline, poll_interval=self.poll_interval, log_offset=log_offset)
+        self.defer(
+            trigger=trigger,
+            method_name="execute_complete",
+            timeout=timedelta(seconds=max(deadline - time.time(), 0) + 300),
+        )
+
+    def _show_new_log(self, server: dict[str, Any], offset: int) -> int:
+        from eagleflow.serve import read_log_from
+
+        if not server.get("log_path"):
+            return offset
+        text, offset = read_log_from(server["log_path"], offset)
+        for line in text.splitlines():
+            self.log.info("[server] %s", line)
+        return offset
+
+    def _fail(self, status: str, message: str, server: dict[str, Any]) -> None:
+        from eagleflow.serve import log_tail
+
+        tail = log_tail(server["log_path"]) if server.get("log_path") else "(remote server: no local log)"
+        reason = {"dead": "the engine process died", "timeout": "the engine was not ready in time"}.get(status, status)
+        raise AirflowException(f"{reason}: {message}\n--- last lines of {server.get('log_path') or 'the server log'} ---\n{tail}")
