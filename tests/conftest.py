@@ -25,3 +25,19 @@ os.environ.setdefault("PYTHONUNBUFFERED", "1")
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """The trained tiny DeepSeek-V3 verifier (built once, cached under .cache/ across runs)."""
+    from eagleflow.tiny_model import TinyModelConfig, make_tiny_model
+
+    return make_tiny_model(TinyModelConfig(out=CACHE / "test-models" / "tiny-trained"))
+
+
+@pytest.fixture(scope="session")
+def random_tiny_model() -> Path:
+    """An untrained tiny verifier with the same tokenizer recipe: fast, for plumbing tests."""
+    from eagleflow.tiny_model import TinyModelConfig, make_tiny_model
+
+    return make_tiny_model(TinyModelConfig(out=CACHE / "test-models" / "tiny-random", train_steps=0, corpus_rows=400))
