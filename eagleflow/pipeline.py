@@ -131,23 +131,32 @@ def run_name_from_run_id(run_id: str) -> str:
 
 
 def param_schemas() -> dict[str, dict[str, Any]]:
-    """JSON schema of each field (``default``, ``type``, ``title``, ``description``, bounds), in form order."""
-    schema = PipelineConfig.model_json_schema()
+    """JSON schema of each pipeline field (``default``, ``type``, ``title``, ``description``, bounds), in form order."""
+    return schemas_of(PipelineConfig, tuple(PipelineConfig.model_fields))
+
+
+def schemas_of(model: type[BaseModel], names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """JSON schemas of ``model``'s fields ``names``, shaped for Airflow ``Param(**schema)``."""
+    schema = model.model_json_schema()
     out: dict[str, dict[str, Any]] = {}
-    for name, prop in schema["properties"].items():
-        prop = dict(prop)
+    for name in names:
+        prop = dict(schema["properties"][name])
         if "anyOf" in prop:  # Optional[X] -> type [X, "null"]
             variants = prop.pop("anyOf")
-            types = [v.get("type") for v in variants if "type" in v]
-            prop["type"] = types
+            prop["type"] = [v.get("type") for v in variants if "type" in v]
             item = next((v.get("items") for v in variants if v.get("items")), None)
             if item:
                 prop["items"] = item
-        if name in schema.get("required", []):
-            prop.setdefault("default", None)
-        field = PipelineConfig.model_fields[name]
+            if any("enum" in v for v in variants):
+                prop["enum"] = [e for v in variants for e in v.get("enum", [])] + [None]
+        if "format" in prop and prop["format"] == "path":
+            prop.pop("format")
+        prop.setdefault("title", name.replace("_", " ").capitalize())
+        field = model.model_fields[name]
         if field.default_factory is not None:
             prop["default"] = field.default_factory()
+        elif field.is_required():
+            prop.setdefault("default", None)
         out[name] = prop
     return out
 

@@ -1,0 +1,64 @@
+"""eagleflow: base LLM served by SGLang -> hidden states -> trained EAGLE-3 drafter.
+
+The story of DESIGN.md §1, top to bottom:
+
+1. launch_server and wait_server_ready (setups) start the engine with the capture hook and
+   wait out its warmup without holding a worker slot;
+2. meanwhile prepare_dataset, dataset_stats, check_disk and plan_shards get the rows ready;
+3. extract_shard runs once per shard (rows_0-2000, …), each retryable and clearable alone;
+4. stop_server (teardown) stops the engine, even when a shard fails;
+5. build_vocab, train_drafter and plot_metrics turn the hidden states into a drafter and charts.
+"""
+
+from __future__ import annotations
+
+import os
+
+from airflow.sdk import DAG, Param
+
+from operators.dataset import CheckDiskOperator, DatasetStatsOperator, PlanShardsOperator, PrepareDatasetOperator
+from operators.extract import ShardExtractOperator
+from operators.params import pipeline_params
+from operators.server import ServerReadySensor, SGLangServerOperator, StopServerOperator
+from operators.train import BuildVocabOperator, PlotOperator, TrainOperator
+
+# Form defaults for a local demo; a deployment sets these to its own folders.
+DEMO_DIR = os.environ.get("EAGLEFLOW_DEMO_DIR", "/opt/eagleflow/demo")
+DEFAULTS = {
+    "model_path": os.path.join(DEMO_DIR, "tiny-model"),
+    "dataset_input": os.path.join(DEMO_DIR, "conversations.jsonl"),
+    "output_root": os.environ.get("EAGLEFLOW_OUTPUT_ROOT", os.path.join(DEMO_DIR, "runs")),
+}
+
+with DAG(
+    dag_id="eagleflow",
+    description="Train an EAGLE-3 drafter from a base model served by SGLang",
+    schedule=None,
+    catchup=False,
+    max_active_runs=1,
+    params={name: Param(**schema) for name, schema in pipeline_params(DEFAULTS).items()},
+    tags=["eagleflow", "speculative-decoding"],
+    doc_md=__doc__,
+) as dag:
+    launch_server = SGLangServerOperator(task_id="launch_server")
+    wait_server_ready = ServerReadySensor(task_id="wait_server_ready", server=launch_server.output)
+
+    prepare_dataset = PrepareDatasetOperator(task_id="prepare_dataset")
+    dataset_stats = DatasetStatsOperator(task_id="dataset_stats")
+    check_disk = CheckDiskOperator(task_id="check_disk", stats=dataset_stats.output)
+    plan_shards = PlanShardsOperator(task_id="plan_shards", prepared=prepare_dataset.output)
+
+    extract_shard = ShardExtractOperator.partial(
+        task_id="extract_shard", server=wait_server_ready.output
+    ).expand(shard=plan_shards.output)
+
+    stop_server = StopServerOperator(task_id="stop_server", server=launch_server.output)
+
+    build_vocab = BuildVocabOperator(task_id="build_vocab")
+    train_drafter = TrainOperator(task_id="train_drafter")
+    plot_metrics = PlotOperator(task_id="plot_metrics")
+
+    prepare_dataset >> dataset_stats >> check_disk >> plan_shards
+    launch_server >> wait_server_ready >> extract_shard >> stop_server.as_teardown(setups=[launch_server, wait_server_ready])
+    check_disk >> extract_shard
+    [extract_shard, stop_server] >> build_vocab >> train_drafter >> plot_metrics
