@@ -1,0 +1,23 @@
+"""Names that the DAG and the multi-machine deployment (``docker/``) must agree on.
+
+The DAG puts the server, readiness, extraction and training tasks on Celery queue
+:data:`GPU_QUEUE` and in pool :data:`GPU_POOL`. ``docker/docker-compose.yaml`` starts a Celery
+worker and a triggerer that consume :data:`GPU_QUEUE`, and its ``airflow-init`` creates
+:data:`GPU_POOL` from ``docker/pools.json``; ``tests/docker/test_compose.py`` checks both sides.
+A name changed here without the deployment fails that test instead of leaving tasks queued forever.
+"""
+
+from __future__ import annotations
+
+# Celery queue of the machine with the GPUs (worker: `airflow celery worker --queues gpu`).
+GPU_QUEUE = "gpu"
+
+# Airflow pool of the GPU tasks; one slot, so one GPU task runs on the node at a time.
+GPU_POOL = "gpu"
+
+# Where every container of the deployment sees the shared run folders (DESIGN.md §3.6).
+OUTPUT_ROOT_ENV = "EAGLEFLOW_OUTPUT_ROOT"
+
+# In the GPU image the SGLang server needs its own interpreter (the image's Python, whose
+# transformers SGLang pins), not the worker's, whose transformers speculators needs.
+SGLANG_PYTHON_ENV = "EAGLEFLOW_SGLANG_PYTHON"
