@@ -442,3 +442,20 @@ def test_a_failing_forward_is_a_500_and_the_engine_recovers(model, tmp_path: Pat
     assert answer["meta_info"]["prompt_tokens"] == 3
     engine.close()
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["row5-g.safetensors"]
+
+
+def test_config_round_trips_through_argv(tmp_path: Path) -> None:
+    # The pipeline launches the engine with model_to_argv(ReferenceEngineConfig(...)).
+    import argparse
+
+    from eagleflow.config import model_to_argv
+    from eagleflow.reference_engine import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for config in (
+        ReferenceEngineConfig(model=tmp_path, dump_dir=tmp_path / "d", aux_layers=AUX),
+        ReferenceEngineConfig(model=tmp_path, dump_dir=tmp_path / "d", aux_layers=[1], port=0, warmup_seconds=2.5,
+                              fail_row=[3, 5], threads=1, trust_remote_code=True),
+    ):
+        assert model_from_args(ReferenceEngineConfig, parser.parse_args(model_to_argv(config))) == config
