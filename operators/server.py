@@ -9,7 +9,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, BaseSensorOperator
-from airflow.sdk.exceptions import AirflowException, AirflowSkipException
+from airflow.sdk.exceptions import AirflowException
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from operators.step import pipeline_config
@@ -17,8 +17,18 @@ from operators.step import pipeline_config
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
+    from eagleflow.pipeline import PipelineConfig
+    from eagleflow.serve import ServerInfo
+
 # How often the trigger hands the new server log lines back to the task log while waiting.
 LOG_REPORT_SECONDS = 60.0
+
+
+def remote_server(cfg: PipelineConfig) -> ServerInfo:
+    """The engine of remote-server mode, described by the ``server_url`` / ``server_dump_dir`` Params."""
+    from eagleflow.serve import ServerInfo
+
+    return ServerInfo(url=str(cfg.server_url), pid=None, host="", log_path="", dump_dir=str(cfg.server_dump_dir))
 
 
 class SGLangServerOperator(BaseOperator):
@@ -26,8 +36,12 @@ class SGLangServerOperator(BaseOperator):
 
     The server runs in its own session and outlives this task; its output goes to
     ``<run>/server/server.log``. If this run's engine is already up (a retry, or a cleared
-    shard re-running its setups while the old one still runs) it is reused. With the
-    ``server_url`` Param set the task is skipped: the engine is someone else's.
+    shard re-running its setups while the old one still runs) it is reused.
+
+    With the ``server_url`` Param set (remote-server mode) nothing is launched: the task
+    short-circuits and returns that engine's address. It succeeds rather than skips because
+    Airflow requires the tasks after a setup to run on ``all_success``: a skipped launch
+    would skip the readiness wait and every shard.
 
     Returns ``{url, pid, host, log_path, dump_dir}``.
     """
@@ -38,7 +52,8 @@ class SGLangServerOperator(BaseOperator):
 
         cfg = pipeline_config(context)
         if cfg.server_url:
-            raise AirflowSkipException(f"remote-server mode: using the engine at {cfg.server_url}")
+            self.log.info("Remote-server mode: not launching anything; using the engine at %s", cfg.server_url)
+            return remote_server(cfg).as_dict()
         layout = cfg.layout
         existing = running_server(layout.server_state)
         if existing is not None:
@@ -73,7 +88,8 @@ class StopServerOperator(BaseOperator):
 
         cfg = pipeline_config(context)
         if cfg.server_url:
-            raise AirflowSkipException("remote-server mode: the engine is not ours to stop")
+            self.log.info("Remote-server mode: the engine at %s is not ours to stop", cfg.server_url)
+            return "remote server left running"
         state = cfg.layout.server_state
         info = ServerInfo.from_dict(self.server) if isinstance(self.server, dict) else None
         if info is None and state.exists():
@@ -163,32 +179,23 @@ class ServerReadySensor(BaseSensorOperator):
 
     Pokes once; if not ready, defers to :class:`ServerReadyTrigger`. Fails at once, with the
     last 50 lines of the server log, when the engine process dies or the timeout passes.
-    Returns the engine's ``{url, pid, host, log_path, dump_dir}`` (also in remote-server mode,
-    where it comes from the ``server_url`` / ``server_dump_dir`` Params).
+    Returns the engine's ``{url, pid, host, log_path, dump_dir}``.
 
-    :param server: the launch task's XCom (templated; empty in remote-server mode).
+    :param server: the launch task's XCom (templated).
     :param poll_interval: seconds between probes.
     """
 
     template_fields: Sequence[str] = ("server",)
 
     def __init__(self, *, server: Any = None, poll_interval: float = 5.0, **kwargs: Any) -> None:
-        kwargs.setdefault("trigger_rule", "none_failed")  # launch is skipped in remote-server mode
         super().__init__(poke_interval=poll_interval, **kwargs)
         self.server = server
         self.poll_interval = poll_interval
 
     def _server_info(self, context: Context) -> tuple[dict[str, Any], float]:
-        from eagleflow.serve import ServerInfo
-
-        cfg = pipeline_config(context)
-        timeout = cfg.warmup_timeout_minutes * 60
-        if cfg.server_url:
-            remote = ServerInfo(url=cfg.server_url, pid=None, host="", log_path="", dump_dir=str(cfg.server_dump_dir))
-            return remote.as_dict(), timeout
         if not isinstance(self.server, dict):
             raise AirflowException("no engine info from launch_server; did it run?")
-        return dict(self.server), timeout
+        return dict(self.server), pipeline_config(context).warmup_timeout_minutes * 60
 
     def poke(self, context: Context) -> bool:
         from eagleflow.serve import Readiness, ServerInfo, check_ready
