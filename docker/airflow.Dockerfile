@@ -44,8 +44,10 @@ COPY --chown=airflow:0 docker/pools.json /opt/eagleflow/deploy/pools.json
 ENV EAGLEFLOW_OUTPUT_ROOT=/opt/eagleflow/runs \
     PYTHONUNBUFFERED=1
 
-# Fail the build, not the first DAG run, when an import is missing.
-RUN python -c "import airflow.sdk, eagleflow, eagleflow.deploy, operators, plugins, pydantic, yaml"
+# Fail the build, not the first DAG run, when an import is missing: import the packages and
+# run every DAG file the way the dag-processor will.
+RUN python -c "import airflow.sdk, eagleflow, eagleflow.deploy, operators, plugins, pydantic, yaml" \
+ && python -c "import glob, runpy; [runpy.run_path(path) for path in glob.glob('/opt/airflow/dags/*.py')]"
 
 
 FROM control AS cpu-worker

@@ -88,5 +88,7 @@ RUN useradd --uid "${EAGLEFLOW_UID}" --gid 0 --create-home --home-dir /home/eagl
 ENV HOME=/home/eagleflow
 WORKDIR /home/eagleflow
 USER ${EAGLEFLOW_UID}:0
+# Workers load the DAG file to run its tasks: it must import here too.
+RUN "${EAGLEFLOW_VENV}/bin/python" -c "import glob, runpy; [runpy.run_path(path) for path in glob.glob('/opt/airflow/dags/*.py')]"
 
 CMD ["airflow", "celery", "worker", "--queues", "gpu"]
