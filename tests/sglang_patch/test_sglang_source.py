@@ -1,0 +1,437 @@
+"""Every SGLang name the capture hook and the launcher rely on, checked in the real SGLang wheels.
+
+SGLang cannot be installed on a CPU machine, so nothing here imports it: the wheels are fetched
+with ``pip download --no-deps`` into ``.cache/sglang-wheels`` (kept between runs) and their
+source is read straight from the zip and parsed with ``ast``. The one piece of SGLang that is
+executed is ``hook_manager.py`` (standard library + torch.nn), to register the hook on
+SGLang-shaped stand-ins exactly as a server would.
+
+Checked versions: both ends of the supported range, the last release before the CUDA-graph flag
+change (0.5.13.post1) and the first after it (0.5.14), and the pin in pyproject.toml; plus the
+releases just outside the range, to show why the range ends where it does. Set
+``EAGLEFLOW_SGLANG_SOURCE_VERSIONS=0.5.10,0.5.11,...`` to check other supported releases.
+"""
+
+from __future__ import annotations
+
+import ast
+import enum
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+import types
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import sglang_fakes as fakes
+from eagleflow import sglang_server
+from sglang_patch import hook as capture_hook
+from sglang_patch.dump_writer import dump_path
+
+pytestmark = pytest.mark.sglang_source
+
+REPO = Path(__file__).resolve().parents[2]
+WHEEL_DIR = REPO / ".cache" / "sglang-wheels"
+BELOW_RANGE = "0.5.9"  # newest release under the range
+ABOVE_RANGE = "0.5.21"  # oldest release over it
+NETWORK_ERRORS = (
+    "NewConnectionError", "ConnectionError", "Max retries exceeded", "Temporary failure in name resolution",
+    "Network is unreachable", "Name or service not known", "ConnectTimeout", "ReadTimeout", "ProxyError",
+)
+
+HOOK_MANAGER = "sglang/srt/model_executor/hook_manager.py"
+DEEPSEEK = "sglang/srt/models/deepseek_v2.py"
+KIMI_K25 = "sglang/srt/models/kimi_k25.py"
+FORWARD_BATCH = "sglang/srt/model_executor/forward_batch_info.py"
+PARALLEL_STATE = "sglang/srt/distributed/parallel_state.py"
+CONSTANTS = "sglang/srt/constants.py"
+HTTP_SERVER = "sglang/srt/entrypoints/http_server.py"
+
+
+def pinned_version() -> str:
+    """The ``sglang==X`` pin of pyproject.toml's ``sglang`` extra."""
+    match = re.search(r'^sglang = \["sglang==([^"]+)"\]', (REPO / "pyproject.toml").read_text(), re.MULTILINE)
+    assert match, 'pyproject.toml lacks the line sglang = ["sglang==X"]'
+    return match.group(1)
+
+
+def checked_versions() -> list[str]:
+    override = os.environ.get("EAGLEFLOW_SGLANG_SOURCE_VERSIONS")
+    if override:
+        return [v.strip() for v in override.split(",") if v.strip()]
+    return sorted({"0.5.10", "0.5.13.post1", "0.5.14", pinned_version()}, key=capture_hook.parse_version)
+
+
+class Wheel:
+    """Source files of one SGLang wheel, read from the zip without installing it."""
+
+    def __init__(self, path: Path, version: str) -> None:
+        self.path = path
+        self.version = version
+        self._zip = zipfile.ZipFile(path)
+        self.names = set(self._zip.namelist())
+
+    def text(self, name: str) -> str:
+        assert name in self.names, f"{name} is missing from {self.path.name}"
+        return self._zip.read(name).decode("utf-8")
+
+    @functools.cache
+    def tree(self, name: str) -> ast.Module:
+        return ast.parse(self.text(name), filename=name)
+
+    def under(self, folder: str) -> list[str]:
+        return sorted(n for n in self.names if n.startswith(folder) and n.endswith(".py"))
+
+    def where(self, name: str, node: ast.AST) -> str:
+        return f"{name}:{node.lineno} in sglang {self.version}"
+
+
+_wheels: dict[str, Wheel] = {}
+
+
+def get_wheel(version: str) -> Wheel:
+    """The wheel of ``version``, downloaded once into .cache/sglang-wheels; skip only if PyPI is unreachable."""
+    if version in _wheels:
+        return _wheels[version]
+    found = sorted(WHEEL_DIR.glob(f"sglang-{version}-*.whl"))
+    if not found:
+        WHEEL_DIR.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+            "--python-version", "3.11", "--platform", "manylinux_2_34_x86_64",
+            "--timeout", "30", "--retries", "1", "-q", "-d", str(WHEEL_DIR), f"sglang=={version}",
+        ]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+        if done.returncode != 0:
+            if any(marker in done.stderr for marker in NETWORK_ERRORS):
+                pytest.skip(f"PyPI unreachable, cannot fetch sglang=={version}: {done.stderr.strip().splitlines()[-1]}")
+            pytest.fail(f"pip download sglang=={version} failed:\n{done.stderr}")
+        found = sorted(WHEEL_DIR.glob(f"sglang-{version}-*.whl"))
+        assert found, f"pip download sglang=={version} left no wheel in {WHEEL_DIR}"
+    try:
+        _wheels[version] = Wheel(found[0], version)
+    except zipfile.BadZipFile:
+        found[0].unlink()  # an interrupted download; the next run fetches it again
+        pytest.fail(f"{found[0].name} was not a complete wheel; deleted it, run again")
+    return _wheels[version]
+
+
+# -- ast helpers ------------------------------------------------------------------------------
+
+
+def find_class(tree: ast.Module, name: str) -> ast.ClassDef:
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return node
+    raise AssertionError(f"class {name} not found")
+
+
+def find_function(scope: ast.AST, name: str) -> ast.FunctionDef:
+    for node in scope.body:  # type: ignore[attr-defined]
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return node
+    raise AssertionError(f"function {name} not found")
+
+
+def params(fn: ast.FunctionDef) -> list[str]:
+    return [a.arg for a in fn.args.posonlyargs + fn.args.args]
+
+
+def calls(scope: ast.AST, func_text: str) -> list[ast.Call]:
+    return [n for n in ast.walk(scope) if isinstance(n, ast.Call) and ast.unparse(n.func) == func_text]
+
+
+def self_assignments(fn: ast.FunctionDef) -> dict[str, list[ast.AST]]:
+    """``self.x = value`` (also in tuple targets) inside ``fn``: attribute name -> assigned values."""
+    out: dict[str, list[ast.AST]] = {}
+    for node in ast.walk(fn):
+        if not isinstance(node, ast.Assign):
+            continue
+        for target in node.targets:
+            elts = target.elts if isinstance(target, ast.Tuple) else [target]
+            for elt in elts:
+                if isinstance(elt, ast.Attribute) and isinstance(elt.value, ast.Name) and elt.value.id == "self":
+                    out.setdefault(elt.attr, []).append(node.value)
+    return out
+
+
+def cli_flags(wheel: Wheel) -> set[str]:
+    """Every ``--flag`` sglang.launch_server accepts in this version.
+
+    Two declaration styles: ``parser.add_argument("--flag", ...)`` (all versions; only style up
+    to 0.5.13) and ``field: A[T, "help" | Arg(...)]`` dataclass fields whose flag is derived
+    from the name (``arg_groups/arg_utils.py``: ``--`` + name with ``-``, or ``cli_name``,
+    plus ``aliases``; ``Arg(no_cli=True)`` has none), in ``server_args.py`` (0.5.14-0.5.19)
+    and ``arg_groups/fields/*.py`` (0.5.20).
+    """
+    flags: set[str] = set()
+    for name in ["sglang/srt/server_args.py", *wheel.under("sglang/srt/arg_groups/")]:
+        tree = wheel.tree(name)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument":
+                flags.update(a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--"))
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for stmt in node.body:
+                if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+                    continue
+                ann = stmt.annotation
+                if not (isinstance(ann, ast.Subscript) and ast.unparse(ann.value) in ("A", "Annotated")):
+                    continue
+                meta = ann.slice.elts[1:] if isinstance(ann.slice, ast.Tuple) else []
+                kw = {k.arg: k.value for m in meta if isinstance(m, ast.Call) for k in m.keywords}
+                if isinstance(kw.get("no_cli"), ast.Constant) and kw["no_cli"].value:
+                    continue
+                cli_name = kw.get("cli_name")
+                flags.add(cli_name.value if isinstance(cli_name, ast.Constant) else "--" + stmt.target.id.replace("_", "-"))
+                if isinstance(kw.get("aliases"), ast.List):
+                    flags.update(e.value for e in kw["aliases"].elts if isinstance(e, ast.Constant))
+    return flags
+
+
+def field_annotation(wheel: Wheel, field: str) -> str:
+    """Source of the annotation of ServerArgs field ``field`` (wherever it is declared)."""
+    for name in ["sglang/srt/server_args.py", *wheel.under("sglang/srt/arg_groups/")]:
+        for node in ast.walk(wheel.tree(name)):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == field:
+                return ast.unparse(node.annotation)
+    raise AssertionError(f"ServerArgs field {field} not found in sglang {wheel.version}")
+
+
+def load_real_forward_mode(wheel: Wheel) -> type[enum.IntEnum]:
+    """SGLang's own ForwardMode class, executed from its source (it needs only enum)."""
+    source = wheel.text(FORWARD_BATCH)
+    node = find_class(wheel.tree(FORWARD_BATCH), "ForwardMode")
+    namespace: dict[str, object] = {"IntEnum": enum.IntEnum, "auto": enum.auto}
+    exec(compile(ast.get_source_segment(source, node), FORWARD_BATCH, "exec"), namespace)
+    return namespace["ForwardMode"]  # type: ignore[return-value]
+
+
+def load_real_hook_manager(wheel: Wheel) -> types.ModuleType:
+    """SGLang's hook_manager module, executed from the wheel (imports: stdlib and torch.nn)."""
+    module = types.ModuleType(f"sglang_hook_manager_{wheel.version.replace('.', '_')}")
+    module.__file__ = str(wheel.path / HOOK_MANAGER)
+    exec(compile(wheel.text(HOOK_MANAGER), HOOK_MANAGER, "exec"), module.__dict__)
+    return module
+
+
+def launcher_argv(version: str, tmp: Path) -> list[str]:
+    cfg = sglang_server.SGLangServerConfig(
+        model_path=str(tmp / "model"), dump_dir=tmp / "dumps", aux_layer_ids=[3, 31, 59], num_layers=61,
+        sglang_version=version, python="python3", hook_pythonpath="",
+    )
+    argv, _ = sglang_server.build_command(cfg, compute_caps=lambda: None)
+    return argv
+
+
+# -- the supported versions -------------------------------------------------------------------
+
+
+@pytest.fixture(params=checked_versions())
+def wheel(request: pytest.FixtureRequest) -> Wheel:
+    return get_wheel(request.param)
+
+
+def test_pin_is_inside_the_supported_range() -> None:
+    assert capture_hook.is_supported_version(pinned_version()), pinned_version()
+
+
+def test_version_the_hook_reads(wheel: Wheel) -> None:
+    # sglang/__init__.py re-exports sglang.version.__version__, which comes from _version.py.
+    assert "from sglang.version import __version__" in wheel.text("sglang/__init__.py")
+    assert "from sglang._version import __version__" in wheel.text("sglang/version.py")
+    match = re.search(r"^__version__ = version = '([^']+)'", wheel.text("sglang/_version.py"), re.MULTILINE)
+    assert match and match.group(1) == wheel.version
+    assert capture_hook.is_supported_version(match.group(1))
+
+
+def test_forward_hooks_registration(wheel: Wheel) -> None:
+    tree = wheel.tree(HOOK_MANAGER)
+    register = find_function(tree, "register_forward_hooks")
+    assert params(register) == ["model", "hook_specs"]
+    keys = {c.args[0].value for c in calls(register, "spec.get") if isinstance(c.args[0], ast.Constant)}
+    assert keys == {"name", "target_modules", "hook_factory", "config"}, wheel.where(HOOK_MANAGER, register)
+    # The factory is called once per spec, with the spec's config dict only.
+    (factory_call,) = calls(register, "hook_factory")
+    assert [ast.unparse(a) for a in factory_call.args] == ["config"] and not factory_call.keywords
+    # Patterns are fnmatch'ed against model.named_modules() names.
+    assert calls(register, "model.named_modules") and calls(register, "fnmatch.fnmatch")
+    # A plain post hook: hook(module, args, output); no pre hooks, no kwargs.
+    (reg,) = calls(register, "module.register_forward_hook")
+    assert [ast.unparse(a) for a in reg.args] == ["hook"] and not reg.keywords
+    assert "register_forward_pre_hook" not in wheel.text(HOOK_MANAGER)
+    # "pkg.mod:factory" paths are split on ":".
+    assert "split(':', 1)" in ast.unparse(find_function(tree, "resolve_callable"))
+    # And the model runner calls it on the whole model with --forward-hooks' list.
+    runner_files = [n for n in wheel.under("sglang/srt/model_executor/") if "model_runner" in n or "cuda_graph_setup" in n]
+    sites = [(n, c) for n in runner_files for c in calls(wheel.tree(n), "register_forward_hooks")]
+    assert sites, f"no register_forward_hooks call in {runner_files}"
+    for name, call in sites:
+        model_arg, specs_arg = (ast.unparse(a) for a in call.args)
+        assert model_arg.endswith(".model") and specs_arg.endswith(".forward_hooks"), wheel.where(name, call)
+
+
+def test_forward_hooks_flag_parses_our_json(wheel: Wheel, tmp_path: Path) -> None:
+    assert "json_list_type" in field_annotation(wheel, "forward_hooks") or any(
+        "json_list_type" in ast.unparse(c) for c in calls(wheel.tree("sglang/srt/server_args.py"), "parser.add_argument")
+        if any(isinstance(a, ast.Constant) and a.value == "--forward-hooks" for a in c.args)
+    )
+    utils = wheel.tree("sglang/srt/utils/common.py")
+    assert "orjson.loads(value)" in ast.unparse(find_function(utils, "json_list_type"))
+    argv = launcher_argv(wheel.version, tmp_path)
+    specs = json.loads(argv[argv.index("--forward-hooks") + 1])
+    assert isinstance(specs, list) and specs[0]["hook_factory"] == capture_hook.HOOK_FACTORY
+
+
+def test_every_launcher_flag_exists(wheel: Wheel, tmp_path: Path) -> None:
+    flags = cli_flags(wheel)
+    argv = launcher_argv(wheel.version, tmp_path)
+    used = [a for a in argv[3:] if a.startswith("--")]
+    missing = [f for f in used if f not in flags]
+    assert not missing, f"sglang {wheel.version} has no {missing}"
+    if capture_hook.parse_version(wheel.version) >= sglang_server.CUDA_GRAPH_BACKEND_FLAGS_SINCE:
+        for phase in ("decode", "prefill"):
+            assert "'disabled'" in field_annotation(wheel, f"cuda_graph_backend_{phase}")
+    else:
+        assert "--cuda-graph-backend-decode" not in flags  # so the old flags are the only way there
+
+
+def test_refused_extra_flags_are_real_flags(tmp_path: Path) -> None:
+    known: set[str] = set()
+    for version in checked_versions():
+        known |= cli_flags(get_wheel(version))
+    unknown = [f for f in [*sglang_server.OWNED_FLAGS, *sglang_server.CAPTURE_BREAKING_FLAGS] if f not in known]
+    assert not unknown, f"refusing flags no checked sglang has: {unknown}"
+
+
+def test_decoder_layer_interface(wheel: Wheel) -> None:
+    tree = wheel.tree(DEEPSEEK)
+    layer = find_class(tree, "DeepseekV2DecoderLayer")
+    forward = find_function(layer, "forward")
+    assert params(forward)[:5] == ["self", "positions", "hidden_states", "forward_batch", "residual"], wheel.where(DEEPSEEK, forward)
+    returned = forward.body[-1]
+    assert isinstance(returned, ast.Return) and isinstance(returned.value, ast.Tuple)
+    assert [ast.unparse(e) for e in returned.value.elts[:2]] == ["hidden_states", "residual"], wheel.where(DEEPSEEK, returned)
+    assigned = self_assignments(find_function(layer, "__init__"))
+    assert [ast.unparse(v) for v in assigned["layer_id"]] == ["layer_id"]
+    assert [ast.unparse(v) for v in assigned["config"]] == ["config"]
+    # The marker the hook checks for a per-rank partial sum.
+    assert "hidden_states._sglang_needs_allreduce_fusion = True" in ast.unparse(forward)
+
+
+def test_model_tree_and_call_order(wheel: Wheel) -> None:
+    tree = wheel.tree(DEEPSEEK)
+    model = find_class(tree, "DeepseekV2Model")
+    assigned = self_assignments(find_function(model, "__init__"))
+    assert any(ast.unparse(v).startswith("VocabParallelEmbedding(") for v in assigned["embed_tokens"])
+    assert any(ast.unparse(v).startswith("make_layers(") for v in assigned["layers"])
+    assert any(ast.unparse(v).startswith("RMSNorm(") for v in assigned["norm"])
+    forward = find_function(model, "forward")
+    assert [ast.unparse(a) for a in calls(forward, "self.embed_tokens")[0].args] == ["input_ids"]
+    (layer_call,) = calls(forward, "layer")
+    positional = [ast.unparse(a) for a in layer_call.args]
+    assert positional[:4] == ["positions", "hidden_states", "forward_batch", "residual"], wheel.where(DEEPSEEK, layer_call)
+    assert any([ast.unparse(a) for a in c.args] == ["hidden_states", "residual"] for c in calls(forward, "self.norm"))
+    causal = find_class(tree, "DeepseekV2ForCausalLM")
+    assert any(ast.unparse(v).startswith("DeepseekV2Model(") for v in self_assignments(find_function(causal, "__init__"))["model"])
+    assert [ast.unparse(b) for b in find_class(tree, "DeepseekV3ForCausalLM").bases] == ["DeepseekV2ForCausalLM"]
+
+
+def test_kimi_k25_wraps_deepseek_v3_as_language_model(wheel: Wheel) -> None:
+    tree = wheel.tree(KIMI_K25)
+    kimi = find_class(tree, "KimiK25ForConditionalGeneration")
+    init = find_function(kimi, "__init__")
+    values = [ast.unparse(v) for v in self_assignments(init).get("language_model", [])]
+    assert any(v.startswith("DeepseekV3ForCausalLM(config.text_config") for v in values), values
+    # Its layers are named language_model.model.layers.N. 0.5.10 also sets self.model to the same
+    # module, after language_model: named_modules() lists each module once, under its first
+    # name, so the hook is still registered once per module.
+    aliases = [ast.unparse(v) for v in self_assignments(init).get("model", [])]
+    assert aliases in ([], ["self.language_model.model"]), aliases
+    imports = [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == "sglang.srt.models.deepseek_v2"]
+    assert any(a.name == "DeepseekV3ForCausalLM" for n in imports for a in n.names)
+    assert "EntryClass = [KimiK25ForConditionalGeneration]" in wheel.text(KIMI_K25)
+
+
+def test_forward_batch_fields(wheel: Wheel) -> None:
+    tree = wheel.tree(FORWARD_BATCH)
+    batch = find_class(tree, "ForwardBatch")
+    fields = {s.target.id for s in batch.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+    needed = {"forward_mode", "input_ids", "rids", "extend_seq_lens", "extend_prefix_lens", "extend_seq_lens_cpu", "extend_prefix_lens_cpu"}
+    assert needed <= fields, f"missing {needed - fields} in sglang {wheel.version}"
+    init_new = find_function(batch, "init_new")
+    rid_kw = [k for c in calls(init_new, "cls") for k in c.keywords if k.arg == "rids"]  # ret = cls(...)
+    assert [ast.unparse(k.value) for k in rid_kw] == ["[req.rid for req in batch.reqs]"]
+    # The hook's pass filter, evaluated on SGLang's own ForwardMode.
+    mode = load_real_forward_mode(wheel)
+    for name in ("is_extend", "is_decode", "is_idle", "is_target_verify"):
+        assert callable(getattr(mode, name))
+    captured = {m.name for m in mode if capture_hook._is_capture_pass(m)}
+    assert "EXTEND" in captured and not captured & {"DECODE", "IDLE", "TARGET_VERIFY"}
+
+
+def test_tensor_parallel_rank_and_health_check_names(wheel: Wheel) -> None:
+    find_function(wheel.tree(PARALLEL_STATE), "get_tensor_model_parallel_rank")
+    assert f'HEALTH_CHECK_RID_PREFIX = "{capture_hook.HEALTH_CHECK_RID_PREFIX}"' in wheel.text(CONSTANTS)
+    assert re.search(r'rid = f"\{HEALTH_CHECK_RID_PREFIX\}_', wheel.text(HTTP_SERVER))
+
+
+@pytest.mark.parametrize("kind", ["deepseek", "kimi", "kimi-aliased"])
+def test_real_hook_manager_registers_the_launcher_spec(wheel: Wheel, kind: str, tmp_path: Path, monkeypatch) -> None:
+    """The launcher's --forward-hooks value, registered by SGLang's own code, captures the right states."""
+    root = types.ModuleType("sglang")
+    root.__version__ = wheel.version
+    parallel_state = types.ModuleType("sglang.srt.distributed.parallel_state")
+    parallel_state.get_tensor_model_parallel_rank = lambda: 0
+    for name, module in {
+        "sglang": root, "sglang.srt": types.ModuleType("sglang.srt"),
+        "sglang.srt.distributed": types.ModuleType("sglang.srt.distributed"),
+        "sglang.srt.distributed.parallel_state": parallel_state,
+    }.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    num_layers, aux = 6, [0, 2, 4]
+    cfg = sglang_server.SGLangServerConfig(
+        model_path="unused", dump_dir=tmp_path, aux_layer_ids=aux, num_layers=num_layers,
+        sglang_version=wheel.version, python="python3",
+    )
+    argv, env = sglang_server.build_command(cfg, compute_caps=lambda: None)
+    specs = json.loads(argv[argv.index("--forward-hooks") + 1])
+    model = fakes.build_model(kind, num_layers)
+    load_real_hook_manager(wheel).register_forward_hooks(model, specs)
+    requests = {"row0-a": [1, 2, 3, 4], "HEALTH_CHECK_x": [5], "row1-b": [6, 7]}
+    fakes.run(model, fakes.extend_batch(requests))
+    for module in model.modules():
+        for hook in module._forward_hooks.values():
+            if isinstance(hook, capture_hook.HiddenStateCapture):
+                hook.close()
+    expected = torch.stack([model.oracle[k] for k in [*aux, num_layers]], dim=1).to(torch.bfloat16)
+    assert torch.equal(load_file(dump_path(tmp_path, "row0-a"))["hidden_states"], expected[:4])
+    assert torch.equal(load_file(dump_path(tmp_path, "row1-b"))["hidden_states"], expected[5:7])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["row0-a.safetensors", "row1-b.safetensors"]
+
+
+# -- why the range ends where it does ---------------------------------------------------------
+
+
+def test_below_the_range_forward_batch_has_no_rids() -> None:
+    wheel = get_wheel(BELOW_RANGE)
+    batch = find_class(wheel.tree(FORWARD_BATCH), "ForwardBatch")
+    fields = {s.target.id for s in batch.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+    assert "rids" not in fields
+    assert not capture_hook.is_supported_version(BELOW_RANGE)
+
+
+def test_above_the_range_layers_no_longer_return_the_residual() -> None:
+    wheel = get_wheel(ABOVE_RANGE)
+    forward = find_function(find_class(wheel.tree(DEEPSEEK), "DeepseekV2DecoderLayer"), "forward")
+    assert "residual" not in params(forward)
+    returned = forward.body[-1]
+    assert isinstance(returned, ast.Return) and "residual" not in ast.unparse(returned.value)
+    assert not capture_hook.is_supported_version(ABOVE_RANGE)
