@@ -201,6 +201,11 @@ def test_gpu_worker_consumes_the_gpu_queue_with_the_gpus_reserved(config: dict[s
     assert device["driver"] == "nvidia"
     assert "gpu" in device["capabilities"]
     assert worker["init"] is True  # reaps the SGLang server that outlives its task
+    # The image's own default command and the venv its healthcheck calls agree with the compose file.
+    dockerfile = SGLANG_DOCKERFILE.read_text()
+    assert f'CMD ["airflow", "celery", "worker", "--queues", "{GPU_QUEUE}"]' in dockerfile
+    venv = re.search(r"EAGLEFLOW_VENV=(\S+)", dockerfile)
+    assert venv and worker["healthcheck"]["test"][1].startswith(f"{venv[1]}/bin/celery ")
 
 
 def test_gpu_triggerer_runs_gpu_triggers_inside_the_gpu_workers_namespaces(config: dict[str, Any]) -> None:
@@ -253,6 +258,25 @@ def test_nothing_is_published_beyond_the_bind_address(config: dict[str, Any]) ->
     assert all(not ports for ports in published.values()), published
     for port in config["services"]["airflow-apiserver"]["ports"]:
         assert port["host_ip"] == bind
+
+
+def test_every_airflow_setting_names_a_real_option(config: dict[str, Any]) -> None:
+    """A misspelt ``AIRFLOW__SECTION__KEY`` is silently ignored by Airflow; check each against 3.3.2's options."""
+    import yaml
+    from importlib.resources import files
+
+    options = yaml.safe_load(files("airflow").joinpath("config_templates/config.yml").read_text())
+    seen = set()
+    for service in config["services"].values():
+        for name in service.get("environment") or {}:
+            match = re.fullmatch(r"AIRFLOW__([A-Z0-9_]+?)__([A-Z0-9_]+)", name)
+            if match:
+                seen.add((match[1].lower(), match[2].lower()))
+    assert ("core", "executor") in seen
+    for section, key in sorted(seen):
+        if section == "celery":  # the Celery provider's options; that provider is only in the images
+            continue
+        assert key in options.get(section, {}).get("options", {}), f"AIRFLOW__{section.upper()}__{key.upper()}"
 
 
 def test_every_component_shares_the_secrets_that_sign_tokens_and_log_requests(config: dict[str, Any]) -> None:
