@@ -112,7 +112,9 @@ def read_log_from(path: str | os.PathLike[str], offset: int, limit: int = 256_00
             data = handle.read(limit)
     except FileNotFoundError:
         return "", offset
-    cut = data.rfind(b"\n") + 1 if len(data) == limit else len(data)
+    # A full chunk ends at its last line end; one with no "\n" at all (a progress bar redrawn
+    # with "\r") is taken whole, or the offset would never move past it.
+    cut = (data.rfind(b"\n") + 1 or len(data)) if len(data) == limit else len(data)
     return data[:cut].decode("utf-8", errors="replace"), offset + cut
 
 
@@ -162,14 +164,21 @@ def running_server(state_path: Path) -> ServerInfo | None:
 
 def stop_server(pid: int, grace: float = 30.0) -> str:
     """Stop the engine's whole process group: SIGTERM, then SIGKILL after ``grace`` seconds."""
-    if not pid_alive(pid):
+    if pid_alive(pid):
+        try:
+            pgid = os.getpgid(pid)
+        except ProcessLookupError:
+            pgid = pid
+    else:
         _reap(pid)
-        return f"engine process {pid} had already exited"
-    try:
-        pgid = os.getpgid(pid)
-    except ProcessLookupError:
-        return f"engine process {pid} had already exited"
-    os.killpg(pgid, signal.SIGTERM)
+        # start_server made the engine a session leader, so its group id is its pid. The group
+        # outlives a leader killed from outside (OOM killer, kill -9): its workers would keep
+        # the GPUs. Linux does not reuse a pid while a group of that id exists.
+        pgid = pid
+        if not _group_alive(pgid):
+            return f"engine process {pid} had already exited"
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         _reap(pid)
@@ -178,7 +187,14 @@ def stop_server(pid: int, grace: float = 30.0) -> str:
         time.sleep(0.2)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
-    _reap(pid)
+    # SIGKILL is delivered asynchronously: wait until the group is really gone, so the caller
+    # (teardown, then a relaunch on the same GPUs/port) never races the dying processes.
+    gone_by = time.monotonic() + 10.0
+    while time.monotonic() < gone_by:
+        _reap(pid)
+        if not pid_alive(pid) and not _group_alive(pgid):
+            break
+        time.sleep(0.05)
     return f"engine process group {pgid} did not stop within {grace:.0f}s; killed it"
 
 
