@@ -19,6 +19,7 @@ STEPS: dict[str, tuple[str, str]] = {
     "make-tiny-model": ("eagleflow.tiny_model", "write a tiny DeepSeek-V3-architecture verifier"),
     "make-dataset": ("eagleflow.synthetic_data", "write synthetic chat conversations as JSONL"),
     "serve-reference": ("eagleflow.reference_engine", "serve the CPU reference engine"),
+    "sglang-command": ("eagleflow.sglang_server", "print the SGLang server command with the capture hook (starts nothing)"),
     "prepare-dataset": ("eagleflow.prepare", "tokenize conversations into the training dataset"),
     "dataset-stats": ("eagleflow.stats", "rows, tokens and hidden-state bytes of a dataset"),
     "check-disk": ("eagleflow.disk_check", "fail early when the disk cannot hold the hidden states"),

@@ -95,7 +95,8 @@ def model_to_argv(config: BaseModel) -> list[str]:
         if isinstance(value, bool):
             argv.append(flag_name(name) if value else "--no-" + name.replace("_", "-"))
         elif isinstance(value, list):
-            argv += [flag_name(name), ",".join(str(v) for v in value)]
+            # --flag=value: a value that starts with "-" would otherwise read as another flag
+            argv.append(f"{flag_name(name)}={','.join(str(v) for v in value)}")
         else:
-            argv += [flag_name(name), str(value)]
+            argv.append(f"{flag_name(name)}={value}")
     return argv

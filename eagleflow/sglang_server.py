@@ -34,6 +34,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field, field_validator
 
 from eagleflow.config import add_model_arguments, model_from_args
+from eagleflow.deploy import SGLANG_PYTHON_ENV
 from eagleflow.errors import UserError
 from sglang_patch import hook as capture_hook
 
@@ -103,7 +104,10 @@ class SGLangServerConfig(BaseModel):
     sglang_version: str | None = Field(
         None, description="SGLang version of the server's interpreter; default: asked from that interpreter"
     )
-    python: str = Field(default_factory=lambda: sys.executable, description="interpreter that has sglang installed")
+    python: str = Field(
+        default_factory=lambda: os.environ.get(SGLANG_PYTHON_ENV) or sys.executable,
+        description=f"interpreter that has sglang installed; default: ${SGLANG_PYTHON_ENV}, else this one",
+    )
     hook_pythonpath: str | None = Field(
         None,
         description="folder put first on PYTHONPATH so the server imports sglang_patch; default: the folder "
@@ -182,7 +186,12 @@ def build_command(
         *extra,
     ]
     env = {**NCCL_ENV, "PYTHONUNBUFFERED": "1", capture_hook.DUMP_DIR_ENV: str(cfg.dump_dir)}
-    hook_path = default_hook_pythonpath() if cfg.hook_pythonpath is None else cfg.hook_pythonpath
+    if cfg.hook_pythonpath is not None:
+        hook_path = cfg.hook_pythonpath
+    elif os.environ.get(SGLANG_PYTHON_ENV):
+        hook_path = ""  # that interpreter's image installs sglang_patch itself (docker/sglang.Dockerfile)
+    else:
+        hook_path = default_hook_pythonpath()
     if hook_path:
         inherited = (os.environ if base_env is None else base_env).get("PYTHONPATH", "")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (hook_path, inherited) if p)
