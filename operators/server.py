@@ -192,30 +192,34 @@ class ServerReadySensor(BaseSensorOperator):
         self.server = server
         self.poll_interval = poll_interval
 
-    def _server_info(self, context: Context) -> tuple[dict[str, Any], float]:
+    def _server_info(self) -> dict[str, Any]:
         if not isinstance(self.server, dict):
             raise AirflowException("no engine info from launch_server; did it run?")
-        return dict(self.server), pipeline_config(context).warmup_timeout_minutes * 60
+        return dict(self.server)
 
     def poke(self, context: Context) -> bool:
         from eagleflow.serve import Readiness, ServerInfo, check_ready
 
-        server, _ = self._server_info(context)
+        server = self._server_info()
         check = check_ready(ServerInfo.from_dict(server))
         if check.state is Readiness.DEAD:
             self._fail("dead", check.message, server)
         return check.state is Readiness.READY
 
     def execute(self, context: Context) -> dict[str, Any]:
-        server, timeout = self._server_info(context)
+        server = self._server_info()
+        timeout = pipeline_config(context).warmup_timeout_minutes * 60
         if self.poke(context):
             self.log.info("Engine at %s is ready", server["url"])
             return server
         self._defer(server, time.time() + timeout, 0)
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
-        """Resume point: show the new server log lines, then finish, fail, or wait again."""
-        server, _ = self._server_info(context)
+        """Resume point: show the new server log lines, then finish, fail, or wait again.
+
+        Needs nothing from ``context``: the deadline travels in the event.
+        """
+        server = self._server_info()
         offset = self._show_new_log(server, int(event.get("log_offset", 0)))
         status = event.get("status")
         if status == "ready":
