@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -104,11 +105,12 @@ class EagleflowStepOperator(BaseOperator):
     def on_kill(self) -> None:
         """Stop the step's whole process group: SIGTERM (it saves what it can), then SIGKILL."""
         process = self._process
-        if process is None or process.poll() is not None:
+        if process is None:
             return
         try:
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait(timeout=KILL_GRACE_SECONDS)
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+                process.wait(timeout=KILL_GRACE_SECONDS)
         except subprocess.TimeoutExpired:
             self.log.warning("step %s ignored SIGTERM for %ss; killing it", self.step, KILL_GRACE_SECONDS)
             os.killpg(process.pid, signal.SIGKILL)
@@ -116,3 +118,7 @@ class EagleflowStepOperator(BaseOperator):
             pass
         except Exception:  # on_kill must not raise
             self.log.exception("could not stop step %s", self.step)
+        # Group members left once the step's own process is gone (a worker that ignores SIGTERM)
+        # still hold its output pipe, and run_step would wait on that pipe for ever.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
