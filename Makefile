@@ -38,4 +38,4 @@ bench: venv
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf .cache .airflow runs
+	rm -rf .cache .airflow .airflow-demo runs

@@ -12,23 +12,13 @@ The story of DESIGN.md §1, top to bottom:
 
 from __future__ import annotations
 
-import os
-
 from airflow.sdk import DAG, Param
 
 from operators.dataset import CheckDiskOperator, DatasetStatsOperator, PlanShardsOperator, PrepareDatasetOperator
-from operators.extract import ShardExtractOperator
-from operators.params import pipeline_params
+from operators.extract import SHARD_MAP_INDEX_TEMPLATE, ShardExtractOperator
+from operators.params import form_defaults, pipeline_params
 from operators.server import ServerReadySensor, SGLangServerOperator, StopServerOperator
 from operators.train import BuildVocabOperator, PlotOperator, TrainOperator
-
-# Form defaults for a local demo; a deployment sets these to its own folders.
-DEMO_DIR = os.environ.get("EAGLEFLOW_DEMO_DIR", "/opt/eagleflow/demo")
-DEFAULTS = {
-    "model_path": os.path.join(DEMO_DIR, "tiny-model"),
-    "dataset_input": os.path.join(DEMO_DIR, "conversations.jsonl"),
-    "output_root": os.environ.get("EAGLEFLOW_OUTPUT_ROOT", os.path.join(DEMO_DIR, "runs")),
-}
 
 with DAG(
     dag_id="eagleflow",
@@ -36,7 +26,7 @@ with DAG(
     schedule=None,
     catchup=False,
     max_active_runs=1,
-    params={name: Param(**schema) for name, schema in pipeline_params(DEFAULTS).items()},
+    params={name: Param(**schema) for name, schema in pipeline_params(form_defaults()).items()},
     tags=["eagleflow", "speculative-decoding"],
     doc_md=__doc__,
 ) as dag:
@@ -48,8 +38,10 @@ with DAG(
     check_disk = CheckDiskOperator(task_id="check_disk", stats=dataset_stats.output)
     plan_shards = PlanShardsOperator(task_id="plan_shards", prepared=prepare_dataset.output)
 
+    # map_index_template must be given to partial(): the scheduler and the task runner read it
+    # from the mapped task's partial kwargs, never from the operator's __init__.
     extract_shard = ShardExtractOperator.partial(
-        task_id="extract_shard", server=wait_server_ready.output
+        task_id="extract_shard", server=wait_server_ready.output, map_index_template=SHARD_MAP_INDEX_TEMPLATE
     ).expand(shard=plan_shards.output)
 
     stop_server = StopServerOperator(task_id="stop_server", server=launch_server.output)

@@ -29,10 +29,11 @@ def repo_root() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    """The trained tiny DeepSeek-V3 verifier (built once, cached under .cache/ across runs)."""
+    """The trained tiny DeepSeek-V3 verifier: the demo's own (built once, cached under .cache/demo)."""
+    from eagleflow.demo import demo_paths
     from eagleflow.tiny_model import TinyModelConfig, make_tiny_model
 
-    return make_tiny_model(TinyModelConfig(out=CACHE / "test-models" / "tiny-trained"))
+    return make_tiny_model(TinyModelConfig(out=Path(demo_paths(CACHE / "demo")["model_path"])))
 
 
 @pytest.fixture(scope="session")
@@ -41,3 +42,34 @@ def random_tiny_model() -> Path:
     from eagleflow.tiny_model import TinyModelConfig, make_tiny_model
 
     return make_tiny_model(TinyModelConfig(out=CACHE / "test-models" / "tiny-random", train_steps=0, corpus_rows=400))
+
+
+# Airflow reads its configuration when first imported: point it at a throw-away SQLite home
+# inside the repo's cache, our dags/ and plugins/, before any test imports it.
+AIRFLOW_TEST_HOME = CACHE / "airflow-test"
+os.environ.setdefault("AIRFLOW_HOME", str(AIRFLOW_TEST_HOME))
+os.environ.setdefault("AIRFLOW__CORE__DAGS_FOLDER", str(REPO / "dags"))
+os.environ.setdefault("AIRFLOW__CORE__PLUGINS_FOLDER", str(REPO / "plugins"))
+os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
+
+
+@pytest.fixture(scope="session")
+def airflow_db() -> Path:
+    """An initialized (migrated) Airflow metadata DB for in-process ``dag.test()`` runs."""
+    import subprocess
+    import sys
+
+    home = Path(os.environ["AIRFLOW_HOME"])
+    home.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True, capture_output=True, timeout=300)
+    return home
+
+
+@pytest.fixture(scope="session")
+def eagleflow_dag(airflow_db: Path):
+    """The eagleflow DAG as the DAG processor sees it (DagBag of the repo's dags/)."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(dag_folder=str(REPO / "dags"))
+    assert not bag.import_errors, bag.import_errors
+    return bag.get_dag("eagleflow")
