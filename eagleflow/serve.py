@@ -23,6 +23,7 @@ from eagleflow.files import atomic_write_json
 
 READY_PATH = "/health_generate"
 LOG_TAIL_LINES = 50
+START_MARKER = "===== "  # start_server writes it before each engine's output
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,24 @@ def read_log_from(path: str | os.PathLike[str], offset: int, limit: int = 256_00
     return data[:cut].decode("utf-8", errors="replace"), offset + cut
 
 
+def last_start_offset(path: str | os.PathLike[str], window: int = 1 << 20) -> int:
+    """Byte offset of the newest engine start in a log that several starts appended to.
+
+    The readiness sensor shows the log from there, not the previous engine's lines. Only the
+    last ``window`` bytes are searched; an older start shows from the window's beginning.
+    """
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as handle:
+            start = max(size - window, 0)
+            handle.seek(start)
+            data = handle.read()
+    except FileNotFoundError:
+        return 0
+    marker = data.rfind(START_MARKER.encode())
+    return start + marker if marker >= 0 else start
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nobody listens on right now."""
     with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
@@ -135,7 +154,7 @@ def start_server(argv: list[str], env: dict[str, str], log_path: Path, state_pat
     log_path.parent.mkdir(parents=True, exist_ok=True)
     dump_dir.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
-        log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(argv)}\n".encode())
+        log.write(f"\n{START_MARKER}{time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(argv)}\n".encode())
         log.flush()
         process = subprocess.Popen(
             argv,
@@ -169,6 +188,11 @@ def stop_server(pid: int, grace: float = 30.0) -> str:
             pgid = os.getpgid(pid)
         except ProcessLookupError:
             pgid = pid
+        if pgid != pid:
+            # Not a session leader, so not the engine start_server made: its pid was reused by
+            # an unrelated process after the engine exited. Signalling its group could hit the
+            # worker itself.
+            return f"process {pid} is not the engine (pid reused; its group is {pgid}); nothing stopped"
     else:
         _reap(pid)
         # start_server made the engine a session leader, so its group id is its pid. The group

@@ -212,7 +212,10 @@ class ServerReadySensor(BaseSensorOperator):
         if self.poke(context):
             self.log.info("Engine at %s is ready", server["url"])
             return server
-        self._defer(server, time.time() + timeout, 0)
+        from eagleflow.serve import last_start_offset
+
+        offset = last_start_offset(server["log_path"]) if server.get("log_path") else 0
+        self._defer(server, time.time() + timeout, offset)
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
         """Resume point: show the new server log lines, then finish, fail, or wait again.
