@@ -73,7 +73,7 @@ class PipelineConfig(BaseModel):
     server_url: str | None = Field(
         None,
         title="Remote server URL",
-        description="Use an engine that is already running (e.g. http://gpu-node:30000): launch and stop are skipped.",
+        description="Use an engine that is already running (e.g. http://gpu-node:30000): launch and stop do nothing and the readiness wait polls this URL.",
     )
     server_dump_dir: str | None = Field(
         None,
