@@ -62,17 +62,18 @@ def make_demo_inputs(demo_dir: str | Path) -> dict[str, str]:
 def run_summary(run_dir: str | Path) -> dict[str, Any]:
     """What a finished run produced: rows, tokens, bytes, checkpoint, charts, accuracy."""
     from eagleflow.layout import RunLayout
+    from eagleflow.manifest import ShardManifest
     from eagleflow.metrics import read_metrics
 
     layout = RunLayout(Path(run_dir))
-    manifests = [json.loads(p.read_text()) for p in sorted(layout.shards.glob("rows_*.json"))]
+    manifests = [ShardManifest.read(p) for p in sorted(layout.shards.glob("rows_*.json"))]
     result_path = layout.train / "result.json"
     result = json.loads(result_path.read_text()) if result_path.exists() else {}
     summary: dict[str, Any] = {
         "run": str(layout.root),
         "dataset": str(layout.dataset),
-        "rows": sum(m["done"] + m["skipped"] for m in manifests),
-        "shards": [m["name"] for m in manifests],
+        "rows": sum(m.done + m.skipped for m in manifests),
+        "shards": [m.name for m in manifests],
         "hidden_state_bytes": sum(p.stat().st_size for p in layout.hidden_states.glob("hs_*.safetensors")),
         "checkpoint": result.get("best_checkpoint") or result.get("checkpoint_dir"),
         "charts": sorted(str(p) for p in layout.charts.glob("*.*")),

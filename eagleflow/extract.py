@@ -21,7 +21,6 @@ import threading
 import time
 import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,8 +28,8 @@ from pydantic import BaseModel, Field, field_validator
 
 from eagleflow.config import add_model_arguments, model_from_args
 from eagleflow.errors import UserError
-from eagleflow.files import atomic_write_json
 from eagleflow.layout import shard_name
+from eagleflow.manifest import ShardManifest
 from eagleflow.progress import Progress
 from eagleflow.results import emit_result
 from eagleflow.serve import pid_alive
@@ -97,28 +96,6 @@ class RowFailed(Exception):
     def __init__(self, reason: str, retryable: bool = False) -> None:
         super().__init__(reason)
         self.reason, self.retryable = reason, retryable
-
-
-@dataclass
-class ShardReport:
-    """What happened to a shard: the manifest of DESIGN.md §3.5 plus per-row failures."""
-
-    name: str
-    start: int
-    end: int
-    state: str = "running"
-    done: int = 0
-    skipped: int = 0
-    failed: list[dict[str, Any]] = field(default_factory=list)
-    tokens: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-    error: str = ""
-
-    def as_manifest(self) -> dict[str, Any]:
-        data = {k: v for k, v in self.__dict__.items()}
-        data["updated"] = time.time()
-        return data
 
 
 class EngineClient:
@@ -198,13 +175,13 @@ class ShardExtractor:
         self.hidden_size = config_int(cfg.model, "hidden_size")
         self.client = client or EngineClient(cfg)
         self.sleep = sleep
-        self.report = ShardReport(self.name, self.start, self.end)
+        self.report = ShardManifest(self.name, self.start, self.end)
         self._stop = threading.Event()
         self._gone: str | None = None
         self._lock = threading.Lock()
 
     # --- the shard -------------------------------------------------------------------
-    def run(self) -> ShardReport:
+    def run(self) -> ShardManifest:
         """Extract every row of the shard that is not complete; write the manifest."""
         import datasets
 
@@ -396,7 +373,7 @@ class ShardExtractor:
                 stale.unlink(missing_ok=True)
 
     def _write_manifest(self) -> None:
-        atomic_write_json(self.manifest_path, self.report.as_manifest())
+        self.report.write(self.manifest_path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
