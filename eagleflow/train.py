@@ -170,6 +170,8 @@ def resolve_device(cfg: TrainConfig) -> Device:
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
     kind = cfg.device if cfg.device != "auto" else ("cuda" if available else "cpu")
     if kind == "cpu":
+        if cfg.gpus is not None:
+            raise UserError(f"--gpus {cfg.gpus}: torch sees no GPU (use --device cpu without --gpus to train on CPU)")
         return Device("cpu", 0)
     if available == 0:
         raise UserError("--device cuda: torch sees no GPU")

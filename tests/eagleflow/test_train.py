@@ -361,6 +361,17 @@ def test_defaults_are_the_seed_run_and_flags_reach_speculators(tmp_path: Path) -
     with pytest.raises(ValueError, match="distinct non-negative"):
         TrainConfig(dataset=tmp_path, verifier=tmp_path, out=tmp_path, aux_layer_ids=[2, 2])
 
+    # The operator builds the step's argv with model_to_argv; the step's parser reads it back.
+    import argparse
+
+    from eagleflow.config import model_from_args, model_to_argv
+    from eagleflow.train import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    custom = cfg.model_copy(update={"draft_config": tmp_path / "draft.json", "gpus": 2, "restart": True})
+    assert model_from_args(TrainConfig, parser.parse_args(model_to_argv(custom))) == custom
+
 
 def test_dataset_checks_name_the_problem(trained_data: Path, tmp_path: Path) -> None:
     dataset = copy_dataset(trained_data, tmp_path / "dataset")
