@@ -1,0 +1,356 @@
+"""A local Airflow for eagleflow: its settings, and its four components under one supervisor.
+
+``make airflow`` (``scripts/airflow-standalone.sh``) and the real-scheduler test
+(``tests/dags/test_scheduler.py``) both run Airflow through this module, so the test exercises
+exactly what a user starts: our ``dags/`` and ``plugins/``, SQLite, LocalExecutor, the
+api-server on 127.0.0.1.
+
+It does what ``airflow standalone`` does (migrate the database; start scheduler, dag-processor,
+triggerer and api-server; stop them together) with one difference: ``standalone`` starts the
+scheduler and triggerer with their log servers, which in Airflow 3.3.2 bind every interface
+(0.0.0.0:8793 / 8794, no host setting). With LocalExecutor the api-server reads task logs from
+the local log folder, so here both run with ``--skip-serve-logs`` and nothing listens beyond
+127.0.0.1.
+
+Every process it starts, and everything those start (task processes, the engine a run
+launches), carries ``EAGLEFLOW_AIRFLOW_SESSION=<id>`` in its environment; :meth:`stop` ends
+exactly those process groups, by pid.
+
+Run it: ``python scripts/airflow_env.py --home .airflow --port 8080`` (Ctrl-C stops all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from pathlib import Path
+from typing import IO
+
+REPO = Path(__file__).resolve().parents[1]
+SESSION_VAR = "EAGLEFLOW_AIRFLOW_SESSION"
+ADMIN_USER = "admin"
+
+# name -> airflow sub-command; log servers off (see the module docstring).
+COMPONENTS: dict[str, list[str]] = {
+    "scheduler": ["scheduler", "--skip-serve-logs"],
+    "dag-processor": ["dag-processor"],
+    "triggerer": ["triggerer", "--skip-serve-logs"],
+    "api-server": ["api-server"],
+}
+STOP_GRACE_SECONDS = 20.0
+LOG_TAIL_LINES = 40
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def airflow_env(
+    home: Path,
+    *,
+    port: int = 8080,
+    parallelism: int = 4,
+    all_admins: bool = False,
+    inherit_airflow_settings: bool = True,
+    extra: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment every Airflow component (and so every task) runs with.
+
+    :param home: AIRFLOW_HOME; holds the SQLite database, logs and the generated admin password.
+    :param port: api-server port on 127.0.0.1 (tasks reach the execution API there too).
+    :param parallelism: task slots of the LocalExecutor; small, as the machine has few cores.
+    :param all_admins: no login, everyone is admin (tests and screenshots only).
+    :param inherit_airflow_settings: keep ``AIRFLOW__*`` variables of the calling environment
+        (a user's own overrides); tests turn this off so nothing of the test process leaks in.
+    :param extra: more variables, applied last.
+    """
+    home = home.absolute()
+    url = f"http://127.0.0.1:{port}"
+    settings = {
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+        "AIRFLOW__CORE__PARALLELISM": str(parallelism),
+        # The DAG has schedule=None, so unpaused only means "a triggered run starts".
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": str(all_admins),
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{ADMIN_USER}:admin",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
+        "AIRFLOW__API__HOST": "127.0.0.1",
+        "AIRFLOW__API__PORT": str(port),
+        "AIRFLOW__API__WORKERS": "1",
+        "AIRFLOW__API__BASE_URL": url,
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{url}/execution/",
+        # Tokens signed by the scheduler must verify in the api-server: one secret for all
+        # components of this launch (a fresh one each launch; nothing outlives it).
+        "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_urlsafe(32),
+        "AIRFLOW__API__SECRET_KEY": secrets.token_urlsafe(32),
+        "PYTHONUNBUFFERED": "1",
+        SESSION_VAR: uuid.uuid4().hex,
+    }
+    # The repo's caches, never the home folder (as the Makefile sets them).
+    cache = REPO / ".cache"
+    for name, value in {
+        "HF_HOME": cache / "hf",
+        "HF_DATASETS_CACHE": cache / "hf" / "datasets",
+        "MPLCONFIGDIR": cache / "matplotlib",
+        "HF_HUB_OFFLINE": "1",
+    }.items():
+        settings.setdefault(name, os.environ.get(name, str(value)))
+    base = {
+        k: v for k, v in os.environ.items() if inherit_airflow_settings or not k.startswith(("AIRFLOW__", "AIRFLOW_CONFIG"))
+    }
+    return {**base, **settings, **(extra or {})}
+
+
+def airflow_command(*args: str) -> list[str]:
+    """argv of ``airflow <args>`` in this interpreter (no PATH lookup)."""
+    return [sys.executable, "-m", "airflow", *args]
+
+
+def migrate_db(env: dict[str, str], timeout: float = 600.0) -> None:
+    """``airflow db migrate``; raises with the command's last lines if it fails."""
+    Path(env["AIRFLOW_HOME"]).mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        airflow_command("db", "migrate"), env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).splitlines()[-LOG_TAIL_LINES:])
+        raise RuntimeError(f"airflow db migrate failed (exit {done.returncode}):\n{tail}")
+
+
+def session_processes(session: str) -> list[int]:
+    """Pids of live processes whose environment carries ``EAGLEFLOW_AIRFLOW_SESSION=session``."""
+    marker = f"{SESSION_VAR}={session}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:  # gone, or not ours to read
+            continue
+        if marker in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
+
+
+class AirflowProcesses:
+    """Scheduler, dag-processor, triggerer and api-server of one AIRFLOW_HOME, as subprocesses.
+
+    Each starts in its own session so :meth:`stop` can end it with everything it forked.
+    Output goes to ``<log_dir>/<name>.log`` or, with ``echo``, also to stdout prefixed by name.
+
+    :param env: from :func:`airflow_env`.
+    :param log_dir: where each component's output is written.
+    :param echo: also print every line, prefixed with the component's name.
+    """
+
+    def __init__(self, env: dict[str, str], log_dir: Path, echo: bool = False) -> None:
+        self.env = env
+        self.log_dir = log_dir
+        self.echo = echo
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.env['AIRFLOW__API__PORT']}"
+
+    def log_path(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
+    def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for name, args in COMPONENTS.items():
+            process = subprocess.Popen(
+                airflow_command(*args),
+                env=self.env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            self.processes[name] = process
+            thread = threading.Thread(target=self._copy_output, args=(name, process.stdout), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _copy_output(self, name: str, stream: IO[bytes]) -> None:
+        with open(self.log_path(name), "ab") as log:
+            for line in stream:
+                log.write(line)
+                log.flush()
+                if self.echo:
+                    sys.stdout.write(f"{name:13} | {line.decode('utf-8', errors='replace')}")
+                    sys.stdout.flush()
+
+    def dead(self) -> dict[str, int]:
+        """Components that exited, with their exit codes."""
+        return {name: p.returncode for name, p in self.processes.items() if p.poll() is not None}
+
+    def log_tail(self, name: str, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            with open(self.log_path(name), encoding="utf-8", errors="replace") as handle:
+                return "".join(deque(handle, maxlen=lines))
+        except FileNotFoundError:
+            return ""
+
+    def describe_dead(self) -> str:
+        return "\n".join(
+            f"airflow {name} exited with code {code}; last lines of {self.log_path(name)}:\n{self.log_tail(name)}"
+            for name, code in self.dead().items()
+        )
+
+    def wait_until_healthy(self, timeout: float = 240.0) -> None:
+        """Wait for the api-server to answer and the scheduler, dag-processor and triggerer to heartbeat."""
+        import requests
+
+        deadline = time.monotonic() + timeout
+        last = "no answer yet"
+        while time.monotonic() < deadline:
+            if self.dead():
+                raise RuntimeError(f"an Airflow component died while starting:\n{self.describe_dead()}")
+            try:
+                health = requests.get(f"{self.url}/api/v2/monitor/health", timeout=5).json()
+                states = {k: v.get("status") for k, v in health.items() if isinstance(v, dict)}
+                last = f"health: {states}"
+                if states and all(s == "healthy" for s in states.values()):
+                    return
+            except (requests.RequestException, ValueError) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            time.sleep(2)
+        raise RuntimeError(f"Airflow at {self.url} not healthy within {timeout:.0f}s ({last})")
+
+    def stop(self) -> list[int]:
+        """End every component, then every process of this session still alive; return those pids.
+
+        TERM first, so the scheduler can mark its tasks and the engine can exit cleanly; KILL
+        whatever is still there after :data:`STOP_GRACE_SECONDS`.
+        """
+        pids = {p.pid for p in self.processes.values() if p.poll() is None}
+        pids.update(session_processes(self.env[SESSION_VAR]))
+        groups = set()
+        for pid in pids:
+            try:
+                groups.add(os.getpgid(pid))
+            except ProcessLookupError:
+                continue
+        groups.discard(os.getpgrp())  # never our own group (the test runner's, the shell's)
+        for group in groups:
+            _signal_group(group, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        while time.monotonic() < deadline:
+            for process in self.processes.values():
+                process.poll()
+            if not any(_group_alive(g) for g in groups) and not session_processes(self.env[SESSION_VAR]):
+                break
+            time.sleep(0.3)
+        for group in groups:
+            _signal_group(group, signal.SIGKILL)
+        # Stragglers that were in our own group (none expected) get a KILL by pid.
+        for pid in session_processes(self.env[SESSION_VAR]):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        for thread in self._threads:
+            thread.join(timeout=5)
+        return sorted(pids)
+
+
+def _signal_group(group: int, sig: int) -> None:
+    try:
+        os.killpg(group, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(group: int) -> bool:
+    """True while a non-zombie process of ``group`` exists."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == group and fields[0] != "Z":
+            return True
+    return False
+
+
+def password_file(home: Path) -> Path:
+    """Where the simple auth manager writes the generated admin password (its default path)."""
+    return home.absolute() / "simple_auth_manager_passwords.json.generated"
+
+
+def login_banner(airflow: AirflowProcesses, home: Path, all_admins: bool) -> str:
+    """How to reach the UI and log in."""
+    lines = [f"Airflow UI: {airflow.url}  (DAG: eagleflow; Trigger opens the Params form)"]
+    if all_admins:
+        lines.append("No login: everyone is admin (--all-admins).")
+    else:
+        path = password_file(home)
+        lines.append(f"Log in as '{ADMIN_USER}'; the generated password is in {path}")
+        if path.exists():
+            lines.append(f"  ({path.read_text().strip()})")
+    lines.append(f"Components' logs: {airflow.log_dir}; Ctrl-C stops everything.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--home", type=Path, default=REPO / ".airflow", help="AIRFLOW_HOME (default: <repo>/.airflow)")
+    parser.add_argument("--port", type=int, default=8080, help="api-server port on 127.0.0.1")
+    parser.add_argument("--parallelism", type=int, default=4, help="task slots")
+    parser.add_argument("--all-admins", action="store_true", help="no login (local screenshots and tests only)")
+    args = parser.parse_args(argv)
+
+    env = airflow_env(args.home, port=args.port, parallelism=args.parallelism, all_admins=args.all_admins)
+    print(f"[airflow] AIRFLOW_HOME={env['AIRFLOW_HOME']}; migrating the database", flush=True)
+    migrate_db(env)
+    airflow = AirflowProcesses(env, args.home.absolute() / "component-logs", echo=True)
+    stopping = threading.Event()
+
+    def request_stop(signum: int, _frame: object) -> None:
+        stopping.set()
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    airflow.start()
+    try:
+        airflow.wait_until_healthy()
+        print("\n" + login_banner(airflow, args.home, args.all_admins) + "\n", flush=True)
+        while not stopping.wait(1.0):
+            if airflow.dead():
+                print(f"[airflow] a component stopped:\n{airflow.describe_dead()}", file=sys.stderr, flush=True)
+                return 1
+        return 0
+    except RuntimeError as exc:
+        print(f"[airflow] {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        print("[airflow] stopping all components", flush=True)
+        airflow.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
