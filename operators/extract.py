@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from operators.links import EagleflowRunLink
 from operators.step import EagleflowStepOperator, pipeline_config
 
 if TYPE_CHECKING:
@@ -25,6 +26,7 @@ class ShardExtractOperator(EagleflowStepOperator):
     """
 
     template_fields: Sequence[str] = ("shard", "server")
+    operator_extra_links = (EagleflowRunLink(),)
 
     def __init__(self, *, shard: Any = None, server: Any = None, **kwargs: Any) -> None:
         kwargs.setdefault("map_index_template", SHARD_MAP_INDEX_TEMPLATE)

@@ -68,6 +68,11 @@ class EagleflowStepOperator(BaseOperator):
         return [str(a) for a in self.arguments]
 
     def execute(self, context: Context) -> Any:
+        if self.operator_extra_links:
+            from operators.links import push_run_name
+
+            # first thing, so the "eagleflow run" button works even when the step then fails
+            push_run_name(context, str(pipeline_config(context).run_name))
         return self.run_step(self.step, self.step_argv(context))
 
     def run_step(self, step: str, argv: list[str]) -> dict[str, Any] | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from operators.links import EagleflowRunLink
 from operators.step import EagleflowStepOperator, pipeline_config
 
 if TYPE_CHECKING:
@@ -50,6 +51,8 @@ class TrainOperator(EagleflowStepOperator):
     ``{checkpoint_dir, best_checkpoint, metrics_path, log_path}``.
     """
 
+    operator_extra_links = (EagleflowRunLink(),)
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(step="train", **kwargs)
 
@@ -71,6 +74,8 @@ class TrainOperator(EagleflowStepOperator):
 
 class PlotOperator(EagleflowStepOperator):
     """Loss and accuracy charts (PNG + SVG) under ``<run>/train-progress/`` (``plot``)."""
+
+    operator_extra_links = (EagleflowRunLink(),)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(step="plot", **kwargs)
