@@ -313,8 +313,8 @@ th{background:#f2f4f7;font-weight:600} td:first-child,th:first-child{text-align:
 .success{background:#d1fadf;color:#05603a}.running{background:#d1e9ff;color:#175cd3}
 .failed,.unreadable{background:#fee4e2;color:#b42318}.unknown{background:#eaecf0;color:#344054}
 .charts{display:flex;flex-wrap:wrap;gap:16px}
-.charts figure{margin:0;background:#fff;border:1px solid #e4e7ec;border-radius:8px;padding:8px;flex:1 1 560px}
-.charts img{width:100%;height:auto}
+.charts figure{margin:0;background:#fff;border:1px solid #e4e7ec;border-radius:8px;padding:8px;flex:0 1 auto}
+.charts img{display:block;max-width:100%;height:auto}
 .bar{background:#eaecf0;border-radius:4px;height:8px;width:90px;display:inline-block;vertical-align:middle}
 .bar span{display:block;height:8px;border-radius:4px;background:#12b76a}
 details{margin-top:4px}
@@ -360,7 +360,7 @@ def _shard_rows(summary: dict[str, Any]) -> str:
                 f"<li>row {html.escape(str(f.get('row', '?')))}: {html.escape(str(f.get('reason', '')))}</li>"
                 for f in s["failed_rows"][:10]
             )
-            failed_detail = f"<details><summary>{s['failed']} failed</summary><ul>{items}</ul></details>"
+            failed_detail = f"<details><summary>why</summary><ul>{items}</ul></details>"
         rate = f"{s['rows_per_s']:.2f} rows/s" if s["rows_per_s"] else "–"
         if s["tokens_per_s"]:
             rate += f"<br><span class=muted>{s['tokens_per_s']:,.0f} tok/s</span>"
