@@ -202,6 +202,8 @@ def parse_rich_log(text: str, source: str = "<text>") -> pd.DataFrame:
         text = text[: max(text.rfind("\n"), 0)]  # drop the line being written
     if "\x1b" in text:
         text = _ANSI.sub("", text)
+    if "\r" in text:  # a progress bar's carriage returns can put a record mid-line
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
     messages = list(_rich_messages(text))
     records: list[dict[str, Any]] = []
     for index, (offset, message) in enumerate(messages):
@@ -434,7 +436,11 @@ def latest_metrics(frame: pd.DataFrame) -> dict[str, Any]:
             row = subset.iloc[-1]
             rows[kind] = row
             keys = ("step", "epoch", "lr", "loss", "tokens_per_s", "time") if kind == "train" else ("step", "epoch", "loss")
-            result[kind] = {key: _clean(row.get(key)) for key in keys}
+            values = {key: _clean(row.get(key)) for key in keys}
+            for key in ("step", "epoch"):  # counters: ints in the JSON
+                if isinstance(values[key], float):
+                    values[key] = int(values[key])
+            result[kind] = values
     for k in ttt_steps(frame):
         entry: dict[str, Any] = {"ttt_step": k}
         for kind in KINDS:
