@@ -8,7 +8,6 @@ PYTEST_ARGS ?=
 export HF_HOME := $(CURDIR)/.cache/hf
 export HF_DATASETS_CACHE := $(CURDIR)/.cache/hf/datasets
 export PIP_CACHE_DIR := $(CURDIR)/.cache/pip
-export AIRFLOW_HOME ?= $(CURDIR)/.airflow
 export MPLCONFIGDIR := $(CURDIR)/.cache/matplotlib
 export HF_HUB_OFFLINE := 1
 export PYTHONUNBUFFERED := 1

@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 DEMO_ROWS = 120
+DEMO_RUN_NAME = "demo"  # make demo's folder; runs from the form get one each, named by run id
 
 # Overrides of the seed's GPU-sized defaults; everything else keeps its PipelineConfig /
 # TrainConfig default.
 DEMO_PARAMS: dict[str, Any] = {
     "engine": "reference",
-    "run_name": "demo",
     "shard_size": 40,
     "max_len": 512,
     "concurrency": 4,

@@ -199,14 +199,14 @@ def stop_server(pid: int, grace: float = 30.0) -> str:
         # outlives a leader killed from outside (OOM killer, kill -9): its workers would keep
         # the GPUs. Linux does not reuse a pid while a group of that id exists.
         pgid = pid
-        if not _group_alive(pgid):
+        if not group_alive(pgid):
             return f"engine process {pid} had already exited"
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         _reap(pid)
-        if not pid_alive(pid) and not _group_alive(pgid):
+        if not pid_alive(pid) and not group_alive(pgid):
             return f"engine process group {pgid} stopped with SIGTERM"
         time.sleep(0.2)
     with contextlib.suppress(ProcessLookupError):
@@ -216,13 +216,14 @@ def stop_server(pid: int, grace: float = 30.0) -> str:
     gone_by = time.monotonic() + 10.0
     while time.monotonic() < gone_by:
         _reap(pid)
-        if not pid_alive(pid) and not _group_alive(pgid):
+        if not pid_alive(pid) and not group_alive(pgid):
             break
         time.sleep(0.05)
     return f"engine process group {pgid} did not stop within {grace:.0f}s; killed it"
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
+    """True while a non-zombie process of group ``pgid`` exists."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:

@@ -11,7 +11,8 @@ from operators.step import EagleflowStepOperator, pipeline_config
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-# Names each mapped instance after its shard in the UI (Airflow renders it per instance).
+# Names each mapped instance after its shard in the UI; pass it to .partial(): a mapped
+# task takes map_index_template only from there.
 SHARD_MAP_INDEX_TEMPLATE = "{{ task.shard['name'] }}"
 
 
@@ -29,7 +30,6 @@ class ShardExtractOperator(EagleflowStepOperator):
     operator_extra_links = (EagleflowRunLink(),)
 
     def __init__(self, *, shard: Any = None, server: Any = None, **kwargs: Any) -> None:
-        kwargs.setdefault("map_index_template", SHARD_MAP_INDEX_TEMPLATE)
         super().__init__(step="extract", **kwargs)
         self.shard = shard
         self.server = server

@@ -36,6 +36,9 @@ from pathlib import Path
 from typing import IO
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from eagleflow.serve import group_alive  # noqa: E402  (after the repo is on sys.path)
 SESSION_VAR = "EAGLEFLOW_AIRFLOW_SESSION"
 ADMIN_USER = "admin"
 
@@ -257,7 +260,7 @@ class AirflowProcesses:
         while time.monotonic() < deadline:
             for process in self.processes.values():
                 process.poll()
-            if not any(_group_alive(g) for g in groups) and not session_processes(self.env[SESSION_VAR]):
+            if not any(group_alive(g) for g in groups) and not session_processes(self.env[SESSION_VAR]):
                 break
             time.sleep(0.3)
         for group in groups:
@@ -283,18 +286,6 @@ def _signal_group(group: int, sig: int) -> None:
         os.killpg(group, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def _group_alive(group: int) -> bool:
-    """True while a non-zombie process of ``group`` exists."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == group and fields[0] != "Z":
-            return True
-    return False
 
 
 def password_file(home: Path) -> Path:

@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 
 
 def main() -> int:
-    from eagleflow.demo import demo_params, make_demo_inputs, run_summary
+    from eagleflow.demo import DEMO_RUN_NAME, demo_params, make_demo_inputs, run_summary
     from eagleflow.stats import format_bytes
 
     began = time.monotonic()
@@ -48,7 +48,7 @@ def main() -> int:
     if bag.import_errors:
         print(f"[demo] the DAG does not import: {bag.import_errors}", file=sys.stderr)
         return 1
-    conf = demo_params(DEMO_DIR)
+    conf = {**demo_params(DEMO_DIR), "run_name": DEMO_RUN_NAME}
     print(f"[demo] running DAG eagleflow with conf {json.dumps(conf)}", flush=True)
     run = bag.get_dag("eagleflow").test(run_conf=conf)
     states = {f"{ti.task_id}{'' if ti.map_index < 0 else f'[{ti.map_index}]'}": ti.state for ti in run.get_task_instances()}

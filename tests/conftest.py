@@ -47,10 +47,10 @@ def random_tiny_model() -> Path:
 # Airflow reads its configuration when first imported: point it at a throw-away SQLite home
 # inside the repo's cache, our dags/ and plugins/, before any test imports it.
 AIRFLOW_TEST_HOME = CACHE / "airflow-test"
-os.environ.setdefault("AIRFLOW_HOME", str(AIRFLOW_TEST_HOME))
-os.environ.setdefault("AIRFLOW__CORE__DAGS_FOLDER", str(REPO / "dags"))
-os.environ.setdefault("AIRFLOW__CORE__PLUGINS_FOLDER", str(REPO / "plugins"))
-os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
+os.environ["AIRFLOW_HOME"] = str(AIRFLOW_TEST_HOME)
+os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(REPO / "dags")
+os.environ["AIRFLOW__CORE__PLUGINS_FOLDER"] = str(REPO / "plugins")
+os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
 
 
 @pytest.fixture(scope="session")
