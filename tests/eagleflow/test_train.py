@@ -161,7 +161,8 @@ def test_two_epochs_learn_and_record_every_step(trained_data: Path, tiny_model: 
     assert "step 0 epoch 0 lr " in log and " acc0 " in log and "val epoch 1 " in log
     assert "{'train'" not in log, "metric dicts are recorded, not printed raw"
     summary = [line for line in proc.stdout.splitlines() if "drafter:" in line and "trainable" in line]
-    assert summary and f"draft vocab {DRAFT_VOCAB} of verifier vocab 1024" in summary[-1]
+    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    assert summary and f"draft vocab {DRAFT_VOCAB} of verifier vocab {vocab}" in summary[-1]
 
     # The checkpoint is speculators' own model with the configured draft vocabulary.
     from speculators.models.eagle3 import Eagle3DraftModel
@@ -318,7 +319,7 @@ speculators_entry.run(speculators_flags(cfg, head, Device("cpu", 0), paths), pat
     assert torch.equal(model.verifier_norm.weight.to(originals[NORM].dtype), originals[NORM])
     assert torch.equal(model.verifier_lm_head.weight.to(originals[LM_HEAD].dtype), originals[LM_HEAD][t2d])
     drafter = json.loads((out / "drafter.json").read_text())
-    assert drafter["verifier_vocab_size"] == 1024 and drafter["draft_vocab_size"] == DRAFT_VOCAB
+    assert drafter["verifier_vocab_size"] == originals[EMBED].shape[0] and drafter["draft_vocab_size"] == DRAFT_VOCAB
     assert 0 < drafter["trainable_parameters"] < drafter["total_parameters"]
 
 
