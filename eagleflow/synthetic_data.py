@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 from collections.abc import Callable
@@ -300,9 +301,14 @@ def make_dataset(config: DatasetConfig) -> dict[str, Any]:
         raise UserError(f"--tokenizer {config.tokenizer}: the tokenizer has no chat template")
     conversations = generate_conversations(config.rows, config.seed)
     summary = length_summary(token_lengths(tokenizer, conversations), config.long_tokens)
-    with atomic_path(config.out) as tmp, open(tmp, "w", encoding="utf-8") as handle:
-        for conversation in conversations:
-            handle.write(json.dumps(conversation, ensure_ascii=False) + "\n")
+    with atomic_path(config.out) as tmp:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            for conversation in conversations:
+                handle.write(json.dumps(conversation, ensure_ascii=False) + "\n")
+        # The temporary file is owner-only (mkstemp); the dataset is read by other users too.
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o666 & ~umask)
     summary["path"] = str(config.out)
     return summary
 

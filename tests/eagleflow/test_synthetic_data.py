@@ -90,6 +90,7 @@ def test_make_dataset_writes_jsonl_deterministically_and_reports_lengths(
     rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     assert rows == generate_conversations(300, seed=0)
     assert not list(out.parent.glob(".*.tmp"))  # written atomically, nothing left beside it
+    assert out.stat().st_mode & 0o444 == 0o444  # readable by the other users of the pipeline
 
     match = re.search(r"min (\d+) mean ([\d.]+) max (\d+), (\d+) longer than 256 tokens", summary)
     assert match, summary

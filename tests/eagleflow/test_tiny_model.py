@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,15 @@ from eagleflow.tiny_model import RECORD_NAME, TinyModelConfig, make_tiny_model
 
 # Small and quick: a handful of real training steps on a small corpus.
 SMALL = dict(train_steps=3, batch_size=4, seq_len=64, corpus_rows=300, eval_rows=8)
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    # On the shared 2-core machine two spinning OpenMP threads made these forwards 10x slower.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def files_of(folder: Path) -> dict[str, bytes]:
@@ -73,8 +86,17 @@ def test_loads_offline_with_the_auto_classes_and_runs(built: dict[str, Path]) ->
     assert all(oct(p.stat().st_mode & 0o444) == "0o444" for p in folder.iterdir())  # readable by all
 
 
-def test_same_seed_same_bytes_other_seed_other_bytes(built: dict[str, Path]) -> None:
+def test_same_seed_same_bytes_other_seed_other_bytes(built: dict[str, Path], tmp_path: Path) -> None:
     first, again, other = (files_of(built[k]) for k in "abc")
+    # And from a fresh process through the CLI, as the pipeline runs it.
+    flags = [item for key, value in SMALL.items() for item in ("--" + key.replace("_", "-"), str(value))]
+    result = subprocess.run(
+        [sys.executable, "-m", "eagleflow", "make-tiny-model", "--out", str(tmp_path / "cli"), *flags],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"steps: 3/3 \(100%\) .* ETA 0s loss [\d.]+ \d+ tokens/s", result.stdout), result.stdout
+    assert files_of(tmp_path / "cli") == first
     assert set(first) >= {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                           "chat_template.jinja", "generation_config.json", RECORD_NAME}
     assert first == again
@@ -126,6 +148,7 @@ def test_cached_build_is_reused_and_changed_parameters_rebuild(tmp_path: Path, c
     assert "nothing to do" in capsys.readouterr().out
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
 
+    (tmp_path / ".m.tmp-12345").mkdir()  # left by a build that was killed with SIGKILL
     make_tiny_model(config.model_copy(update={"vocab": 512}))  # replaces the earlier model in place
     from transformers import AutoConfig
 
@@ -151,6 +174,26 @@ def test_a_failed_build_leaves_no_model_and_a_foreign_folder_is_never_replaced(t
     with pytest.raises(UserError, match="not a tiny model"):
         make_tiny_model(TinyModelConfig(out=foreign, train_steps=0))
     assert (foreign / "config.json").read_text() == "{}"
+
+
+def test_a_terminated_cli_build_cleans_up_and_publishes_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "m"
+    flags = ["--train-steps", "100000", "--batch-size", "2", "--seq-len", "32", "--corpus-rows", "100", "--eval-rows", "2"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "eagleflow", "make-tiny-model", "--out", str(out), *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        for line in process.stdout:  # training starts: the half-built folder exists
+            if line.startswith("model:"):
+                break
+        assert list(tmp_path.glob(".m.tmp-*"))
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        process.kill()
+        process.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".m.lock"]
 
 
 @pytest.mark.parametrize(
@@ -193,9 +236,9 @@ def test_the_trained_verifier_predicts_held_out_conversations(tiny_model: Path) 
         total += int(is_answer.sum())
     assert hits / total > 0.6, f"assistant-token greedy accuracy {hits / total:.2f}"
 
-    # Counting is learnt: greedy continuation of a counting answer.
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Count from 4 to 12."}],
+    # Stock phrases are learnt: greedy generation reproduces the answer template and stops.
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi, my name is Alice."}],
                                            add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    generated = model.generate(**prompt, max_new_tokens=12, do_sample=False)
+    generated = model.generate(**prompt, max_new_tokens=20, do_sample=False)
     text = tokenizer.decode(generated[0, prompt["input_ids"].shape[1]:])
-    assert re.match(r"4 5 6 7 8 9", text), text
+    assert re.fullmatch(r"Hello, \w+! Nice to meet you\. How can I help you today\?<\|im_end\|>.*", text, re.S), text
