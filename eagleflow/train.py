@@ -346,7 +346,7 @@ def prepare_checkpoints(cfg: TrainConfig, paths: TrainPaths, log: TrainLog) -> R
         best = paths.checkpoints / "checkpoint_best"
         if best.is_symlink() and not best.exists():
             best.unlink()
-    complete = {e: p for e, p in epoch_dirs(paths.checkpoints).items()}
+    complete = epoch_dirs(paths.checkpoints)
     if not complete:
         if paths.metrics.exists():
             _move_aside(paths, [paths.metrics], log, "no checkpoint to resume from; metrics of the lost run")

@@ -161,6 +161,7 @@ def prepare_verifier(model_dir: Path, head_dir: Path) -> Path:
 
     config = head_config(read_config(model_dir))
     config["tie_word_embeddings"] = weights.lm_head_key is None
+    print(f"writing verifier head {head_dir} from {model_dir} (embedding, LM head, final norm)", flush=True)
     tensors = {}
     for plain, key in ((EMBED, weights.embed_key), (LM_HEAD, weights.lm_head_key), (NORM, weights.norm_key)):
         if key is None:
