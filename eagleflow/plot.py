@@ -104,7 +104,6 @@ def plot_metrics(frame: pd.DataFrame, out_dir: str | Path, smooth: int = 0) -> d
                 with atomic_path(target) as tmp:
                     # The temporary name ends in .tmp, so the format must be given explicitly.
                     figure.savefig(tmp, format=fmt, dpi=PNG_DPI, metadata=_metadata(fmt))
-                    tmp.chmod(0o644)  # charts are for any reader (a web server), unlike mkstemp's 0600
                 written[fmt].append(str(target))
         finally:
             plt.close(figure)
@@ -121,10 +120,10 @@ def _metadata(fmt: str) -> dict[str, Any]:
 
 
 def smoothing_window(count: int, requested: int = 0) -> int:
-    """Window (in logged steps) of the smoothed line: ``requested``, else ~2% of the curve."""
+    """Window (in logged steps) of the smoothed line: ``requested``, else ~5% of the curve (at most 500)."""
     if requested > 0:
         return requested
-    return max(1, min(count // 50, 500))
+    return max(1, min(count // 20, 500))
 
 
 def _smoothed(values: pd.Series, window: int) -> pd.Series:

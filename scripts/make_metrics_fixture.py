@@ -35,6 +35,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -76,15 +77,16 @@ def say(message: str) -> None:
     print(f"[make_metrics_fixture] {message}", flush=True)
 
 
-def run(command: list[str], log: Path | None = None, env: dict[str, str] | None = None) -> None:
+def run(command: list[str], log: Path | None = None, env: dict[str, str] | None = None, cwd: Path = REPO) -> None:
     """Run ``command`` (an argv list), streaming or capturing its output; fail loudly."""
-    say("$ " + " ".join(command[:6]) + (" …" if len(command) > 6 else ""))
+    shown = ["<speculators runner>" if arg == SPECULATORS_RUNNER else arg for arg in command[:6]]
+    say("$ " + " ".join(shown) + (" …" if len(command) > 6 else ""))
     started = time.monotonic()
     if log is None:
-        result = subprocess.run(command, cwd=REPO, env=env)
+        result = subprocess.run(command, cwd=cwd, env=env)
     else:
         with log.open("w", encoding="utf-8") as handle:
-            result = subprocess.run(command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT)
+            result = subprocess.run(command, cwd=cwd, env=env, stdout=handle, stderr=subprocess.STDOUT)
     if result.returncode != 0:
         tail = log.read_text(encoding="utf-8", errors="replace")[-3000:] if log else ""
         raise SystemExit(f"command failed with exit code {result.returncode}: {command[:6]}\n{tail}")
@@ -150,9 +152,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="fixture folder to write")
     parser.add_argument("--work", type=Path, default=DEFAULT_WORK, help="scratch folder (model data, runs)")
-    parser.add_argument("--rows", type=int, default=48, help="conversations in the tiny dataset")
-    parser.add_argument("--shard-size", type=int, default=16, help="rows per extraction shard")
-    parser.add_argument("--epochs", type=int, default=3, help="training epochs")
+    parser.add_argument("--rows", type=int, default=96, help="conversations in the tiny dataset")
+    parser.add_argument("--shard-size", type=int, default=32, help="rows per extraction shard")
+    parser.add_argument("--epochs", type=int, default=4, help="training epochs")
     args = parser.parse_args()
 
     from eagleflow.pipeline import default_aux_layer_ids
@@ -163,11 +165,12 @@ def main() -> int:
     layout = RunLayout.of(work / "runs", "fixture")
     model = make_tiny_model(TinyModelConfig(out=CACHE / "test-models" / "tiny-trained"))
     aux = default_aux_layer_ids(config_int(model, "num_hidden_layers"))
-    if not (layout.root / "extracted.done").exists():
+    marker = layout.root / "extracted.done"
+    if not marker.exists() or marker.read_text() != f"{args.rows} {args.shard_size}\n":
         shutil.rmtree(layout.root, ignore_errors=True)
         layout.root.mkdir(parents=True)
         build_run(layout, model, args.rows, args.shard_size, aux)
-        (layout.root / "extracted.done").write_text("ok\n")
+        marker.write_text(f"{args.rows} {args.shard_size}\n")
     dataset = layout.dataset
 
     # 3. The real step: its metrics.jsonl is the jsonl form.
@@ -181,23 +184,32 @@ def main() -> int:
     ], log=layout.root / "eagleflow-train.out")
 
     # 4. speculators' own entry, same flags (the real step's saved config), in the two logging set-ups.
+    # Its logs print paths (config, checkpoints, warnings from site-packages); the child sees only
+    # a neutral folder of symlinks, so no path of this machine ends up in the committed files.
     from eagleflow.train import TrainConfig, TrainPaths, resolve_device, speculators_flags
     from eagleflow.train_verifier import prepare_verifier
+
+    neutral = Path(tempfile.gettempdir()) / "eagleflow-fixture"
+    shutil.rmtree(neutral, ignore_errors=True)
+    neutral.mkdir()
+    for name, target in (("venv", Path(sys.prefix)), ("model", model), ("dataset", layout.dataset), ("work", work)):
+        (neutral / name).symlink_to(target, target_is_directory=True)
+    python = str(neutral / "venv" / "bin" / "python")
 
     cfg = TrainConfig.model_validate_json(TrainPaths(train_dir).config.read_text())
     logs: dict[str, Path] = {}
     for form in ("rich", "repr"):
-        other = work / f"train-{form}"
-        shutil.rmtree(other, ignore_errors=True)
-        paths = TrainPaths(other)
+        shutil.rmtree(work / f"train-{form}", ignore_errors=True)
+        paths = TrainPaths(neutral / "work" / f"train-{form}")
         paths.root.mkdir(parents=True)
-        form_cfg = cfg.model_copy(update={"out": other})
+        form_cfg = cfg.model_copy(update={"out": paths.root, "dataset": neutral / "dataset", "verifier": neutral / "model"})
         verifier = prepare_verifier(form_cfg.verifier, paths.verifier_head)
         flags = speculators_flags(form_cfg, verifier, resolve_device(form_cfg), paths)
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
         env.pop("COLUMNS", None)  # Rich's default 80 columns, as in a task log
-        logs[form] = other / f"{form}.log"
-        run([sys.executable, "-u", "-c", SPECULATORS_RUNNER, form, *flags], log=logs[form], env=env)
+        logs[form] = work / f"train-{form}" / f"{form}.log"
+        run([python, "-u", "-c", SPECULATORS_RUNNER, form, *flags], log=logs[form], env=env, cwd=neutral)
+    shutil.rmtree(neutral)
 
     # Publish: the three forms plus a note of how they were made.
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,196 @@
+"""The eagleflow UI plugin: the run page, its file route's confinement, and Airflow's login."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from plugins.eagleflow_ui import URL_PREFIX, create_app, link_path
+
+REPO = Path(__file__).resolve().parents[2]
+HTML = {"accept": "text/html"}
+
+
+@pytest.fixture()
+def client(output_root: Path, airflow_login) -> TestClient:
+    """A browser that logged in to Airflow: it carries the UI's ``_token`` cookie."""
+    test_client = TestClient(create_app(output_root))
+    test_client.cookies.set("_token", airflow_login.token)
+    return test_client
+
+
+# ---------------------------------------------------------------------------------------
+# the run page
+
+
+def test_run_page_shows_shards_charts_and_metrics(client: TestClient) -> None:
+    response = client.get("/runs/demo", headers=HTML)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/html")
+    page = response.text
+    # The shard table: one row per manifest, in row order, with state, rows, tokens, GB, rate.
+    names = re.findall(r"<td>(rows_\d+-\d+)", page)
+    assert names == ["rows_0-40", "rows_40-80", "rows_80-120"]
+    assert 'class="state running"' in page and 'class="state failed"' in page
+    assert "40 / 40" in page and "39 / 40" in page and "7 / 40" in page  # done + skipped of each
+    assert "9,120" in page and "3.17 rows/s" in page  # tokens; 38 rows in 12 s
+    assert f"{9120 * 4 * 64 * 2 / 1e9:.3f}" in page  # GB
+    assert "row 57" in page and "&lt;script&gt;" in page and "<script>" not in page  # escaped reasons
+    # Both charts, linked relative to the page so any mount prefix or base URL works.
+    for chart in ("loss", "acc"):
+        assert re.search(rf'<img src="demo/files/train-progress/{chart}\.png\?v=\d+"', page), chart
+    # The latest metrics of the training run, one row per TTT step.
+    metrics = client.get("/api/runs/demo").json()["metrics"]
+    assert metrics["train"]["step"] is not None
+    assert page.count("<td>TTT step ") == len(metrics["ttt"]) >= 2
+    assert "reloads every" in page  # a shard is still running
+
+
+def test_run_json_and_index(client: TestClient, output_root: Path) -> None:
+    summary = client.get("/api/runs/demo").json()
+    assert summary["totals"] == {
+        "shards": 3, "shards_done": 1, "rows": 120, "rows_complete": 86, "rows_failed": 1,
+        "tokens": 19621, "gb": pytest.approx((9120 * 512 + 9001 * 512 + 1500 * 512) / 1e9),
+    }
+    assert summary["charts"]["loss"]["png"] == "train-progress/loss.png"
+    assert summary["files"] == ["train/train.log", "train/metrics.jsonl"]
+    index = client.get("/", headers=HTML).text
+    assert 'href="runs/demo"' in index and "other-run" not in index  # not a run: no shards/ or train/
+
+
+def test_unreadable_manifest_is_shown_not_fatal(client: TestClient, output_root: Path) -> None:
+    (output_root / "demo" / "shards" / "rows_120-160.json").write_text('{"name": "rows_120-16')
+    page = client.get("/runs/demo", headers=HTML).text
+    assert 'class="state unreadable"' in page and "rows_120-160.json" in page
+
+
+def test_files_are_served_from_the_run(client: TestClient) -> None:
+    png = client.get("/runs/demo/files/train-progress/loss.png")
+    assert png.status_code == 200 and png.headers["content-type"] == "image/png" and png.content.startswith(b"\x89PNG")
+    svg = client.get("/runs/demo/files/train-progress/acc.svg")
+    assert svg.status_code == 200 and svg.headers["content-type"].startswith("image/svg+xml")
+    assert client.get("/runs/demo/files/train/train.log").text.startswith("step 0")
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/runs/demo/files/..%2F..%2Foutside.json",          # encoded ../ out of the output root
+        "/runs/demo/files/..%2Fother-run%2Fsecret.json",    # into another run
+        "/runs/demo/files/%2Fetc%2Fpasswd",                 # absolute path
+        "/runs/demo/files/train-progress/..%2F..%2F..%2Foutside.json",
+        "/runs/demo/files/dataset/hidden_states/hs_0.safetensors",  # inside, but never served
+        "/runs/demo/files/train-progress",                  # a folder
+        "/runs/demo/files/",                                # the run folder itself
+        "/runs/demo/files/train-progress/missing.png",
+        "/runs/nope/files/train-progress/loss.png",
+    ],
+)
+def test_traversal_and_unservable_paths_are_404(client: TestClient, path: str) -> None:
+    response = client.get(path)
+    assert response.status_code == 404, response.text
+    assert "other run\"" not in response.text and "outside the output root" not in response.text
+    assert response.json()["status"] == 404
+
+
+@pytest.mark.parametrize("path", ["/runs/%2E%2E/files/outside.json", "/runs/.hidden", "/api/runs/-x"])
+def test_bad_run_names_are_400(client: TestClient, path: str) -> None:
+    response = client.get(path)
+    assert response.status_code == 400 and "run name" in response.json()["detail"]
+
+
+def test_symlink_out_of_the_root_is_404(client: TestClient, output_root: Path) -> None:
+    link = output_root / "demo" / "train-progress" / "escape.json"
+    link.symlink_to(output_root.parent / "outside.json")
+    assert client.get("/runs/demo/files/train-progress/escape.json").status_code == 404
+    run_link = output_root / "linked-run"
+    run_link.symlink_to(output_root.parent, target_is_directory=True)
+    assert client.get("/runs/linked-run/files/outside.json").status_code == 404
+
+
+# ---------------------------------------------------------------------------------------
+# authentication: Airflow's own login decides
+
+
+def test_unauthenticated_requests_are_rejected(output_root: Path, airflow_login) -> None:
+    anonymous = TestClient(create_app(output_root))
+    for path in ("/", "/runs/demo", "/api/runs/demo", "/runs/demo/files/train-progress/loss.png"):
+        response = anonymous.get(path)
+        assert response.status_code == 401, path
+        assert response.json() == {"detail": "Not authenticated", "status": 401}
+    page = anonymous.get("/runs/demo", headers=HTML)
+    assert page.status_code == 401 and "Log in to Airflow" in page.text and "rows_0-40" not in page.text
+
+
+def test_forged_expired_and_revoked_tokens_are_rejected(output_root: Path, airflow_login) -> None:
+    app = create_app(output_root)
+    forged = TestClient(app, cookies={"_token": airflow_login.token[:-4] + "abcd"})
+    assert forged.get("/runs/demo").status_code in (401, 403)
+    bearer = TestClient(app, headers={"Authorization": "Bearer not-a-jwt"})
+    assert bearer.get("/runs/demo").status_code in (401, 403)
+    good_bearer = TestClient(app, headers={"Authorization": f"Bearer {airflow_login.new_token()}"})
+    assert good_bearer.get("/api/runs/demo").status_code == 200
+    revoked = airflow_login.new_token()
+    assert TestClient(app, cookies={"_token": revoked}).get("/api/runs/demo").status_code == 200
+    airflow_login.auth_manager.revoke_token(revoked)
+    assert TestClient(app, cookies={"_token": revoked}).get("/api/runs/demo").status_code in (401, 403)
+
+
+# ---------------------------------------------------------------------------------------
+# settings and errors
+
+
+def test_output_root_from_env_or_airflow_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, airflow_login) -> None:
+    monkeypatch.setenv("EAGLEFLOW_OUTPUT_ROOT", str(tmp_path / "from-env"))
+    assert create_app().state.output_root == (tmp_path / "from-env").resolve()
+    monkeypatch.delenv("EAGLEFLOW_OUTPUT_ROOT")
+    monkeypatch.setenv("AIRFLOW__EAGLEFLOW__OUTPUT_ROOT", str(tmp_path / "from-config"))
+    assert create_app().state.output_root == (tmp_path / "from-config").resolve()
+    monkeypatch.delenv("AIRFLOW__EAGLEFLOW__OUTPUT_ROOT")
+    unconfigured = TestClient(create_app(), cookies={"_token": airflow_login.token})
+    response = unconfigured.get("/runs/demo")
+    assert response.status_code == 503 and "EAGLEFLOW_OUTPUT_ROOT" in response.json()["detail"]
+    assert unconfigured.get("/runs/demo", headers=HTML).text.count("EAGLEFLOW_OUTPUT_ROOT") == 1
+
+
+# ---------------------------------------------------------------------------------------
+# the plugin as Airflow loads it
+
+
+def test_airflow_loads_the_plugin_folder_and_mounts_the_app(
+    output_root: Path, airflow_login, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from airflow.api_fastapi.app import RESERVED_URL_PREFIXES
+    from airflow.plugins_manager import _load_plugins_from_plugin_directory
+
+    monkeypatch.setenv("EAGLEFLOW_OUTPUT_ROOT", str(output_root))
+    before = set(sys.modules)
+    try:
+        # Exactly what Airflow does with [core] plugins_folder: every .py file as a top-level module.
+        plugins, errors = _load_plugins_from_plugin_directory(plugins_folder=str(REPO / "plugins"))
+    finally:
+        for name in set(sys.modules) - before:
+            if name in ("eagleflow_plugin", "eagleflow_ui", "__init__"):
+                del sys.modules[name]
+    assert errors == {}
+    (plugin,) = [p for p in plugins if p.name == "eagleflow"]
+    (app_spec,) = plugin.fastapi_apps
+    (view,) = plugin.external_views
+    assert app_spec["url_prefix"] == URL_PREFIX and not any(URL_PREFIX.startswith(p) for p in RESERVED_URL_PREFIXES)
+    assert view["href"] == f"{URL_PREFIX}/" and view["destination"] == "nav"
+    # Mounted as the API server mounts plugin apps (airflow.api_fastapi.app.init_plugins).
+    server = FastAPI()
+    server.mount(app_spec["url_prefix"], app_spec["app"])
+    browser = TestClient(server, cookies={"_token": airflow_login.token})
+    page = browser.get(link_path("demo"), headers=HTML)
+    assert page.status_code == 200 and "rows_80-120" in page.text
+    # The page's relative chart links resolve under the mount point.
+    src = re.search(r'<img src="([^"]+)"', page.text).group(1)
+    assert browser.get(f"{URL_PREFIX}/runs/{src}").headers["content-type"] == "image/png"
+    assert TestClient(server).get(link_path("demo")).status_code == 401
+    assert json.loads(TestClient(server).get(f"{URL_PREFIX}/api/runs/demo").text)["status"] == 401
