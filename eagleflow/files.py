@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from sglang_patch.sample_file import published_file_mode
+
 
 @contextlib.contextmanager
 def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
@@ -23,6 +25,7 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     tmp = Path(tmp_name)
+    tmp.chmod(published_file_mode())  # mkstemp makes 0600; a published file is for every reader
     try:
         yield tmp
         with open(tmp, "rb+") as handle:

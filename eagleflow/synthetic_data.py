@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 from collections.abc import Callable
@@ -305,10 +304,6 @@ def make_dataset(config: DatasetConfig) -> dict[str, Any]:
         with open(tmp, "w", encoding="utf-8") as handle:
             for conversation in conversations:
                 handle.write(json.dumps(conversation, ensure_ascii=False) + "\n")
-        # The temporary file is owner-only (mkstemp); the dataset is read by other users too.
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o666 & ~umask)
     summary["path"] = str(config.out)
     return summary
 

@@ -40,6 +40,7 @@ from pydantic import BaseModel, Field, model_validator
 from eagleflow.config import add_model_arguments, model_from_args
 from eagleflow.errors import UserError
 from eagleflow.files import atomic_write_json
+from sglang_patch.sample_file import published_file_mode
 from eagleflow.progress import Progress, format_duration
 from eagleflow.synthetic_data import corpus_text, generate_conversations
 
@@ -433,12 +434,10 @@ def build(config: TinyModelConfig, folder: Path) -> dict[str, Any]:
 
 def publish(folder: Path, out: Path) -> None:
     """Put the finished ``folder`` at ``out`` by renames, replacing an earlier tiny model there."""
-    # mkstemp-made files (atomic writes) are owner-only; a model is read by other users too
-    # (the Airflow worker, a server container), so give every file the umask's usual mode.
-    umask = os.umask(0)
-    os.umask(umask)
+    # save_pretrained writes model.safetensors owner-only; a model is read by other users too
+    # (the Airflow worker, a server container).
     for path in folder.iterdir():
-        path.chmod(0o666 & ~umask)
+        path.chmod(published_file_mode())
     if out.exists():
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
         os.replace(out, old)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from sglang_patch.sample_file import write_sample_file
+from sglang_patch.sample_file import published_file_mode, write_sample_file
 
 DUMP_SUFFIX = ".safetensors"
 ERROR_SUFFIX = ".error.json"
@@ -120,6 +120,7 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
 
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.chmod(tmp, published_file_mode())
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             json.dump(data, handle)

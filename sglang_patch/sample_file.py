@@ -23,6 +23,17 @@ HIDDEN_STATES_DTYPE = torch.bfloat16
 TOKEN_IDS_DTYPE = torch.int64
 
 
+def published_file_mode() -> int:
+    """The mode ``open()`` gives a new file under the current umask (usually 0644).
+
+    Atomic writes start from ``mkstemp``, which makes files owner-only; what they publish must
+    be readable by the other processes of the pipeline (extractor, trainer, web server).
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def sample_file_name(row: int) -> str:
     """File name of dataset row ``row`` inside ``<dataset>/hidden_states/``."""
     return f"hs_{row}.safetensors"
@@ -50,6 +61,7 @@ def write_sample_file(path: str | os.PathLike[str], hidden_states: torch.Tensor,
     os.close(fd)
     try:
         save_file(tensors, tmp_name)
+        os.chmod(tmp_name, published_file_mode())  # mkstemp makes 0600; the extractor may be another user
         with open(tmp_name, "rb+") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp_name, path)
