@@ -404,7 +404,7 @@ def _metrics_html(metrics: dict[str, Any] | None) -> str:
     cards = [
         ("step", _num(train.get("step"))), ("epoch", _num(train.get("epoch"))),
         ("learning rate", f"{train['lr']:.2e}" if train.get("lr") is not None else "–"),
-        ("train loss", _num(train.get("loss"))), ("val loss", _num(val.get("loss"))),
+        ("train loss, all steps", _num(train.get("loss"))), ("val loss, all steps", _num(val.get("loss"))),
         ("tokens/s", _num(train.get("tokens_per_s"), 0) if train.get("tokens_per_s") else "–"),
         ("records", _num(metrics.get("records"))),
     ]

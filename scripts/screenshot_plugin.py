@@ -43,7 +43,7 @@ CACHE = REPO / ".cache"
 DEFAULT_SOURCE = CACHE / "metrics-fixture" / "runs" / "fixture"
 DEFAULT_HOME = CACHE / "plugin-shot"
 DEFAULT_OUT = REPO / "docs" / "eagleflow-run-page.png"
-RUN_NAME = "kimi-k2.5-eagle3-demo"
+RUN_NAME = "tiny-cpu-demo"
 MAX_BYTES = 300_000
 USER = "admin"
 
