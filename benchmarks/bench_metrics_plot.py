@@ -14,7 +14,6 @@ Run: ``.venv/bin/python benchmarks/bench_metrics_plot.py [--records N]``. Not a 
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import logging
 import math
