@@ -23,7 +23,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eagleflow.errors import UserError
 from eagleflow.layout import RunLayout
+from eagleflow.manifest import ShardManifest
 
 URL_PREFIX = "/eagleflow"
 OUTPUT_ROOT_ENV = "EAGLEFLOW_OUTPUT_ROOT"
@@ -134,21 +135,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 @dataclass
-class Shard:
-    """One shard manifest as the page shows it."""
-
-    name: str
-    start: int = 0
-    end: int = 0
-    state: str = "unknown"
-    done: int = 0
-    skipped: int = 0
-    failed: list[dict[str, Any]] = field(default_factory=list)
-    tokens: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-    updated: float | None = None
-    error: str = ""
+class Shard(ShardManifest):
+    """One shard manifest (the extractor's own class) with what the page derives from it."""
 
     @property
     def rows(self) -> int:
@@ -176,21 +164,6 @@ class Shard:
         }
 
 
-def _as_int(value: Any) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return 0
-
-
-def _as_float(value: Any) -> float:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return 0.0
-    return number if math.isfinite(number) else 0.0
-
-
 def read_shards(layout: RunLayout) -> list[Shard]:
     """Every ``shards/*.json`` manifest, ordered by first row; an unreadable one is shown as such."""
     shards: list[Shard] = []
@@ -198,29 +171,9 @@ def read_shards(layout: RunLayout) -> list[Shard]:
         return shards
     for path in layout.shards.glob("*.json"):
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            if not isinstance(data, dict):
-                raise ValueError("not a JSON object")
-        except (OSError, ValueError) as exc:
+            shards.append(Shard.read(path))
+        except (OSError, ValueError, TypeError) as exc:
             shards.append(Shard(name=path.stem, state="unreadable", error=f"{path.name}: {exc}"))
-            continue
-        failed = data.get("failed") if isinstance(data.get("failed"), list) else []
-        shards.append(
-            Shard(
-                name=str(data.get("name") or path.stem),
-                start=_as_int(data.get("start")),
-                end=_as_int(data.get("end")),
-                state=str(data.get("state") or "unknown"),
-                done=_as_int(data.get("done")),
-                skipped=_as_int(data.get("skipped")),
-                failed=[f for f in failed if isinstance(f, dict)],
-                tokens=_as_int(data.get("tokens")),
-                bytes=_as_int(data.get("bytes")),
-                seconds=_as_float(data.get("seconds")),
-                updated=_as_float(data.get("updated")) or None,
-                error=str(data.get("error") or ""),
-            )
-        )
     return sorted(shards, key=lambda s: (s.start, s.name))
 
 

@@ -18,6 +18,8 @@ py=${PYTHON:-$repo/.venv/bin/python}
 
 export AIRFLOW_HOME=${AIRFLOW_HOME:-$repo/.airflow}
 export EAGLEFLOW_DEMO_DIR=${EAGLEFLOW_DEMO_DIR:-$repo/.cache/demo}
+# The eagleflow pages serve only this folder: the demo form's output root (eagleflow/demo.py).
+export EAGLEFLOW_OUTPUT_ROOT=${EAGLEFLOW_OUTPUT_ROOT:-$EAGLEFLOW_DEMO_DIR/runs}
 # Caches stay inside the repo and nothing reaches for a model hub (as the Makefile sets them).
 export HF_HOME=${HF_HOME:-$repo/.cache/hf}
 export HF_DATASETS_CACHE=${HF_DATASETS_CACHE:-$repo/.cache/hf/datasets}

@@ -157,13 +157,14 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=4, help="training epochs")
     args = parser.parse_args()
 
+    from eagleflow.demo import demo_paths
     from eagleflow.pipeline import default_aux_layer_ids
     from eagleflow.tiny_model import TinyModelConfig, make_tiny_model
     from eagleflow.verifier import config_int
 
     work = args.work.absolute()
     layout = RunLayout.of(work / "runs", "fixture")
-    model = make_tiny_model(TinyModelConfig(out=CACHE / "test-models" / "tiny-trained"))
+    model = make_tiny_model(TinyModelConfig(out=Path(demo_paths(CACHE / "demo")["model_path"])))  # the demo's
     aux = default_aux_layer_ids(config_int(model, "num_hidden_layers"))
     marker = layout.root / "extracted.done"
     if not marker.exists() or marker.read_text() != f"{args.rows} {args.shard_size}\n":
