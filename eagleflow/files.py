@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from sglang_patch.sample_file import published_file_mode
+from sglang_patch.file_mode import published_file_mode
 
 
 @contextlib.contextmanager

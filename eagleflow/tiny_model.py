@@ -40,7 +40,7 @@ from pydantic import BaseModel, Field, model_validator
 from eagleflow.config import add_model_arguments, model_from_args
 from eagleflow.errors import UserError
 from eagleflow.files import atomic_write_json
-from sglang_patch.sample_file import published_file_mode
+from sglang_patch.file_mode import published_file_mode
 from eagleflow.progress import Progress, format_duration
 from eagleflow.synthetic_data import corpus_text, generate_conversations
 

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from sglang_patch.sample_file import published_file_mode, write_sample_file
+from sglang_patch.file_mode import published_file_mode
+from sglang_patch.sample_file import write_sample_file
 
 DUMP_SUFFIX = ".safetensors"
 ERROR_SUFFIX = ".error.json"

@@ -17,21 +17,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from sglang_patch.file_mode import published_file_mode
+
 HIDDEN_STATES_KEY = "hidden_states"
 TOKEN_IDS_KEY = "token_ids"
 HIDDEN_STATES_DTYPE = torch.bfloat16
 TOKEN_IDS_DTYPE = torch.int64
-
-
-def published_file_mode() -> int:
-    """The mode ``open()`` gives a new file under the current umask (usually 0644).
-
-    Atomic writes start from ``mkstemp``, which makes files owner-only; what they publish must
-    be readable by the other processes of the pipeline (extractor, trainer, web server).
-    """
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
 
 
 def sample_file_name(row: int) -> str:
