@@ -16,7 +16,7 @@ from airflow.sdk import DAG, Param
 
 from operators.dataset import CheckDiskOperator, DatasetStatsOperator, PlanShardsOperator, PrepareDatasetOperator
 from operators.extract import SHARD_MAP_INDEX_TEMPLATE, ShardExtractOperator
-from operators.params import form_defaults, pipeline_params
+from operators.params import GPU_POOL, GPU_QUEUE, form_defaults, pipeline_params
 from operators.server import ServerReadySensor, SGLangServerOperator, StopServerOperator
 from operators.train import BuildVocabOperator, PlotOperator, TrainOperator
 
@@ -30,8 +30,11 @@ with DAG(
     tags=["eagleflow", "speculative-decoding"],
     doc_md=__doc__,
 ) as dag:
-    launch_server = SGLangServerOperator(task_id="launch_server")
-    wait_server_ready = ServerReadySensor(task_id="wait_server_ready", server=launch_server.output)
+    # The engine, extraction and training run on the GPU node: its Celery queue, one slot.
+    on_gpu = {"queue": GPU_QUEUE, "pool": GPU_POOL}
+
+    launch_server = SGLangServerOperator(task_id="launch_server", **on_gpu)
+    wait_server_ready = ServerReadySensor(task_id="wait_server_ready", server=launch_server.output, **on_gpu)
 
     prepare_dataset = PrepareDatasetOperator(task_id="prepare_dataset")
     dataset_stats = DatasetStatsOperator(task_id="dataset_stats")
@@ -41,13 +44,13 @@ with DAG(
     # map_index_template must be given to partial(): the scheduler and the task runner read it
     # from the mapped task's partial kwargs, never from the operator's __init__.
     extract_shard = ShardExtractOperator.partial(
-        task_id="extract_shard", server=wait_server_ready.output, map_index_template=SHARD_MAP_INDEX_TEMPLATE
+        task_id="extract_shard", server=wait_server_ready.output, map_index_template=SHARD_MAP_INDEX_TEMPLATE, **on_gpu
     ).expand(shard=plan_shards.output)
 
-    stop_server = StopServerOperator(task_id="stop_server", server=launch_server.output)
+    stop_server = StopServerOperator(task_id="stop_server", server=launch_server.output, **on_gpu)
 
     build_vocab = BuildVocabOperator(task_id="build_vocab")
-    train_drafter = TrainOperator(task_id="train_drafter")
+    train_drafter = TrainOperator(task_id="train_drafter", **on_gpu)
     plot_metrics = PlotOperator(task_id="plot_metrics")
 
     prepare_dataset >> dataset_stats >> check_disk >> plan_shards

@@ -126,14 +126,16 @@ def airflow_command(*args: str) -> list[str]:
 
 
 def migrate_db(env: dict[str, str], timeout: float = 600.0) -> None:
-    """``airflow db migrate``; raises with the command's last lines if it fails."""
+    """``airflow db migrate``, then the deployment's pools (the DAG's GPU tasks run in pool ``gpu``).
+
+    Raises with the failing command's last lines.
+    """
     Path(env["AIRFLOW_HOME"]).mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(
-        airflow_command("db", "migrate"), env=env, capture_output=True, text=True, timeout=timeout, check=False
-    )
-    if done.returncode != 0:
-        tail = "\n".join((done.stdout + done.stderr).splitlines()[-LOG_TAIL_LINES:])
-        raise RuntimeError(f"airflow db migrate failed (exit {done.returncode}):\n{tail}")
+    for args in (("db", "migrate"), ("pools", "import", str(REPO / "docker" / "pools.json"))):
+        done = subprocess.run(airflow_command(*args), env=env, capture_output=True, text=True, timeout=timeout, check=False)
+        if done.returncode != 0:
+            tail = "\n".join((done.stdout + done.stderr).splitlines()[-LOG_TAIL_LINES:])
+            raise RuntimeError(f"airflow {' '.join(args)} failed (exit {done.returncode}):\n{tail}")
 
 
 def session_processes(session: str) -> list[int]:

@@ -40,7 +40,8 @@ def main() -> int:
     print(f"[demo] inputs in {DEMO_DIR} (built once, then cached)", flush=True)
     make_demo_inputs(DEMO_DIR)
     print(f"[demo] Airflow metadata DB in {AIRFLOW_HOME}", flush=True)
-    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True, stdout=subprocess.DEVNULL)
+    for args in (["db", "migrate"], ["pools", "import", str(REPO / "docker" / "pools.json")]):
+        subprocess.run([sys.executable, "-m", "airflow", *args], check=True, stdout=subprocess.DEVNULL)
 
     from airflow.dag_processing.dagbag import DagBag
 

@@ -62,6 +62,8 @@ def airflow_db() -> Path:
     home = Path(os.environ["AIRFLOW_HOME"])
     home.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True, capture_output=True, timeout=300)
+    pools = REPO / "docker" / "pools.json"  # the DAG's GPU tasks run in the deployment's pool
+    subprocess.run([sys.executable, "-m", "airflow", "pools", "import", str(pools)], check=True, capture_output=True, timeout=300)
     return home
 
 

@@ -37,6 +37,17 @@ def test_the_dag_tells_the_story(eagleflow_dag) -> None:
     assert tasks["extract_shard"].map_index_template == "{{ task.shard['name'] }}"
 
 
+def test_engine_extraction_and_training_run_on_the_gpu_queue_and_pool(eagleflow_dag) -> None:
+    """The names docker/ deploys (tests/docker checks the compose side of the same constants)."""
+    from eagleflow.deploy import GPU_POOL, GPU_QUEUE
+
+    on_gpu = {t.task_id for t in eagleflow_dag.tasks if (t.queue, t.pool) == (GPU_QUEUE, GPU_POOL)}
+    assert on_gpu == {"launch_server", "wait_server_ready", "extract_shard", "stop_server", "train_drafter"}
+    for task in eagleflow_dag.tasks:
+        if task.task_id not in on_gpu:
+            assert task.pool != GPU_POOL
+
+
 def test_every_param_has_a_title_and_description(eagleflow_dag) -> None:
     params = eagleflow_dag.params
     for name in ("engine", "model_path", "dataset_input", "output_root", "run_name", "shard_size", "aux_layer_ids",
