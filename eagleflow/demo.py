@@ -59,10 +59,12 @@ def make_demo_inputs(demo_dir: str | Path) -> dict[str, str]:
     return paths
 
 
-def run_summary(run_dir: str | Path) -> dict[str, Any]:
-    """What a finished run produced: rows, tokens, bytes, checkpoint, charts, accuracy."""
+def run_summary(run_dir: str | Path, model_path: str | Path, aux_layer_ids: list[int]) -> dict[str, Any]:
+    """What a finished run produced: rows (each validated), tokens, bytes, checkpoint, charts, accuracy."""
     from eagleflow.layout import RunLayout
     from eagleflow.manifest import ShardManifest
+    from eagleflow.sample_store import validate_dataset
+    from eagleflow.verifier import config_int
     from eagleflow.metrics import read_metrics
 
     layout = RunLayout(Path(run_dir))
@@ -78,6 +80,10 @@ def run_summary(run_dir: str | Path) -> dict[str, Any]:
         "checkpoint": result.get("best_checkpoint") or result.get("checkpoint_dir"),
         "charts": sorted(str(p) for p in layout.charts.glob("*.*")),
     }
+    if layout.hidden_states.exists():
+        problems = validate_dataset(layout.dataset, len(aux_layer_ids) + 1, config_int(model_path, "hidden_size"))
+        summary["invalid_rows"] = problems[:20]
+        summary["validated_rows"] = summary["rows"] - len(problems)
     prepared = layout.dataset / "prepare.json"
     if prepared.exists():
         summary["tokens"] = json.loads(prepared.read_text())["tokens"]

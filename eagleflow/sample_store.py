@@ -35,6 +35,7 @@ __all__ = [
     "publish_dump",
     "sample_path",
     "validate",
+    "validate_dataset",
     "write_sample",
 ]
 
@@ -133,6 +134,24 @@ def validate(
         slots = sorted({int(s) for s in (~finite).nonzero()[:, 1].tolist()})
         return corrupt(f"non-finite values: {n_nan} NaN, {n_inf} Inf in slots {slots}")
     return Validation(SampleState.COMPLETE, num_tokens=seq_len, num_bytes=size)
+
+
+def validate_dataset(dataset_dir: str | os.PathLike[str], n_slots: int, hidden: int) -> list[tuple[int, str]]:
+    """Check every row of a prepared dataset against its hidden-state file (full check).
+
+    Returns ``(row, reason)`` for each row whose file is missing or corrupt; empty when the
+    dataset is complete and ready for training.
+    """
+    import datasets
+
+    dataset_dir = Path(dataset_dir)
+    rows = datasets.load_from_disk(str(dataset_dir)).with_format(None)["input_ids"]
+    problems = []
+    for row, ids in enumerate(rows):
+        check = validate(sample_path(dataset_dir / "hidden_states", row), ids, n_slots, hidden)
+        if not check.ok:
+            problems.append((row, f"{check.state.value}: {check.reason}"))
+    return problems
 
 
 class _HeaderOnly:

@@ -53,16 +53,22 @@ def main() -> int:
     print(f"[demo] running DAG eagleflow with conf {json.dumps(conf)}", flush=True)
     run = bag.get_dag("eagleflow").test(run_conf=conf)
     states = {f"{ti.task_id}{'' if ti.map_index < 0 else f'[{ti.map_index}]'}": ti.state for ti in run.get_task_instances()}
-    summary = run_summary(Path(conf["output_root"]) / conf["run_name"])
+    from eagleflow.pipeline import PipelineConfig
+
+    cfg = PipelineConfig.from_params(conf)
+    summary = run_summary(cfg.layout.root, cfg.model_path, cfg.resolved_aux_layer_ids())
     print("\n[demo] task states: " + ", ".join(f"{k}={v}" for k, v in sorted(states.items())))
     print(f"[demo] DAG run {run.run_id}: {run.state} in {time.monotonic() - began:.0f}s")
     print(f"  dataset      {summary['dataset']} ({summary['rows']} rows, {summary.get('tokens', '?')} tokens, "
           f"{format_bytes(summary['hidden_state_bytes'])} of hidden states in shards {', '.join(summary['shards'])})")
+    print(f"  validated    {summary.get('validated_rows', 0)}/{summary['rows']} rows' hidden-state files"
+          + (f"; problems: {summary['invalid_rows']}" if summary.get("invalid_rows") else ""))
     print(f"  checkpoint   {summary['checkpoint']}")
     print(f"  charts       {', '.join(summary['charts'])}")
     if "step0_acc_last" in summary:
         print(f"  step-0 accuracy: first steps {summary['step0_acc_first']:.3f} -> last steps {summary['step0_acc_last']:.3f}")
-    return 0 if str(run.state) == "success" else 1
+    complete = summary.get("validated_rows") == summary["rows"] > 0
+    return 0 if str(run.state) == "success" and complete else 1
 
 
 if __name__ == "__main__":

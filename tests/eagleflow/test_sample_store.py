@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -184,3 +183,16 @@ def test_speculators_reads_a_stored_sample(tmp_path: Path) -> None:
         assert torch.equal(item["hidden_states"], states[:, :-1].flatten(1))
         assert torch.equal(item["verifier_last_hidden_states"], states[:, -1])
     assert data[0]["loss_mask"].tolist() == [0, 1, 1, 1, 1]
+
+
+def test_validate_dataset_names_each_incomplete_row(tmp_path: Path) -> None:
+    from eagleflow.prepare import write_training_dataset
+    from eagleflow.sample_store import validate_dataset
+
+    rows = [make_sample(4), make_sample(6), make_sample(5)]
+    write_training_dataset([ids.tolist() for _, ids in rows], [[1] * len(ids) for _, ids in rows], tmp_path / "ds")
+    for row, (states, ids) in enumerate(rows[:2]):
+        write_sample(tmp_path / "ds" / "hidden_states", row, states, ids)
+    assert validate_dataset(tmp_path / "ds", SLOTS, HIDDEN) == [(2, "missing: no file")]
+    write_sample(tmp_path / "ds" / "hidden_states", 2, *rows[2])
+    assert validate_dataset(tmp_path / "ds", SLOTS, HIDDEN) == []
