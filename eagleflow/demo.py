@@ -25,7 +25,10 @@ DEMO_PARAMS: dict[str, Any] = {
     "server_extra_args": ["--warmup-seconds", "10"],
     "warmup_timeout_minutes": 5.0,
     "epochs": 4,
-    "total_seq_len": 1024,
+    # The seed's lr 3e-5 suits 10K rows on GPUs; 120 rows need a larger step to show learning
+    # (step-0 accuracy 0.09 -> 0.52 over 4 epochs here, vs 0.01 -> 0.02 at 3e-5).
+    "lr": 3e-3,
+    "total_seq_len": 512,
     "num_workers": 0,
     "draft_vocab_size": 512,
     "device": "cpu",

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -75,3 +79,40 @@ def eagleflow_dag(airflow_db: Path):
     bag = DagBag(dag_folder=str(REPO / "dags"))
     assert not bag.import_errors, bag.import_errors
     return bag.get_dag("eagleflow")
+
+
+class HealthServer:
+    """A real HTTP server on 127.0.0.1 whose ``/health_generate`` answers ``status`` after ``delay`` s."""
+
+    def __init__(self) -> None:
+        self.status = 503
+        self.delay = 0.0
+        self.requests: list[str] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                outer.requests.append(self.path)
+                time.sleep(outer.delay)
+                self.send_response(outer.status if self.path == "/health_generate" else 404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture()
+def health() -> Iterator[HealthServer]:
+    server = HealthServer()
+    yield server
+    server.close()

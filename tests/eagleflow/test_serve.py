@@ -14,10 +14,8 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -88,43 +86,6 @@ def groups() -> Iterator[list[int]]:
             os.waitpid(pgid, 0)
 
 
-class HealthServer:
-    """A real HTTP server on 127.0.0.1 whose ``/health_generate`` answers ``status`` after ``delay`` s."""
-
-    def __init__(self) -> None:
-        self.status = 503
-        self.delay = 0.0
-        self.requests: list[str] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                outer.requests.append(self.path)
-                time.sleep(outer.delay)
-                self.send_response(outer.status if self.path == READY_PATH else 404)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-@pytest.fixture()
-def health() -> Iterator[HealthServer]:
-    server = HealthServer()
-    yield server
-    server.close()
-
-
 def exited_pid() -> int:
     """The pid of a process that has exited and been reaped."""
     process = subprocess.Popen(["true"])
@@ -164,7 +125,7 @@ def test_pid_alive_for_live_exited_and_zombie_processes() -> None:
 # ---- check_ready -------------------------------------------------------------------------------
 
 
-def test_check_ready_follows_health_generate(health: HealthServer) -> None:
+def test_check_ready_follows_health_generate(health) -> None:
     info = ServerInfo(url=health.url + "/", pid=os.getpid(), host=HOST, log_path="", dump_dir="")
     health.status = 503
     check = check_ready(info)
@@ -181,7 +142,7 @@ def test_check_ready_refused_connection_is_not_ready_yet() -> None:
     assert "not accepting connections" in check.message
 
 
-def test_check_ready_slow_answer_is_not_ready_yet(health: HealthServer) -> None:
+def test_check_ready_slow_answer_is_not_ready_yet(health) -> None:
     health.status, health.delay = 200, 2.0
     info = ServerInfo(url=health.url, pid=None, host="", log_path="", dump_dir="")
     check = check_ready(info, timeout=0.3)
@@ -189,7 +150,7 @@ def test_check_ready_slow_answer_is_not_ready_yet(health: HealthServer) -> None:
     assert "did not answer" in check.message
 
 
-def test_check_ready_dead_local_pid_is_dead_without_asking_http(health: HealthServer) -> None:
+def test_check_ready_dead_local_pid_is_dead_without_asking_http(health) -> None:
     health.status = 200
     pid = exited_pid()
     check = check_ready(ServerInfo(url=health.url, pid=pid, host=HOST, log_path="", dump_dir=""))

@@ -6,9 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -41,36 +39,3 @@ def params(tmp_path: Path, random_tiny_model: Path) -> dict[str, Any]:
     }
 
 
-class HealthServer:
-    """A real HTTP server on 127.0.0.1 whose ``/health_generate`` answers ``status``."""
-
-    def __init__(self) -> None:
-        self.status = 503
-        self.requests = 0
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                outer.requests += 1
-                self.send_response(outer.status if self.path == "/health_generate" else 404)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-@pytest.fixture()
-def health() -> Iterator[HealthServer]:
-    server = HealthServer()
-    yield server
-    server.close()

@@ -39,7 +39,7 @@ from operators.step import EagleflowStepOperator, StepFailed
 RUN_ID = "test_run"
 HOST = socket.gethostname()
 
-# A stand-in engine: starts a `sleep` in its group, records its pid, prints, then waits.
+# A stand-in engine: starts a `sleep` in its group, prints, records its pid, then waits.
 # "ignore-term": the whole group ignores SIGTERM (SIG_IGN survives the sleep's exec).
 # "child-ignores-term": only the sleep ignores it (a worker that outlives its leader).
 ENGINE_SCRIPT = r"""
@@ -49,10 +49,11 @@ if mode == "ignore-term":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 ignore = (lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN)) if mode == "child-ignores-term" else None
 child = subprocess.Popen(["sleep", "300"], preexec_fn=ignore)
+# print before the pid file appears: the test kills as soon as it sees the file
+print("stand-in engine up, child", child.pid, flush=True)
 with open(pid_file + ".tmp", "w") as f:
     f.write(str(child.pid))
 os.replace(pid_file + ".tmp", pid_file)
-print("stand-in engine up, child", child.pid, flush=True)
 while True:
     time.sleep(1)
 """
@@ -151,7 +152,7 @@ def test_trigger_waits_through_503_until_ready(health) -> None:
     threading.Timer(0.6, lambda: setattr(health, "status", 200)).start()
     trigger = ServerReadyTrigger(server_dict(health.url, os.getpid()), time.time() + 60, poll_interval=0.1)
     assert first_event(trigger)["status"] == "ready"
-    assert health.requests >= 3
+    assert len(health.requests) >= 3
 
 
 def test_trigger_fires_dead_at_once_when_the_local_pid_is_gone(health) -> None:
