@@ -222,6 +222,19 @@ def stop_server(pid: int, grace: float = 30.0) -> str:
     return f"engine process group {pgid} did not stop within {grace:.0f}s; killed it"
 
 
+def group_members(pgid: int) -> list[int]:
+    """Pids of the live (non-zombie) processes in process group ``pgid``."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
 def group_alive(pgid: int) -> bool:
     """True while a non-zombie process of group ``pgid`` exists."""
     try:
@@ -230,15 +243,7 @@ def group_alive(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
-    # Zombies keep the group "alive" for kill(); look for a live member.
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+    return bool(group_members(pgid))  # zombies keep a group "alive" for kill()
 
 
 def _reap(pid: int) -> None:

@@ -116,3 +116,18 @@ def health() -> Iterator[HealthServer]:
     server = HealthServer()
     yield server
     server.close()
+
+
+@pytest.fixture()
+def process_groups() -> Iterator[list[int]]:
+    """Process groups (= engine pids, session leaders) a test started; SIGKILLed and reaped afterwards."""
+    import contextlib
+    import signal
+
+    started: list[int] = []
+    yield started
+    for pgid in started:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pgid, 0)

@@ -10,17 +10,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 from eagleflow.serve import (
+    group_members,
     LOG_TAIL_LINES,
     READY_PATH,
     Readiness,
@@ -55,15 +52,6 @@ while True:
 """
 
 
-def live_group_members(pgid: int) -> list[int]:
-    """Pids of the non-zombie processes in process group ``pgid``."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                members.append(int(stat.parent.name))
-    return members
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:
@@ -74,16 +62,6 @@ def wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-@pytest.fixture()
-def groups() -> Iterator[list[int]]:
-    """Process groups a test started; whatever is left of them is killed and reaped afterwards."""
-    started: list[int] = []
-    yield started
-    for pgid in started:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError, OSError):
-            os.waitpid(pgid, 0)
 
 
 def exited_pid() -> int:
@@ -93,7 +71,7 @@ def exited_pid() -> int:
     return process.pid
 
 
-def start_engine(tmp_path: Path, mode: str, groups: list[int]) -> tuple[ServerInfo, int]:
+def start_engine(tmp_path: Path, mode: str, process_groups: list[int]) -> tuple[ServerInfo, int]:
     """Start ``ENGINE_SCRIPT`` through :func:`start_server`; returns its info and its child's pid."""
     child_file = tmp_path / f"child-{mode}.pid"
     info = start_server(
@@ -104,7 +82,7 @@ def start_engine(tmp_path: Path, mode: str, groups: list[int]) -> tuple[ServerIn
         "http://127.0.0.1:9",
         tmp_path / "dumps",
     )
-    groups.append(int(info.pid))
+    process_groups.append(int(info.pid))
     wait_for(child_file.exists, 20, "the engine script's child")
     return info, int(child_file.read_text())
 
@@ -217,11 +195,11 @@ def test_free_port_is_bindable() -> None:
 # ---- start_server / running_server -------------------------------------------------------------
 
 
-def test_start_server_own_session_log_and_state(tmp_path: Path, groups: list[int]) -> None:
+def test_start_server_own_session_log_and_state(tmp_path: Path, process_groups: list[int]) -> None:
     log, state = tmp_path / "server" / "server.log", tmp_path / "server" / "state.json"
     argv = [sys.executable, "-c", "import os; print('hello from', os.environ['ENGINE_FLAG']); import time; time.sleep(60)"]
     info = start_server(argv, {"ENGINE_FLAG": "x42"}, log, state, "http://127.0.0.1:1", tmp_path / "dumps")
-    groups.append(int(info.pid))
+    process_groups.append(int(info.pid))
     assert (tmp_path / "dumps").is_dir()
     assert info.host == HOST and info.is_local and info.log_path == str(log)
     # Its own session and group, so a killed Airflow task does not take the engine down.
@@ -236,7 +214,7 @@ def test_start_server_own_session_log_and_state(tmp_path: Path, groups: list[int
     assert running_server(state) is None  # dead
     # A restart appends to the same log instead of losing the first run's lines.
     again = start_server(["true"], {}, log, state, "http://127.0.0.1:1", tmp_path / "dumps")
-    groups.append(int(again.pid))
+    process_groups.append(int(again.pid))
     assert log.read_text().count("starting: ") == 2
 
 
@@ -252,36 +230,36 @@ def test_running_server_ignores_missing_bad_and_foreign_state(tmp_path: Path) ->
 # ---- stop_server -------------------------------------------------------------------------------
 
 
-def test_stop_server_sigterm_stops_the_group(tmp_path: Path, groups: list[int]) -> None:
-    info, child = start_engine(tmp_path, "obey-term", groups)
+def test_stop_server_sigterm_stops_the_group(tmp_path: Path, process_groups: list[int]) -> None:
+    info, child = start_engine(tmp_path, "obey-term", process_groups)
     started = time.monotonic()
     message = stop_server(int(info.pid), grace=20)
     assert "stopped with SIGTERM" in message
     assert time.monotonic() - started < 10
     assert not pid_alive(int(info.pid)) and not pid_alive(child)
-    assert live_group_members(int(info.pid)) == []
+    assert group_members(int(info.pid)) == []
 
 
-def test_stop_server_kills_a_group_that_ignores_sigterm_after_the_grace(tmp_path: Path, groups: list[int]) -> None:
-    info, child = start_engine(tmp_path, "ignore-term", groups)
+def test_stop_server_kills_a_group_that_ignores_sigterm_after_the_grace(tmp_path: Path, process_groups: list[int]) -> None:
+    info, child = start_engine(tmp_path, "ignore-term", process_groups)
     started = time.monotonic()
     message = stop_server(int(info.pid), grace=1.0)
     elapsed = time.monotonic() - started
     assert "did not stop within 1s; killed it" in message
     assert 1.0 <= elapsed < 8
     assert not pid_alive(int(info.pid)) and not pid_alive(child)
-    assert live_group_members(int(info.pid)) == []
+    assert group_members(int(info.pid)) == []
 
 
-def test_stop_server_cleans_up_the_group_of_a_leader_that_already_died(tmp_path: Path, groups: list[int]) -> None:
+def test_stop_server_cleans_up_the_group_of_a_leader_that_already_died(tmp_path: Path, process_groups: list[int]) -> None:
     # An engine whose main process was killed (OOM killer, kill -9) can leave its workers
     # running in its group, still holding the GPUs: stopping must not stop at "already exited".
-    info, child = start_engine(tmp_path, "leader-dies", groups)
+    info, child = start_engine(tmp_path, "leader-dies", process_groups)
     wait_for(lambda: not pid_alive(int(info.pid)), 20, "the leader to die")
     assert pid_alive(child)
     message = stop_server(int(info.pid), grace=5)
     assert not pid_alive(child), message
-    assert live_group_members(int(info.pid)) == []
+    assert group_members(int(info.pid)) == []
 
 
 def test_stop_server_on_an_exited_engine_says_so() -> None:

@@ -1,28 +1,12 @@
-"""Fixtures for the operator tests: a run's Params, a settable health endpoint, and
-cleanup of every process group a test starts (engines outlive their launch by design)."""
+"""Fixtures for the operator tests: a run's Params (the settable health endpoint and the
+process-group cleanup are shared, in tests/conftest.py)."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-
-@pytest.fixture()
-def process_groups() -> Iterator[list[int]]:
-    """Process groups (= engine pids, session leaders) a test started; SIGKILLed and reaped afterwards."""
-    started: list[int] = []
-    yield started
-    for pgid in started:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError, OSError):
-            os.waitpid(pgid, 0)
 
 
 @pytest.fixture()

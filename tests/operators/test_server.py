@@ -10,7 +10,6 @@ killed by the ``process_groups`` fixture, whatever the test's outcome.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib
 import os
 import signal
@@ -32,7 +31,7 @@ from airflow.sdk.exceptions import AirflowException, TaskDeferred
 
 from eagleflow.errors import UserError
 from eagleflow.layout import RunLayout
-from eagleflow.serve import ServerInfo, free_port, pid_alive, start_server
+from eagleflow.serve import ServerInfo, free_port, group_members, pid_alive, start_server
 from operators.server import ServerReadySensor, ServerReadyTrigger, SGLangServerOperator, StopServerOperator
 from operators.step import EagleflowStepOperator, StepFailed
 
@@ -64,15 +63,6 @@ def make_context(params: dict[str, Any]) -> dict[str, Any]:
     return {"params": params, "run_id": RUN_ID, "ti": None}
 
 
-def live_group_members(pgid: int) -> list[int]:
-    """Pids of the non-zombie processes in process group ``pgid``."""
-    members = []
-    for entry in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            fields = entry.read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                members.append(int(entry.parent.name))
-    return members
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None:
@@ -314,7 +304,7 @@ def test_launch_reuses_the_running_engine_and_starts_a_new_one_after_stop(params
     again = launch(params, process_groups)
     assert again == first  # same pid: the warming-up engine is reused
     assert log.read_text().count("starting: ") == 1  # and no second process was started
-    assert live_group_members(first["pid"]) == [first["pid"]]
+    assert group_members(first["pid"]) == [first["pid"]]
     # A short grace: the engine is still importing torch and finishes that before obeying SIGTERM.
     StopServerOperator(task_id="stop_server", server=first, grace_seconds=1).execute(make_context(params))
     assert not pid_alive(first["pid"])
@@ -386,7 +376,7 @@ def test_setup_readiness_generate_teardown_with_the_reference_engine(params, pro
     message = StopServerOperator(task_id="stop_server", server=server).execute(context)
     assert "stopped with SIGTERM" in message
     assert not pid_alive(pid)
-    assert live_group_members(pid) == []
+    assert group_members(pid) == []
     assert "reference engine stopped (signal SIGTERM); dumps flushed" in Path(server["log_path"]).read_text()
     assert not RunLayout.of(params["output_root"], RUN_ID).server_state.exists()
 
@@ -416,7 +406,7 @@ def test_killing_the_engine_during_warmup_fails_the_sensor_within_seconds(params
     # The teardown still runs and finds nothing left to stop.
     message = StopServerOperator(task_id="stop_server", server=server).execute(context)
     assert "had already exited" in message
-    assert live_group_members(server["pid"]) == []
+    assert group_members(server["pid"]) == []
 
 
 def test_stop_kills_an_engine_that_ignores_sigterm_with_its_children(params, tmp_path: Path, process_groups: list[int]) -> None:
@@ -439,7 +429,7 @@ def test_stop_kills_an_engine_that_ignores_sigterm_with_its_children(params, tmp
     assert "did not stop within 1s; killed it" in message
     assert 1 <= time.monotonic() - started < 10
     assert not pid_alive(int(info.pid)) and not pid_alive(child)
-    assert live_group_members(int(info.pid)) == []
+    assert group_members(int(info.pid)) == []
     assert not layout.server_state.exists()
 
 
@@ -514,6 +504,6 @@ def test_on_kill_stops_the_steps_whole_process_group(
     assert not thread.is_alive(), "the operator still waits on the step's output"
     assert time.monotonic() - started < 10
     assert not pid_alive(leader) and not pid_alive(child)
-    assert live_group_members(leader) == []
+    assert group_members(leader) == []
     assert isinstance(outcome.get("error"), StepFailed)
     assert "stand-in engine up" in outcome["error"].tail
