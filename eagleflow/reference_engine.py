@@ -72,16 +72,16 @@ class ReferenceEngineConfig(BaseModel):
         "n = the last layer's output before the final norm; the final pre-norm state is always added as the last slot"
     )
     host: str = Field("127.0.0.1", description="address to bind (keep 127.0.0.1 unless a remote client must reach it)")
-    port: int = Field(30000, description="TCP port to bind (SGLang's default 30000; 0 = any free port, printed at start)")
+    port: int = Field(30000, ge=0, le=65535, description="TCP port to bind (SGLang's default 30000; 0 = any free port, printed at start)")
     warmup_seconds: float = Field(
-        0.0, description="simulated warmup: /health answers 503 this long after the model is loaded (one real forward runs meanwhile)"
+        0.0, ge=0, description="simulated warmup: /health answers 503 this long after the model is loaded (one real forward runs meanwhile)"
     )
     device: Literal["cpu", "cuda"] = Field("cpu", description="where the model runs")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="model dtype; auto = the dtype in the model's config.json (dumps are always bf16)"
     )
     threads: int = Field(
-        0, description="CPU threads for torch (0 = torch's default, one per core); 1 avoids thrashing on a shared small machine"
+        0, ge=0, description="CPU threads for torch (0 = torch's default, one per core); 1 avoids thrashing on a shared small machine"
     )
     trust_remote_code: bool = Field(False, description="allow the model folder's own modelling code (Kimi-K2.5 needs it)")
     fail_row: list[int] = Field(
@@ -89,27 +89,6 @@ class ReferenceEngineConfig(BaseModel):
         description="TEST ONLY: comma list of rows whose requests (rid row{N}-…) answer 500, once across restarts "
         "(a marker <dump_dir>/.fail-row-N.injected records that the failure was injected)",
     )
-
-    @field_validator("port")
-    @classmethod
-    def _port_in_range(cls, port: int) -> int:
-        if not 0 <= port <= 65535:
-            raise ValueError(f"port {port} is outside 0..65535")
-        return port
-
-    @field_validator("warmup_seconds")
-    @classmethod
-    def _warmup_not_negative(cls, seconds: float) -> float:
-        if seconds < 0:
-            raise ValueError(f"warmup seconds must be >= 0, got {seconds}")
-        return seconds
-
-    @field_validator("threads")
-    @classmethod
-    def _threads_not_negative(cls, threads: int) -> int:
-        if threads < 0:
-            raise ValueError(f"threads must be >= 0, got {threads}")
-        return threads
 
     @field_validator("aux_layers")
     @classmethod
