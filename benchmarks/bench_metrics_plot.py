@@ -117,8 +117,8 @@ def main() -> int:
     parser.add_argument("--records", type=int, default=SEED_RECORDS, help="training records per form")
     args = parser.parse_args()
 
-    from eagleflow.metrics import read_metrics
-    from eagleflow.plot import plot_metrics
+    from eagleflow.metrics.reader import read_metrics
+    from eagleflow.metrics.plot import plot_metrics
 
     t0 = time.perf_counter()
     import matplotlib.pyplot  # noqa: F401  (timed apart: a process pays it once)

@@ -60,4 +60,4 @@ ARG TORCH_VERSION=2.13.0
 # CUDA libraries a CPU worker never uses). The project's install below then finds it satisfied.
 RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}" \
  && pip install --no-cache-dir "apache-airflow==${AIRFLOW_VERSION}" /opt/eagleflow/src \
- && python -c "import torch, transformers, datasets, matplotlib, pandas, eagleflow.prepare"
+ && python -c "import torch, transformers, datasets, matplotlib, pandas, eagleflow.data.prepare"

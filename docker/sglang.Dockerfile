@@ -23,7 +23,7 @@
 # SGLang server with $EAGLEFLOW_SGLANG_PYTHON.
 
 # Must carry the SGLang version of pyproject.toml's `sglang` extra and lie in the hook's supported
-# range (sglang_patch/hook.py); tests/docker/test_compose.py checks the first. The CUDA 13.0 build
+# range (sglang_patch/hook_spec.py); tests/docker/test_compose.py checks the first. The CUDA 13.0 build
 # needs an NVIDIA driver >= 580 on the GPU node.
 ARG SGLANG_IMAGE=lmsysorg/sglang:v0.5.20-cu130
 

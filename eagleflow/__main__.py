@@ -16,17 +16,17 @@ from eagleflow.errors import UserError
 
 # step name -> (module, one-line help)
 STEPS: dict[str, tuple[str, str]] = {
-    "make-tiny-model": ("eagleflow.tiny_model", "write a tiny DeepSeek-V3-architecture verifier"),
-    "make-dataset": ("eagleflow.synthetic_data", "write synthetic chat conversations as JSONL"),
-    "serve-reference": ("eagleflow.reference_engine", "serve the CPU reference engine"),
-    "sglang-command": ("eagleflow.sglang_server", "print the SGLang server command with the capture hook (starts nothing)"),
-    "prepare-dataset": ("eagleflow.prepare", "tokenize conversations into the training dataset"),
-    "dataset-stats": ("eagleflow.stats", "rows, tokens and hidden-state bytes of a dataset"),
-    "check-disk": ("eagleflow.disk_check", "fail early when the disk cannot hold the hidden states"),
-    "extract": ("eagleflow.extract", "extract hidden states for a range of rows"),
-    "build-vocab": ("eagleflow.vocab", "build the draft vocabulary (d2t/t2d)"),
-    "train": ("eagleflow.train", "train the EAGLE-3 drafter with speculators"),
-    "plot": ("eagleflow.plot", "draw loss and accuracy charts from training metrics"),
+    "make-tiny-model": ("eagleflow.demo.tiny_model", "write a tiny DeepSeek-V3-architecture verifier"),
+    "make-dataset": ("eagleflow.demo.synthetic_data", "write synthetic chat conversations as JSONL"),
+    "serve-reference": ("eagleflow.engine.reference.server", "serve the CPU reference engine"),
+    "sglang-command": ("eagleflow.engine.sglang_command", "print the SGLang server command with the capture hook (starts nothing)"),
+    "prepare-dataset": ("eagleflow.data.prepare", "tokenize conversations into the training dataset"),
+    "dataset-stats": ("eagleflow.data.stats", "rows, tokens and hidden-state bytes of a dataset"),
+    "check-disk": ("eagleflow.data.disk_check", "fail early when the disk cannot hold the hidden states"),
+    "extract": ("eagleflow.extract.shard", "extract hidden states for a range of rows"),
+    "build-vocab": ("eagleflow.data.vocab", "build the draft vocabulary (d2t/t2d)"),
+    "train": ("eagleflow.train.step", "train the EAGLE-3 drafter with speculators"),
+    "plot": ("eagleflow.metrics.plot", "draw loss and accuracy charts from training metrics"),
 }
 
 

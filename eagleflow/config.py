@@ -11,14 +11,25 @@ from __future__ import annotations
 import argparse
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import AfterValidator, BaseModel, Field, ValidationError
 
 from eagleflow.errors import UserError
+from sglang_patch.layer_ids import validate_aux_layer_ids
 
 M = TypeVar("M", bound=BaseModel)
+
+# Aux layer ids as every config declares them: the one rule (distinct, non-negative) checked
+# on input, and said in the JSON schema too (the Params form refuses a repeated id at trigger
+# time). The range needs the model's depth: eagleflow.data.verifier.resolve_aux_layer_ids.
+AuxLayerIds = Annotated[
+    list[Annotated[int, Field(ge=0)]],
+    AfterValidator(validate_aux_layer_ids),
+    Field(json_schema_extra={"uniqueItems": True}),
+]
 
 
 def flag_name(field: str) -> str:
@@ -61,6 +72,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, model: type[BaseModel])
             kwargs["action"] = argparse.BooleanOptionalAction
         elif origin is list:
             (item,) = typing.get_args(annotation)
+            if typing.get_origin(item) is Annotated:
+                item = typing.get_args(item)[0]
             kwargs["type"] = parse_int_list if item is int else (lambda s: [p for p in s.split(",") if p])
             kwargs["metavar"] = "A,B,…"
         elif origin is typing.Literal:
@@ -75,12 +88,17 @@ def add_model_arguments(parser: argparse.ArgumentParser, model: type[BaseModel])
 def model_from_args(model: type[M], args: argparse.Namespace | dict[str, Any]) -> M:
     """Build ``model`` from parsed flags; a validation error names the flag and raises UserError."""
     values = dict(vars(args) if isinstance(args, argparse.Namespace) else args)
-    values = {k: v for k, v in values.items() if k in model.model_fields}
+    return build_model(model, {k: v for k, v in values.items() if k in model.model_fields}, flag_name)
+
+
+def build_model(model: type[M], values: dict[str, Any], name: Callable[[str], str]) -> M:
+    """``model(**values)``; a validation error becomes a :class:`UserError` naming each bad field
+    the way its user knows it (``name``: a flag, a Param)."""
     try:
         return model(**values)
     except ValidationError as exc:
         problems = "; ".join(
-            f"{flag_name(str(err['loc'][0])) if err['loc'] else model.__name__}: {err['msg']}"
+            f"{name(str(err['loc'][0])) if err['loc'] else model.__name__}: {err['msg'].removeprefix('Value error, ')}"
             for err in exc.errors()
         )
         raise UserError(problems) from exc

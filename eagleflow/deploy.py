@@ -1,4 +1,4 @@
-"""Names that the DAG and the multi-machine deployment (``docker/``) must agree on.
+"""Names that the DAG, the UI plugin and the multi-machine deployment (``docker/``) must agree on.
 
 The DAG puts the server, readiness, extraction and training tasks on Celery queue
 :data:`GPU_QUEUE` and in pool :data:`GPU_POOL`. ``docker/docker-compose.yaml`` starts a Celery
@@ -21,3 +21,14 @@ OUTPUT_ROOT_ENV = "EAGLEFLOW_OUTPUT_ROOT"
 # In the GPU image the SGLang server needs its own interpreter (the image's Python, whose
 # transformers SGLang pins), not the worker's, whose transformers speculators needs.
 SGLANG_PYTHON_ENV = "EAGLEFLOW_SGLANG_PYTHON"
+
+# Where the UI plugin's pages live under the Airflow API server; the operators' "eagleflow run"
+# button links there.
+UI_PREFIX = "/eagleflow"
+
+
+def run_page_path(run_name: str) -> str:
+    """Path of a run's page under the API server: ``/eagleflow/runs/<name>`` (the name quoted)."""
+    from urllib.parse import quote
+
+    return f"{UI_PREFIX}/runs/{quote(run_name, safe='')}"

@@ -6,8 +6,11 @@
       dataset/                     training dataset (§3.3) with hidden_states/
       shards/rows_0-2000.json      per-shard manifest
       server/server.log            engine output; server/dumps/ the hook's hand-off folder
-      train/checkpoints/<epoch>/   speculators layout; train/metrics.jsonl; train/train.log
+      train/                       the training step's folder (:class:`TrainLayout`)
       train-progress/*.png, *.svg
+
+The training step also runs on its own (``python -m eagleflow train --out DIR``), so the
+names inside its folder belong to :class:`TrainLayout`, which :attr:`RunLayout.train` returns.
 """
 
 from __future__ import annotations
@@ -19,6 +22,13 @@ from pathlib import Path
 from eagleflow.errors import UserError
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# speculators reads row i's states from <dataset>/hidden_states/hs_{i}.safetensors.
+HIDDEN_STATES_DIR = "hidden_states"
+
+
+def hidden_states_dir(dataset: str | Path) -> Path:
+    """The folder of a training dataset that holds its rows' hidden-state files."""
+    return Path(dataset) / HIDDEN_STATES_DIR
 
 
 def shard_name(start: int, end: int) -> str:
@@ -60,7 +70,7 @@ class RunLayout:
 
     @property
     def hidden_states(self) -> Path:
-        return self.dataset / "hidden_states"
+        return hidden_states_dir(self.dataset)
 
     @property
     def shards(self) -> Path:
@@ -86,21 +96,57 @@ class RunLayout:
         return self.server / "dumps"
 
     @property
-    def train(self) -> Path:
-        return self.root / "train"
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.train / "checkpoints"
-
-    @property
-    def metrics(self) -> Path:
-        return self.train / "metrics.jsonl"
-
-    @property
-    def train_log(self) -> Path:
-        return self.train / "train.log"
+    def train(self) -> TrainLayout:
+        return TrainLayout(self.root / "train")
 
     @property
     def charts(self) -> Path:
         return self.root / "train-progress"
+
+
+@dataclass(frozen=True)
+class TrainLayout:
+    """Files of one training run under its folder (``<run>/train`` in a run folder)."""
+
+    root: Path
+
+    @property
+    def checkpoints(self) -> Path:
+        """speculators' ``--save-path``: one folder per epoch, ``checkpoint_best``, ``interrupted``."""
+        return self.root / "checkpoints"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def log(self) -> Path:
+        return self.root / "train.log"
+
+    @property
+    def result(self) -> Path:
+        """The step's result (DESIGN.md §3.5 train result), written when it succeeds."""
+        return self.root / "result.json"
+
+    @property
+    def drafter(self) -> Path:
+        """The drafter's parameter counts and shape, written when speculators builds it."""
+        return self.root / "drafter.json"
+
+    @property
+    def config(self) -> Path:
+        """The settings of the run in this folder; a resume must match them."""
+        return self.root / "train-config.json"
+
+    @property
+    def verifier_head(self) -> Path:
+        return self.root / "verifier-head"
+
+    @property
+    def speculators_logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def previous(self) -> Path:
+        """Where a restart or an unusable left-over is moved aside, one ``<time>/`` folder each."""
+        return self.root / "previous"

@@ -4,6 +4,13 @@
 from the run's params (:meth:`PipelineConfig.from_params`) and turns it into the argv of its
 step. :func:`param_schemas` gives the JSON schema of every field, which the DAG turns into
 Airflow ``Param`` objects, so a knob's default, type, title and description live here only.
+The training Params are :class:`~eagleflow.train.config.TrainConfig` fields
+(:data:`TRAIN_PARAMS`); :meth:`PipelineConfig.train_config` gives the step its typed config.
+
+Airflow validates a triggered run's conf against those JSON schemas before the run is
+created, so what a schema can say (types, bounds, distinct aux ids) is refused at trigger
+time. What needs the model folder (aux ids beyond the verifier's depth) is checked by
+:meth:`PipelineConfig.check_model` when a task starts, by the same rule.
 """
 
 from __future__ import annotations
@@ -12,10 +19,35 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, create_model, model_validator
 
-from eagleflow.errors import UserError
+from eagleflow.config import AuxLayerIds, build_model
 from eagleflow.layout import RunLayout
+from eagleflow.train.config import TrainConfig
+
+# Training knobs offered in the Params form; their types, defaults and help are TrainConfig's.
+TRAIN_PARAMS = (
+    "epochs",
+    "lr",
+    "total_seq_len",
+    "ttt_steps",
+    "noise_std",
+    "scheduler_type",
+    "scheduler_warmup_ratio",
+    "num_workers",
+    "draft_vocab_size",
+    "num_layers",
+    "draft_config",
+    "train_data_ratio",
+    "device",
+    "gpus",
+    "restart",
+)
+
+# The same fields as a model of their own: checks the training Params without a run folder.
+TrainParams = create_model(  # type: ignore[call-overload]
+    "TrainParams", **{name: (TrainConfig.model_fields[name].annotation, TrainConfig.model_fields[name]) for name in TRAIN_PARAMS}
+)
 
 
 class PipelineConfig(BaseModel):
@@ -43,11 +75,12 @@ class PipelineConfig(BaseModel):
         title="Run name",
         description="Sub-folder of the output root. Reusing a name resumes that run's work; empty: derived from the DAG run id.",
     )
-    aux_layer_ids: list[int] | None = Field(
+    aux_layer_ids: AuxLayerIds | None = Field(
         None,
         title="Aux layer ids",
         description="Layer ids whose input state is captured (state entering layer k); the final pre-norm state is "
-        "added. Empty: speculators' default [2, n//2, n-3]. The seed's Kimi-K2.5 run used [3, 31, 59].",
+        "added. Distinct, 0..n for an n-layer verifier. Empty: speculators' default [2, n//2, n-3]. "
+        "The seed's Kimi-K2.5 run used [3, 31, 59].",
     )
     max_len: int = Field(2048, ge=2, title="Max sequence length", description="Rows longer than this are truncated.")
     skip_bad_rows: bool = Field(
@@ -81,6 +114,9 @@ class PipelineConfig(BaseModel):
         description="With a remote server: the folder its capture hook writes to, as seen from the workers.",
     )
 
+    # Not a Param itself: the training Params as given (checked by from_params), see train_config().
+    train_params: dict[str, Any] = Field(default_factory=dict)
+
     @model_validator(mode="after")
     def _remote_needs_dump_dir(self) -> PipelineConfig:
         if self.server_url and not self.server_dump_dir:
@@ -89,16 +125,19 @@ class PipelineConfig(BaseModel):
 
     @classmethod
     def from_params(cls, params: dict[str, Any], run_id: str = "") -> PipelineConfig:
-        """Build from a DAG run's params; a bad value raises :class:`UserError` naming the Param."""
-        values = {k: v for k, v in dict(params).items() if k in cls.model_fields}
+        """Build from a DAG run's params; a bad value raises :class:`UserError` naming the Param.
+
+        Reads nothing from disk (the teardown needs it even when the model folder is wrong);
+        :meth:`check_model` is the check against the model.
+        """
+        params = dict(params)
+        values = {k: v for k, v in params.items() if k in PIPELINE_PARAMS}
         for name in ("run_name", "server_url", "server_dump_dir", "aux_layer_ids"):
             if values.get(name) in ("", []):
                 values[name] = None
-        try:
-            cfg = cls(**values)
-        except ValidationError as exc:
-            problems = "; ".join(f"Param {'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
-            raise UserError(problems) from exc
+        values["train_params"] = {k: params[k] for k in TRAIN_PARAMS if params.get(k) is not None}
+        build_model(TrainParams, values["train_params"], param_name)
+        cfg = build_model(cls, values, param_name)
         if cfg.run_name is None:
             cfg = cfg.model_copy(update={"run_name": run_name_from_run_id(run_id)})
         return cfg
@@ -108,20 +147,34 @@ class PipelineConfig(BaseModel):
         return RunLayout.of(self.output_root, self.run_name or "run")
 
     def resolved_aux_layer_ids(self) -> list[int]:
-        """The aux ids to capture: given, or speculators' default for the verifier's depth."""
-        from eagleflow.verifier import config_int
+        """The aux ids to capture: given, or speculators' default for the verifier's depth, checked against it."""
+        from eagleflow.data.verifier import resolve_aux_layer_ids
 
-        num_layers = config_int(self.model_path, "num_hidden_layers")
-        ids = self.aux_layer_ids or default_aux_layer_ids(num_layers)
-        bad = [k for k in ids if not 0 <= k <= num_layers]
-        if bad:
-            raise UserError(f"Param aux_layer_ids: {bad} outside 0..{num_layers} (the verifier has {num_layers} layers)")
-        return ids
+        return resolve_aux_layer_ids(self.model_path, self.aux_layer_ids, name="Param aux_layer_ids")
+
+    def check_model(self) -> PipelineConfig:
+        """Check what needs the model folder (it exists, the aux ids fit its depth); returns self."""
+        self.resolved_aux_layer_ids()
+        return self
+
+    def train_config(self) -> TrainConfig:
+        """The training step's config: the training Params plus this run's folders and aux ids."""
+        values = {
+            **self.train_params,
+            "dataset": self.layout.dataset,
+            "verifier": model_dir(self),
+            "out": self.layout.train.root,
+            "aux_layer_ids": self.resolved_aux_layer_ids(),
+        }
+        return build_model(TrainConfig, values, param_name)
 
 
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """speculators' default target layer ids ``[2, n//2, n-3]`` (speculators/models/utils.py)."""
-    return [2, num_layers // 2, num_layers - 3]
+PIPELINE_PARAMS = tuple(name for name in PipelineConfig.model_fields if name != "train_params")
+
+
+def param_name(field: str) -> str:
+    """How a run's user knows a setting: ``Param epochs``."""
+    return f"Param {field}"
 
 
 def run_name_from_run_id(run_id: str) -> str:
@@ -131,8 +184,8 @@ def run_name_from_run_id(run_id: str) -> str:
 
 
 def param_schemas() -> dict[str, dict[str, Any]]:
-    """JSON schema of each pipeline field (``default``, ``type``, ``title``, ``description``, bounds), in form order."""
-    return schemas_of(PipelineConfig, tuple(PipelineConfig.model_fields))
+    """JSON schema of each Param (``default``, ``type``, ``title``, ``description``, bounds), in form order."""
+    return {**schemas_of(PipelineConfig, PIPELINE_PARAMS), **schemas_of(TrainConfig, TRAIN_PARAMS)}
 
 
 def schemas_of(model: type[BaseModel], names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
@@ -141,12 +194,11 @@ def schemas_of(model: type[BaseModel], names: tuple[str, ...]) -> dict[str, dict
     out: dict[str, dict[str, Any]] = {}
     for name in names:
         prop = dict(schema["properties"][name])
-        if "anyOf" in prop:  # Optional[X] -> type [X, "null"]
+        if "anyOf" in prop:  # Optional[X] -> type [X, "null"], with X's own keywords (items, uniqueItems, bounds)
             variants = prop.pop("anyOf")
             prop["type"] = [v.get("type") for v in variants if "type" in v]
-            item = next((v.get("items") for v in variants if v.get("items")), None)
-            if item:
-                prop["items"] = item
+            for variant in variants:
+                prop.update({key: value for key, value in variant.items() if key not in ("type", "enum")})
             if any("enum" in v for v in variants):
                 prop["enum"] = [e for v in variants for e in v.get("enum", [])] + [None]
         if "format" in prop and prop["format"] == "path":
@@ -164,33 +216,3 @@ def schemas_of(model: type[BaseModel], names: tuple[str, ...]) -> dict[str, dict
 def model_dir(cfg: PipelineConfig) -> Path:
     """The verifier folder as an absolute path (checkpoints record it as typed, DESIGN.md §8)."""
     return Path(cfg.model_path).absolute()
-
-
-def server_command(cfg: PipelineConfig, port: int) -> tuple[list[str], dict[str, str]]:
-    """argv and environment of the engine this run launches (never a shell string)."""
-    import sys
-
-    from eagleflow.config import model_to_argv
-
-    layout = cfg.layout
-    aux_ids = cfg.resolved_aux_layer_ids()
-    if cfg.engine == "reference":
-        from eagleflow.reference_engine import ReferenceEngineConfig
-
-        engine = ReferenceEngineConfig(
-            model=model_dir(cfg), dump_dir=layout.dump_dir, aux_layers=aux_ids, host="127.0.0.1", port=port
-        )
-        argv = [sys.executable, "-u", "-m", "eagleflow", "serve-reference", *model_to_argv(engine)]
-        return argv + list(cfg.server_extra_args), {"PYTHONUNBUFFERED": "1"}
-    from eagleflow.sglang_server import SGLangServerConfig, build_command
-
-    sglang = SGLangServerConfig(
-        model_path=str(model_dir(cfg)),
-        tp_size=cfg.tp_size,
-        host="127.0.0.1",
-        port=port,
-        aux_layer_ids=aux_ids,
-        dump_dir=str(layout.dump_dir),
-        extra_args=list(cfg.server_extra_args),
-    )
-    return build_command(sglang)

@@ -1,4 +1,4 @@
-"""Progress lines for long steps: count, rate and ETA, printed unbuffered."""
+"""Progress lines for long steps (count, rate and ETA, printed unbuffered), and the units they print."""
 
 from __future__ import annotations
 
@@ -17,6 +17,21 @@ def format_duration(seconds: float) -> str:
     if minutes:
         return f"{minutes}m{secs:02d}s"
     return f"{secs}s"
+
+
+def format_bytes(n: float) -> str:
+    """``924e9`` -> ``924.0 GB`` (decimal units, as disks are sold)."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def format_table(rows: list[tuple[str, str]]) -> str:
+    """A two-column text table for the task log."""
+    width = max(len(key) for key, _ in rows)
+    return "\n".join(f"  {key.ljust(width)}  {value}" for key, value in rows)
 
 
 class Progress:

@@ -36,7 +36,7 @@ class ShardExtractOperator(EagleflowStepOperator):
 
     def step_argv(self, context: Context) -> list[str]:
         from eagleflow.pipeline import model_dir
-        from eagleflow.serve import ServerInfo
+        from eagleflow.engine.process import ServerInfo
 
         cfg = pipeline_config(context)
         server = ServerInfo.from_dict(self.server)

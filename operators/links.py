@@ -21,7 +21,6 @@ Usage on an operator::
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
 
 from airflow.sdk import BaseOperatorLink
 
@@ -31,17 +30,17 @@ if TYPE_CHECKING:
 
 # The XCom key under which an operator records its run folder name; the link reads it.
 RUN_NAME_XCOM_KEY = "eagleflow_run_name"
-# Where the plugin's pages live under the API server (plugins/eagleflow_ui.py URL_PREFIX).
-UI_PREFIX = "/eagleflow"
 
 
 def run_page_url(run_name: str, base_url: str | None = None) -> str:
     """URL of ``run_name``'s page: ``[api] base_url`` (may be empty) + ``/eagleflow/runs/<name>``."""
+    from eagleflow.deploy import run_page_path
+
     if base_url is None:
         from airflow.sdk import conf
 
         base_url = conf.get("api", "base_url", fallback="") or ""
-    return f"{base_url.rstrip('/')}{UI_PREFIX}/runs/{quote(run_name, safe='')}"
+    return f"{base_url.rstrip('/')}{run_page_path(run_name)}"
 
 
 def push_run_name(context: Context, run_name: str) -> None:

@@ -17,9 +17,8 @@ def pipeline_params(defaults: dict[str, Any] | None = None) -> dict[str, dict[st
     that ``airflow.sdk.Param(**entry)`` accepts, so the trigger form shows titles and help.
     """
     from eagleflow.pipeline import param_schemas
-    from operators.train import train_param_schemas
 
-    schemas = {**param_schemas(), **train_param_schemas()}
+    schemas = param_schemas()
     for name, value in (defaults or {}).items():
         schemas[name]["default"] = value
     return schemas

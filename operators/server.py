@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from airflow.sdk import BaseOperator, BaseSensorOperator
-from airflow.sdk.exceptions import AirflowException
+from airflow.sdk import BaseOperator, BaseSensorOperator, PokeReturnValue
+from airflow.sdk.exceptions import AirflowException, AirflowSensorTimeout
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from operators.step import pipeline_config
@@ -18,15 +18,17 @@ if TYPE_CHECKING:
     from airflow.sdk import Context
 
     from eagleflow.pipeline import PipelineConfig
-    from eagleflow.serve import ServerInfo
+    from eagleflow.engine.process import ServerInfo
 
 # How often the trigger hands the new server log lines back to the task log while waiting.
 LOG_REPORT_SECONDS = 60.0
+# How long past the deadline Airflow waits for the trigger's own timeout event.
+DEFERRAL_GRACE_SECONDS = 300.0
 
 
 def remote_server(cfg: PipelineConfig) -> ServerInfo:
     """The engine of remote-server mode, described by the ``server_url`` / ``server_dump_dir`` Params."""
-    from eagleflow.serve import ServerInfo
+    from eagleflow.engine.process import ServerInfo
 
     return ServerInfo(url=str(cfg.server_url), pid=None, host="", log_path="", dump_dir=str(cfg.server_dump_dir))
 
@@ -47,8 +49,8 @@ class SGLangServerOperator(BaseOperator):
     """
 
     def execute(self, context: Context) -> dict[str, Any]:
-        from eagleflow.pipeline import server_command
-        from eagleflow.serve import free_port, running_server, start_server
+        from eagleflow.engine.launch import engine_command
+        from eagleflow.engine.process import free_port, running_server, start_server
 
         cfg = pipeline_config(context)
         if cfg.server_url:
@@ -60,7 +62,7 @@ class SGLangServerOperator(BaseOperator):
             self.log.info("Reusing this run's engine: pid %s at %s (log %s)", existing.pid, existing.url, existing.log_path)
             return existing.as_dict()
         port = cfg.server_port or free_port()
-        argv, env = server_command(cfg, port)
+        argv, env = engine_command(cfg, port)
         self.log.info("Starting %s engine: %s", cfg.engine, " ".join(argv))
         info = start_server(argv, env, layout.server_log, layout.server_state, f"http://127.0.0.1:{port}", layout.dump_dir)
         self.log.info("Engine pid %s, log %s", info.pid, info.log_path)
@@ -84,9 +86,9 @@ class StopServerOperator(BaseOperator):
     def execute(self, context: Context) -> str:
         import json
 
-        from eagleflow.serve import ServerInfo, stop_server
+        from eagleflow.engine.process import ServerInfo, stop_server
 
-        cfg = pipeline_config(context)
+        cfg = pipeline_config(context, check_model=False)  # the teardown must work whatever the Params say
         if cfg.server_url:
             self.log.info("Remote-server mode: the engine at %s is not ours to stop", cfg.server_url)
             return "remote server left running"
@@ -152,7 +154,7 @@ class ServerReadyTrigger(BaseTrigger):
         return {"status": status, "message": message, "log_offset": self.log_offset, "deadline": self.deadline}
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        from eagleflow.serve import Readiness, ServerInfo, check_ready
+        from eagleflow.engine.process import Readiness, ServerInfo, check_ready
 
         info = ServerInfo.from_dict(self.server)
         report_at = time.time() + self.report_every
@@ -175,47 +177,65 @@ class ServerReadyTrigger(BaseTrigger):
 
 
 class ServerReadySensor(BaseSensorOperator):
-    """Waits out the engine's warmup (about 9 minutes for Kimi-K2.5 on 8 GPUs), deferred.
+    """Waits out the engine's warmup (about 9 minutes for Kimi-K2.5 on 8 GPUs).
 
-    Pokes once; if not ready, defers to :class:`ServerReadyTrigger`. Fails at once, with the
-    last 50 lines of the server log, when the engine process dies or the timeout passes.
-    Returns the engine's ``{url, pid, host, log_path, dump_dir}``.
+    Keeps :class:`BaseSensorOperator`'s contract, as the http provider's ``HttpSensor`` does:
+    with ``deferrable`` (the default) it pokes once and, if the engine is not ready, defers to
+    :class:`ServerReadyTrigger` (no worker slot held) with the remaining time as the deferral's
+    timeout; with ``deferrable=False`` it is a plain sensor whose ``mode`` (``poke`` or
+    ``reschedule``), ``poke_interval`` and ``exponential_backoff`` apply. ``timeout`` bounds
+    the wait: given to the operator, it is used as given; left out, the run's
+    ``warmup_timeout_minutes`` Param sets it. A timeout raises ``AirflowSensorTimeout``, and
+    ``soft_fail`` turns it (and a dead engine) into a skip, as for any sensor.
+
+    Fails at once, with the last 50 lines of the server log, when the engine process dies.
+    Returns (as XCom) the engine's ``{url, pid, host, log_path, dump_dir}``.
 
     :param server: the launch task's XCom (templated).
-    :param poll_interval: seconds between probes.
+    :param poll_interval: seconds between probes (the sensor's ``poke_interval``).
+    :param deferrable: wait in the triggerer instead of a worker.
     """
 
     template_fields: Sequence[str] = ("server",)
 
-    def __init__(self, *, server: Any = None, poll_interval: float = 5.0, **kwargs: Any) -> None:
-        super().__init__(poke_interval=poll_interval, **kwargs)
+    def __init__(
+        self, *, server: Any = None, poll_interval: float = 5.0, deferrable: bool = True, timeout: float | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(poke_interval=poll_interval, timeout=timeout, **kwargs)
         self.server = server
         self.poll_interval = poll_interval
+        self.deferrable = deferrable
+        self.timeout_from_params = timeout is None
 
     def _server_info(self) -> dict[str, Any]:
         if not isinstance(self.server, dict):
             raise AirflowException("no engine info from launch_server; did it run?")
         return dict(self.server)
 
-    def poke(self, context: Context) -> bool:
-        from eagleflow.serve import Readiness, ServerInfo, check_ready
+    def poke(self, context: Context) -> PokeReturnValue:
+        from eagleflow.engine.process import Readiness, ServerInfo, check_ready
 
         server = self._server_info()
         check = check_ready(ServerInfo.from_dict(server))
         if check.state is Readiness.DEAD:
             self._fail("dead", check.message, server)
-        return check.state is Readiness.READY
+        if check.state is Readiness.READY:
+            self.log.info("Engine at %s is ready (%s)", server["url"], check.message)
+        return PokeReturnValue(is_done=check.state is Readiness.READY, xcom_value=server)
 
-    def execute(self, context: Context) -> dict[str, Any]:
+    def execute(self, context: Context) -> Any:
+        if self.timeout_from_params:
+            self.timeout = pipeline_config(context, check_model=False).warmup_timeout_minutes * 60
+        if not self.deferrable:
+            return super().execute(context)
+        ready = self.poke(context)
+        if ready:
+            return ready.xcom_value
+        from eagleflow.engine.process import last_start_offset
+
         server = self._server_info()
-        timeout = pipeline_config(context).warmup_timeout_minutes * 60
-        if self.poke(context):
-            self.log.info("Engine at %s is ready", server["url"])
-            return server
-        from eagleflow.serve import last_start_offset
-
         offset = last_start_offset(server["log_path"]) if server.get("log_path") else 0
-        self._defer(server, time.time() + timeout, offset)
+        self._defer(server, time.time() + self.timeout, offset)
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
         """Resume point: show the new server log lines, then finish, fail, or wait again.
@@ -235,14 +255,16 @@ class ServerReadySensor(BaseSensorOperator):
 
     def _defer(self, server: dict[str, Any], deadline: float, log_offset: int) -> None:
         trigger = ServerReadyTrigger(server=server, deadline=deadline, poll_interval=self.poll_interval, log_offset=log_offset)
+        # The trigger itself reports the deadline (with the log tail); Airflow's own deferral
+        # timeout, a little later, covers a triggerer that went away.
         self.defer(
             trigger=trigger,
             method_name="execute_complete",
-            timeout=timedelta(seconds=max(deadline - time.time(), 0) + 300),
+            timeout=timedelta(seconds=max(deadline - time.time(), 0) + DEFERRAL_GRACE_SECONDS),
         )
 
     def _show_new_log(self, server: dict[str, Any], offset: int) -> int:
-        from eagleflow.serve import read_log_from
+        from eagleflow.engine.process import read_log_from
 
         if not server.get("log_path"):
             return offset
@@ -252,8 +274,9 @@ class ServerReadySensor(BaseSensorOperator):
         return offset
 
     def _fail(self, status: str, message: str, server: dict[str, Any]) -> None:
-        from eagleflow.serve import log_tail
+        from eagleflow.engine.process import log_tail
 
         tail = log_tail(server["log_path"]) if server.get("log_path") else "(remote server: no local log)"
         reason = {"dead": "the engine process died", "timeout": "the engine was not ready in time"}.get(status, status)
-        raise AirflowException(f"{reason}: {message}\n--- last lines of {server.get('log_path') or 'the server log'} ---\n{tail}")
+        text = f"{reason}: {message}\n--- last lines of {server.get('log_path') or 'the server log'} ---\n{tail}"
+        raise (AirflowSensorTimeout if status == "timeout" else AirflowException)(text)

@@ -27,11 +27,16 @@ def step_python() -> str:
     return os.environ.get("EAGLEFLOW_PYTHON") or sys.executable
 
 
-def pipeline_config(context: Context) -> PipelineConfig:
-    """The run's Params as a validated :class:`PipelineConfig` (a bad Param fails here, named)."""
+def pipeline_config(context: Context, check_model: bool = True) -> PipelineConfig:
+    """The run's Params as a validated :class:`PipelineConfig` (a bad Param fails here, named).
+
+    With ``check_model`` (every task but the teardown) the Params that need the model folder
+    are checked too, so a bad aux id list fails the first task that starts, not an extraction.
+    """
     from eagleflow.pipeline import PipelineConfig
 
-    return PipelineConfig.from_params(context["params"], context["run_id"])
+    cfg = PipelineConfig.from_params(context["params"], context["run_id"])
+    return cfg.check_model() if check_model else cfg
 
 
 class StepFailed(Exception):

@@ -10,26 +10,6 @@ from operators.step import EagleflowStepOperator, pipeline_config
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-# Training knobs offered in the Params form; their defaults and help come from TrainConfig.
-TRAIN_PARAMS = (
-    "epochs",
-    "lr",
-    "total_seq_len",
-    "ttt_steps",
-    "noise_std",
-    "scheduler_type",
-    "scheduler_warmup_ratio",
-    "num_workers",
-    "draft_vocab_size",
-    "num_layers",
-    "draft_config",
-    "train_data_ratio",
-    "device",
-    "gpus",
-    "restart",
-)
-
-
 class BuildVocabOperator(EagleflowStepOperator):
     """Token frequencies over loss-masked tokens -> d2t/t2d in the dataset folder (``build-vocab``)."""
 
@@ -37,11 +17,8 @@ class BuildVocabOperator(EagleflowStepOperator):
         super().__init__(step="build-vocab", **kwargs)
 
     def step_argv(self, context: Context) -> list[str]:
-        from eagleflow.pipeline import model_dir
-
-        cfg = pipeline_config(context)
-        size = context["params"].get("draft_vocab_size", 32000)
-        return ["--dataset", str(cfg.layout.dataset), "--verifier", str(model_dir(cfg)), "--draft-vocab-size", str(size)]
+        train = pipeline_config(context).train_config()
+        return ["--dataset", str(train.dataset), "--verifier", str(train.verifier), "--draft-vocab-size", str(train.draft_vocab_size)]
 
 
 class TrainOperator(EagleflowStepOperator):
@@ -57,19 +34,9 @@ class TrainOperator(EagleflowStepOperator):
         super().__init__(step="train", **kwargs)
 
     def step_argv(self, context: Context) -> list[str]:
-        from eagleflow.config import model_from_args, model_to_argv
-        from eagleflow.pipeline import model_dir
-        from eagleflow.train import TrainConfig
+        from eagleflow.config import model_to_argv
 
-        cfg = pipeline_config(context)
-        values = {name: context["params"][name] for name in TRAIN_PARAMS if context["params"].get(name) is not None}
-        values.update(
-            dataset=cfg.layout.dataset,
-            verifier=model_dir(cfg),
-            out=cfg.layout.train,
-            aux_layer_ids=cfg.resolved_aux_layer_ids(),
-        )
-        return model_to_argv(model_from_args(TrainConfig, values))
+        return model_to_argv(pipeline_config(context).train_config())
 
 
 class PlotOperator(EagleflowStepOperator):
@@ -82,12 +49,4 @@ class PlotOperator(EagleflowStepOperator):
 
     def step_argv(self, context: Context) -> list[str]:
         layout = pipeline_config(context).layout
-        return ["--metrics", str(layout.metrics), "--out", str(layout.charts)]
-
-
-def train_param_schemas() -> dict[str, dict[str, Any]]:
-    """JSON schemas of the training Params, taken from :class:`eagleflow.train.TrainConfig`."""
-    from eagleflow.pipeline import schemas_of
-    from eagleflow.train import TrainConfig
-
-    return schemas_of(TrainConfig, TRAIN_PARAMS)
+        return ["--metrics", str(layout.train.metrics), "--out", str(layout.charts)]

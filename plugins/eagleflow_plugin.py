@@ -9,21 +9,23 @@ from __future__ import annotations
 
 from airflow.plugins_manager import AirflowPlugin
 
+from eagleflow.deploy import UI_PREFIX
+
 try:
-    from plugins.eagleflow_ui import URL_PREFIX, create_app
+    from plugins.eagleflow_ui import create_app
 except ImportError:  # only the plugins folder is on sys.path (Airflow adds it)
-    from eagleflow_ui import URL_PREFIX, create_app  # type: ignore[no-redef]
+    from eagleflow_ui import create_app  # type: ignore[no-redef]
 
 
 class EagleflowPlugin(AirflowPlugin):
     """Mounts the eagleflow app under ``/eagleflow`` and adds "eagleflow runs" to the Browse menu."""
 
     name = "eagleflow"
-    fastapi_apps = [{"app": create_app(), "url_prefix": URL_PREFIX, "name": "eagleflow runs"}]
+    fastapi_apps = [{"app": create_app(), "url_prefix": UI_PREFIX, "name": "eagleflow runs"}]
     external_views = [
         {
             "name": "eagleflow runs",
-            "href": f"{URL_PREFIX}/",
+            "href": f"{UI_PREFIX}/",
             "destination": "nav",
             "category": "browse",
             "url_route": "eagleflow",

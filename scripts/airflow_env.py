@@ -38,7 +38,7 @@ from typing import IO
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from eagleflow.serve import group_alive  # noqa: E402  (after the repo is on sys.path)
+from eagleflow.engine.process import group_alive  # noqa: E402  (after the repo is on sys.path)
 SESSION_VAR = "EAGLEFLOW_AIRFLOW_SESSION"
 ADMIN_USER = "admin"
 

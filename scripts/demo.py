@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 
 def main() -> int:
     from eagleflow.demo import DEMO_RUN_NAME, demo_params, make_demo_inputs, run_summary
-    from eagleflow.stats import format_bytes
+    from eagleflow.progress import format_bytes
 
     began = time.monotonic()
     print(f"[demo] inputs in {DEMO_DIR} (built once, then cached)", flush=True)

@@ -65,7 +65,7 @@ if form == "repr":
     logging.basicConfig(level=logging.INFO, stream=sys.stdout)  # the host configured logging first
 import torch
 if not torch.cuda.is_available():
-    from eagleflow.speculators_entry import apply_cpu_shims
+    from eagleflow.train.speculators_entry import apply_cpu_shims
     apply_cpu_shims()
 from speculators.train.cli import main
 from speculators.train.config import TrainConfig
@@ -158,9 +158,9 @@ def main() -> int:
     args = parser.parse_args()
 
     from eagleflow.demo import demo_paths
-    from eagleflow.pipeline import default_aux_layer_ids
-    from eagleflow.tiny_model import TinyModelConfig, make_tiny_model
-    from eagleflow.verifier import config_int
+    from sglang_patch.layer_ids import default_aux_layer_ids
+    from eagleflow.demo.tiny_model import TinyModelConfig, make_tiny_model
+    from eagleflow.data.verifier import config_int
 
     work = args.work.absolute()
     layout = RunLayout.of(work / "runs", "fixture")
@@ -175,7 +175,7 @@ def main() -> int:
     dataset = layout.dataset
 
     # 3. The real step: its metrics.jsonl is the jsonl form.
-    train_dir = layout.train
+    train_dir = layout.train.root
     shutil.rmtree(train_dir, ignore_errors=True)
     run([
         sys.executable, "-m", "eagleflow", "train", "--dataset", str(dataset), "--verifier", str(model),
@@ -187,8 +187,10 @@ def main() -> int:
     # 4. speculators' own entry, same flags (the real step's saved config), in the two logging set-ups.
     # Its logs print paths (config, checkpoints, warnings from site-packages); the child sees only
     # a neutral folder of symlinks, so no path of this machine ends up in the committed files.
-    from eagleflow.train import TrainConfig, TrainPaths, resolve_device, speculators_flags
-    from eagleflow.train_verifier import prepare_verifier
+    from eagleflow.layout import TrainLayout
+    from eagleflow.train.child import resolve_device, speculators_flags
+    from eagleflow.train.config import TrainConfig
+    from eagleflow.train.verifier_head import prepare_verifier
 
     neutral = Path(tempfile.gettempdir()) / "eagleflow-fixture"
     shutil.rmtree(neutral, ignore_errors=True)
@@ -197,11 +199,11 @@ def main() -> int:
         (neutral / name).symlink_to(target, target_is_directory=True)
     python = str(neutral / "venv" / "bin" / "python")
 
-    cfg = TrainConfig.model_validate_json(TrainPaths(train_dir).config.read_text())
+    cfg = TrainConfig.model_validate_json(TrainLayout(train_dir).config.read_text())
     logs: dict[str, Path] = {}
     for form in ("rich", "repr"):
         shutil.rmtree(work / f"train-{form}", ignore_errors=True)
-        paths = TrainPaths(neutral / "work" / f"train-{form}")
+        paths = TrainLayout(neutral / "work" / f"train-{form}")
         paths.root.mkdir(parents=True)
         form_cfg = cfg.model_copy(update={"out": paths.root, "dataset": neutral / "dataset", "verifier": neutral / "model"})
         verifier = prepare_verifier(form_cfg.verifier, paths.verifier_head)
@@ -214,7 +216,7 @@ def main() -> int:
 
     # Publish: the three forms plus a note of how they were made.
     args.out.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(TrainPaths(train_dir).metrics, args.out / "metrics.jsonl")
+    shutil.copyfile(TrainLayout(train_dir).metrics, args.out / "metrics.jsonl")
     shutil.copyfile(logs["rich"], args.out / "rich.log")
     shutil.copyfile(logs["repr"], args.out / "repr.log")
     (args.out / "README.md").write_text(
@@ -226,7 +228,7 @@ def main() -> int:
         "- `repr.log`: stdout of the same entry after the host called `logging.basicConfig()`.\n",
         encoding="utf-8",
     )
-    from eagleflow.metrics import read_metrics
+    from eagleflow.metrics.reader import read_metrics
 
     for name in ("metrics.jsonl", "rich.log", "repr.log"):
         frame = read_metrics(args.out / name)

@@ -1,10 +1,10 @@
-"""Hidden-state capture inside an SGLang server, entered through SGLang's own ``--forward-hooks``.
+"""Hidden-state capture inside an SGLang server: the hook SGLang's ``--forward-hooks`` loads.
 
-SGLang (``sglang/srt/model_executor/hook_manager.py``) imports the factory named by a hook spec
-in every model-runner process, calls it once with the spec's ``config`` dict, and registers the
-callable it returns as a *post* forward hook, ``hook(module, args, output)``, on every module
-whose qualified name matches one of the spec's ``target_modules`` fnmatch patterns. No SGLang
-file is edited and the model's return value is never touched (this hook always returns None).
+:mod:`sglang_patch.hook_spec` builds the spec that names :func:`capture_hook_factory`; SGLang
+calls the factory once per model-runner process with the spec's ``config`` dict and registers
+the :class:`HiddenStateCapture` it returns as a *post* forward hook, ``hook(module, args,
+output)``, on every target module. No SGLang file is edited and the model's return value is
+never touched (this hook always returns None).
 
 What is captured (DESIGN.md §3.1): layer id k is the residual stream entering decoder layer k,
 ``hidden_states + residual`` in SGLang's DeepSeek-V2/V3 code, before any norm. SGLang only
@@ -24,92 +24,28 @@ model dtype and ``token_ids [seq_len]``, written by :class:`sglang_patch.dump_wr
 requests and decode/idle passes are skipped; a request whose pass reuses a cached prefix
 (``extend_prefix_len > 0``) would give a short dump, so it gets ``<rid>.error.json`` instead.
 
-Supported SGLang: ``>=0.5.10,<0.5.21`` (see :data:`SUPPORTED_RANGE`); the factory refuses
-anything else when SGLang loads it. Standard library only at import time, so the launcher
-(:mod:`eagleflow.sglang_server`) can import the spec helpers without torch.
+The factory refuses an SGLang outside :data:`sglang_patch.hook_spec.SUPPORTED_RANGE`.
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
-import re
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # torch is imported where it is used: the launcher imports this module too
+from sglang_patch.hook_spec import DUMP_DIR_ENV, HOOK_NAME, UnsupportedSGLangVersion, check_supported_version
+from sglang_patch.layer_ids import validate_aux_layer_ids
+from sglang_patch.request_ids import is_captured
+
+if TYPE_CHECKING:  # torch is imported where it is used: importing this module stays cheap
     import torch
 
     from sglang_patch.dump_writer import DumpWriter
 
 logger = logging.getLogger(__name__)
-
-# The supported SGLang versions, [MIN, BELOW). Why these ends (checked against the wheels by
-# tests/sglang_patch/test_sglang_source.py):
-# - 0.5.10 is the first release whose ForwardBatch carries ``rids`` (forward_batch_info.py);
-#   before it the hook cannot tell which request a token belongs to.
-# - 0.5.21 folded the residual into the layer's hidden-state handle: DeepseekV2DecoderLayer.forward
-#   lost its ``residual`` argument and returns ``(hidden_states, topk_indices)``, so
-#   "hidden_states + residual at a layer's output" no longer exists as two tensors.
-# Within the range every DeepSeek-V2/V3 decoder layer is called positionally as
-# ``layer(positions, hidden_states, forward_batch, residual, ...)`` and returns
-# ``(hidden_states, residual, topk_indices)``, and Kimi-K2.5 (KimiK25ForConditionalGeneration)
-# wraps the same DeepseekV3ForCausalLM as ``language_model``.
-SUPPORTED_MIN = (0, 5, 10)
-SUPPORTED_BELOW = (0, 5, 21)
-SUPPORTED_RANGE = ">=0.5.10,<0.5.21"
-
-HOOK_NAME = "eagleflow_hidden_states"
-HOOK_FACTORY = "sglang_patch.hook:capture_hook_factory"
-DUMP_DIR_ENV = "SGLANG_HS_DUMP_DIR"
-HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang/srt/constants.py; /health's rid is f"{prefix}_{uuid}"
-
-# Where the DeepseekV2Model sits in SGLang's module tree:
-# DeepseekV3ForCausalLM.model (DeepSeek-V3) and
-# KimiK25ForConditionalGeneration.language_model.model (Kimi-K2.5, a multimodal wrapper).
-DEEPSEEK_V3_MODEL_PREFIX = "model"
-KIMI_K25_MODEL_PREFIX = "language_model.model"
-MODEL_PREFIXES = (DEEPSEEK_V3_MODEL_PREFIX, KIMI_K25_MODEL_PREFIX)
-
-
-class UnsupportedSGLangVersion(RuntimeError):
-    """The installed SGLang is outside :data:`SUPPORTED_RANGE`; carries the version found."""
-
-    def __init__(self, version: str) -> None:
-        self.version = version
-        super().__init__(
-            f"eagleflow's hidden-state capture hook supports sglang {SUPPORTED_RANGE}, found sglang "
-            f"{version!r}. Below 0.5.10 ForwardBatch has no rids (no way to name a request's dump); "
-            "from 0.5.21 a decoder layer no longer returns (hidden_states, residual). "
-            f"Install a supported release, e.g. pip install 'sglang{SUPPORTED_RANGE}'."
-        )
-
-
-def parse_version(text: str) -> tuple[int, int, int]:
-    """``"0.5.10.post1"`` -> ``(0, 5, 10)``; raises ValueError for text without a x.y.z start."""
-    match = re.match(r"\s*v?(\d+)\.(\d+)(?:\.(\d+))?", text)
-    if not match:
-        raise ValueError(f"not a version: {text!r}")
-    major, minor, patch = match.groups()
-    return int(major), int(minor), int(patch or 0)
-
-
-def is_supported_version(version: str) -> bool:
-    """Whether SGLang ``version`` lies in :data:`SUPPORTED_RANGE`."""
-    try:
-        parsed = parse_version(version)
-    except ValueError:
-        return False
-    return SUPPORTED_MIN <= parsed < SUPPORTED_BELOW
-
-
-def check_supported_version(version: str) -> None:
-    """Raise :class:`UnsupportedSGLangVersion` unless ``version`` is supported."""
-    if not is_supported_version(version):
-        raise UnsupportedSGLangVersion(version)
 
 
 def installed_sglang_version() -> str:
@@ -126,66 +62,6 @@ def _sglang_tp_rank() -> int:
     from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_rank
 
     return int(get_tensor_model_parallel_rank())
-
-
-def validate_layer_ids(aux_layer_ids: Sequence[int], num_layers: int) -> list[int]:
-    """Check aux ids against the model depth (0..num_layers); returns them as ints, order kept."""
-    if num_layers < 1:
-        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-    ids = [int(k) for k in aux_layer_ids]
-    if not ids:
-        raise ValueError("aux_layer_ids is empty: name at least one layer id to capture")
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"aux_layer_ids has duplicates: {ids}")
-    bad = [k for k in ids if not 0 <= k <= num_layers]
-    if bad:
-        raise ValueError(
-            f"aux_layer_ids {bad} out of range for a {num_layers}-layer model: ids are 0..{num_layers} "
-            f"(id k = the state entering layer k; id {num_layers} = the last layer's pre-norm output, "
-            "which is also always captured as the final slot)"
-        )
-    return ids
-
-
-def target_module_names(aux_layer_ids: Sequence[int], num_layers: int) -> list[str]:
-    """The module names the hook must be registered on, for DeepSeek-V3 and Kimi-K2.5 trees.
-
-    ``embed_tokens`` for id 0, layer k-1 for id k >= 1, and the last layer for the final slot.
-    They are exact names (fnmatch patterns without wildcards), so ``layers.2`` never matches
-    ``layers.20``; the names of the layout a model does not have simply match nothing.
-    """
-    ids = validate_layer_ids(aux_layer_ids, num_layers)
-    layers = sorted({k - 1 for k in ids if k >= 1} | {num_layers - 1})
-    names: list[str] = []
-    for prefix in MODEL_PREFIXES:
-        if 0 in ids:
-            names.append(f"{prefix}.embed_tokens")
-        names += [f"{prefix}.layers.{i}" for i in layers]
-    return names
-
-
-def forward_hooks_spec(
-    aux_layer_ids: Sequence[int], num_layers: int, dump_dir: str | os.PathLike[str] | None = None
-) -> list[dict[str, Any]]:
-    """The ``--forward-hooks`` value (a JSON list) that switches the capture on."""
-    config: dict[str, Any] = {"aux_layer_ids": validate_layer_ids(aux_layer_ids, num_layers), "num_layers": num_layers}
-    if dump_dir is not None:
-        config["dump_dir"] = str(dump_dir)
-    return [
-        {
-            "name": HOOK_NAME,
-            "target_modules": target_module_names(aux_layer_ids, num_layers),
-            "hook_factory": HOOK_FACTORY,
-            "config": config,
-        }
-    ]
-
-
-def forward_hooks_argument(
-    aux_layer_ids: Sequence[int], num_layers: int, dump_dir: str | os.PathLike[str] | None = None
-) -> str:
-    """:func:`forward_hooks_spec` as the one argv element SGLang's ``json_list_type`` parses."""
-    return json.dumps(forward_hooks_spec(aux_layer_ids, num_layers, dump_dir), separators=(",", ":"))
 
 
 def capture_hook_factory(config: dict[str, Any] | None) -> HiddenStateCapture:
@@ -242,7 +118,7 @@ class HiddenStateCapture:
         writer_factory: Callable[..., DumpWriter] | None = None,
         max_pending: int = 16,
     ) -> None:
-        self.aux_layer_ids = validate_layer_ids(aux_layer_ids, num_layers)
+        self.aux_layer_ids = validate_aux_layer_ids(aux_layer_ids, num_layers)
         self.num_layers = num_layers
         self.dump_dir = str(dump_dir)
         self.n_slots = len(self.aux_layer_ids) + 1
@@ -368,7 +244,7 @@ class HiddenStateCapture:
                 f"token count mismatch: extend lengths sum to {total}, input_ids has "
                 f"{int(batch.input_ids.shape[0])}, captured rows {sorted(set(rows.values()))}"
             )
-        wanted = [i for i, rid in enumerate(rids) if _wanted(rid)]
+        wanted = [i for i, rid in enumerate(rids) if is_captured(rid)]
         if not wanted:
             return
         writer = self._get_writer()
@@ -401,7 +277,7 @@ class HiddenStateCapture:
         try:
             writer = self._get_writer()
             for rid in rids:
-                if _wanted(rid):
+                if is_captured(rid):
                     writer.submit_error(str(rid), reason)
         except Exception:
             logger.exception("eagleflow capture hook could not record the failure")
@@ -445,7 +321,3 @@ def _int_list(cpu: Sequence[int] | None, device: Any) -> list[int]:
     if device is None:
         raise RuntimeError("forward_batch has no extend lengths")
     return [int(n) for n in device.tolist()]  # the gpu-only path leaves the *_cpu mirrors unset
-
-
-def _wanted(rid: Any) -> bool:
-    return rid is not None and not str(rid).startswith(HEALTH_CHECK_RID_PREFIX)

@@ -35,7 +35,7 @@ def repo_root() -> Path:
 def tiny_model() -> Path:
     """The trained tiny DeepSeek-V3 verifier: the demo's own (built once, cached under .cache/demo)."""
     from eagleflow.demo import demo_paths
-    from eagleflow.tiny_model import TinyModelConfig, make_tiny_model
+    from eagleflow.demo.tiny_model import TinyModelConfig, make_tiny_model
 
     return make_tiny_model(TinyModelConfig(out=Path(demo_paths(CACHE / "demo")["model_path"])))
 
@@ -43,7 +43,7 @@ def tiny_model() -> Path:
 @pytest.fixture(scope="session")
 def random_tiny_model() -> Path:
     """An untrained tiny verifier with the same tokenizer recipe: fast, for plumbing tests."""
-    from eagleflow.tiny_model import TinyModelConfig, make_tiny_model
+    from eagleflow.demo.tiny_model import TinyModelConfig, make_tiny_model
 
     return make_tiny_model(TinyModelConfig(out=CACHE / "test-models" / "tiny-random", train_steps=0, corpus_rows=400))
 

@@ -95,7 +95,7 @@ class AirflowStack:
         content = body.get("content", [])
         if isinstance(content, str):
             return content
-        return "\n".join(str(item.get("event", item)) if isinstance(item, dict) else str(item) for item in content)
+        return "\n".join(_log_line(item) for item in content)
 
     def wait_for_run(self, run_id: str, timeout: float) -> str:
         """Poll the run until it is success or failed; return that state."""
@@ -152,6 +152,16 @@ def _wait_for_dag(stack: AirflowStack, timeout: float) -> None:
 
 
 def _alive(pid: int) -> bool:
-    from eagleflow.serve import pid_alive
+    from eagleflow.engine.process import pid_alive
 
     return pid_alive(pid)
+
+
+def _log_line(item: Any) -> str:
+    """One structured log record as the UI renders it: the event, then any exception it carries."""
+    if not isinstance(item, dict):
+        return str(item)
+    line = str(item.get("event", item))
+    for error in item.get("error_detail") or []:
+        line += f"\n{error.get('exc_type')}: {error.get('exc_value')}"
+    return line

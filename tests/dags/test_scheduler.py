@@ -76,7 +76,7 @@ def test_failed_shard_cleared_through_the_api_reruns_alone(
     airflow_stack: Any, random_tiny_model: Path, tmp_path: Path
 ) -> None:
     from eagleflow.layout import RunLayout
-    from eagleflow.serve import pid_alive
+    from eagleflow.engine.process import pid_alive
 
     started = time.monotonic()
     conversations = tmp_path / "conversations.jsonl"
@@ -175,12 +175,11 @@ def _check_every_row_readable(dataset: Path, model: Path) -> None:
     from datasets import load_from_disk
     from speculators.train.data import ArrowDataset
 
-    from eagleflow.pipeline import default_aux_layer_ids
-    from eagleflow.sample_store import sample_path, validate_dataset
-    from eagleflow.verifier import config_int
+    from eagleflow.data.verifier import config_int, resolve_aux_layer_ids
+    from eagleflow.extract.sample_store import sample_path, validate_dataset
 
     hidden = config_int(str(model), "hidden_size")
-    slots = len(default_aux_layer_ids(config_int(str(model), "num_hidden_layers"))) + 1
+    slots = len(resolve_aux_layer_ids(model, None)) + 1
     rows = load_from_disk(str(dataset))
     assert len(rows) == ROWS
     assert validate_dataset(dataset, slots, hidden) == []
@@ -193,3 +192,39 @@ def _check_every_row_readable(dataset: Path, model: Path) -> None:
         assert item["input_ids"].tolist() == expected
         assert item["hidden_states"].shape[-1] == hidden * (slots - 1), item["hidden_states"].shape
         assert os.path.getsize(sample_path(dataset / "hidden_states", row)) > 0
+
+
+def test_bad_aux_layer_ids_are_refused_at_trigger_or_by_the_first_tasks(
+    airflow_stack: Any, random_tiny_model: Path, tmp_path: Path
+) -> None:
+    """[2, 2] never becomes a run; ids past the verifier's depth stop the run before any extraction."""
+    conversations = tmp_path / "conversations.jsonl"
+    _make_conversations(random_tiny_model, conversations)
+    airflow_stack.request("PATCH", f"/dags/{DAG_ID}", json={"is_paused": False})
+    conf = _conf(random_tiny_model, conversations, tmp_path / "runs", "bad-aux")
+
+    # What the Param's schema can say (distinct, non-negative) Airflow refuses before the run exists.
+    for ids in ([2, 2], [-1, 3]):
+        refused = airflow_stack.request(
+            "POST", f"/dags/{DAG_ID}/dagRuns", expect=400,
+            json={"dag_run_id": f"bad-aux-{ids[0]}", "logical_date": None, "conf": {**conf, "aux_layer_ids": ids}},
+        )
+        assert "aux_layer_ids" in json.dumps(refused), refused
+        airflow_stack.request("GET", f"/dags/{DAG_ID}/dagRuns/bad-aux-{ids[0]}", expect=404)
+
+    # The verifier's depth (8 layers) lives in its folder, on the workers: the first tasks that
+    # start read it and fail, naming the Param; nothing downstream of them runs.
+    run_id = "bad-aux-depth"
+    airflow_stack.request(
+        "POST", f"/dags/{DAG_ID}/dagRuns",
+        json={"dag_run_id": run_id, "logical_date": None, "conf": {**conf, "aux_layer_ids": [2, 9]}},
+    )
+    assert airflow_stack.wait_for_run(run_id, RUN_TIMEOUT) == "failed", airflow_stack.describe(run_id)
+    tis = airflow_stack.task_instances(run_id)
+    for root in ("launch_server", "prepare_dataset"):
+        assert tis[(root, -1)]["state"] == "failed", airflow_stack.describe(run_id)
+        log = airflow_stack.task_log(run_id, root, tis[(root, -1)]["try_number"])
+        assert "Param aux_layer_ids: aux layer ids [9] are outside 0..8" in log, log[-2000:]
+    ran = {task for (task, _), ti in tis.items() if ti["state"] not in ("upstream_failed", "skipped", None)}
+    assert ran <= {"launch_server", "prepare_dataset", "stop_server"}, airflow_stack.describe(run_id)
+    assert not (tmp_path / "runs" / "bad-aux" / "dataset").exists()

@@ -126,14 +126,6 @@ def test_run_page_url() -> None:
     assert EagleflowRunLink().xcom_key == "_link_EagleflowRunLink"
 
 
-def test_ui_prefix_matches_the_plugin() -> None:
-    from operators.links import UI_PREFIX
-    from plugins.eagleflow_ui import URL_PREFIX, link_path
-
-    assert UI_PREFIX == URL_PREFIX
-    assert run_page_url("x y", base_url="") == link_path("x y")
-
-
 @pytest.mark.parametrize("run_id", ["manual__2026-11-30T16:00:00+00:00"])
 def test_fallback_without_params_uses_the_run_id_rule(run_id: str) -> None:
     from eagleflow.pipeline import run_name_from_run_id

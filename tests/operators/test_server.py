@@ -27,11 +27,17 @@ from typing import Any
 import pytest
 import requests
 import structlog
-from airflow.sdk.exceptions import AirflowException, TaskDeferred
+from airflow.sdk.exceptions import (
+    AirflowException,
+    AirflowRescheduleException,
+    AirflowSensorTimeout,
+    AirflowSkipException,
+    TaskDeferred,
+)
 
 from eagleflow.errors import UserError
 from eagleflow.layout import RunLayout
-from eagleflow.serve import ServerInfo, free_port, group_members, pid_alive, start_server
+from eagleflow.engine.process import ServerInfo, free_port, group_members, pid_alive, start_server
 from operators.server import ServerReadySensor, ServerReadyTrigger, SGLangServerOperator, StopServerOperator
 from operators.step import EagleflowStepOperator, StepFailed
 
@@ -222,6 +228,52 @@ def test_sensor_returns_at_once_when_ready_and_fails_at_once_when_dead(health, p
     assert "server line 2" in str(failed.value)
 
 
+def test_an_explicit_sensor_timeout_wins_over_the_param(health, params) -> None:
+    health.status = 503
+    params["warmup_timeout_minutes"] = 2
+    sensor = ServerReadySensor(task_id="w", server=server_dict(health.url, os.getpid()), timeout=30)
+    with pytest.raises(TaskDeferred) as deferred:
+        sensor.execute(make_context(params))
+    assert deferred.value.trigger.deadline <= time.time() + 30
+
+
+def test_not_deferrable_it_pokes_in_place_times_out_and_soft_fails_like_any_sensor(health, params) -> None:
+    """BaseSensorOperator's contract: poke mode, timeout, soft_fail, the XCom of PokeReturnValue."""
+    health.status = 503
+    server = server_dict(health.url, os.getpid())
+    plain = {"task_id": "w", "server": server, "deferrable": False, "poll_interval": 0.1, "timeout": 0.6}
+    asked = len(health.requests)
+    with pytest.raises(AirflowSensorTimeout):
+        ServerReadySensor(**plain).execute(make_context(params))
+    assert len(health.requests) - asked >= 3  # several pokes in this process, no deferral
+    with pytest.raises(AirflowSkipException):
+        ServerReadySensor(**plain, soft_fail=True).execute(make_context(params))
+    threading.Timer(0.3, lambda: setattr(health, "status", 200)).start()
+    assert ServerReadySensor(**{**plain, "timeout": 30}).execute(make_context(params)) == server
+
+
+def test_reschedule_mode_gives_the_worker_back_between_pokes(health, params) -> None:
+    class FirstTry:  # the task instance's one question in reschedule mode
+        def get_first_reschedule_date(self, context: Any) -> None:
+            return None
+
+    health.status = 503
+    sensor = ServerReadySensor(task_id="w", server=server_dict(health.url, os.getpid()), deferrable=False, mode="reschedule")
+    with pytest.raises(AirflowRescheduleException):
+        sensor.execute({**make_context(params), "ti": FirstTry()})
+
+
+def test_a_trigger_timeout_is_a_sensor_timeout_that_soft_fail_turns_into_a_skip(tmp_path: Path) -> None:
+    server = server_dict("http://127.0.0.1:1", None, host="")
+    event = {"status": "timeout", "message": "m", "log_offset": 0, "deadline": 0}
+    with pytest.raises(AirflowSensorTimeout, match="the engine was not ready in time"):
+        ServerReadySensor(task_id="w", server=server).resume_execution("execute_complete", {"event": event}, context={})
+    with pytest.raises(AirflowSkipException):
+        ServerReadySensor(task_id="w", server=server, soft_fail=True).resume_execution(
+            "execute_complete", {"event": event}, context={}
+        )
+
+
 def test_sensor_without_launch_info_says_so(params) -> None:
     with pytest.raises(AirflowException, match="no engine info from launch_server"):
         ServerReadySensor(task_id="w", server=None).execute(make_context(params))
@@ -318,7 +370,7 @@ def test_launch_reuses_the_running_engine_and_starts_a_new_one_after_stop(params
 
 def test_setup_readiness_generate_teardown_with_the_reference_engine(params, process_groups: list[int]) -> None:
     """Issue 3 Done-when: setup -> readiness through a >= 10 s warmup -> /generate -> teardown, no process left."""
-    from eagleflow.sample_store import load_sample
+    from eagleflow.extract.sample_store import load_sample
     from sglang_patch.dump_writer import dump_path
 
     params["server_extra_args"] = ["--threads", "1", "--warmup-seconds", "10"]

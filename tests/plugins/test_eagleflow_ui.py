@@ -11,7 +11,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from plugins.eagleflow_ui import URL_PREFIX, create_app, link_path
+from eagleflow.deploy import UI_PREFIX, run_page_path
+from plugins.eagleflow_ui import create_app
 
 REPO = Path(__file__).resolve().parents[2]
 HTML = {"accept": "text/html"}
@@ -181,16 +182,16 @@ def test_airflow_loads_the_plugin_folder_and_mounts_the_app(
     (plugin,) = [p for p in plugins if p.name == "eagleflow"]
     (app_spec,) = plugin.fastapi_apps
     (view,) = plugin.external_views
-    assert app_spec["url_prefix"] == URL_PREFIX and not any(URL_PREFIX.startswith(p) for p in RESERVED_URL_PREFIXES)
-    assert view["href"] == f"{URL_PREFIX}/" and view["destination"] == "nav"
+    assert app_spec["url_prefix"] == UI_PREFIX and not any(UI_PREFIX.startswith(p) for p in RESERVED_URL_PREFIXES)
+    assert view["href"] == f"{UI_PREFIX}/" and view["destination"] == "nav"
     # Mounted as the API server mounts plugin apps (airflow.api_fastapi.app.init_plugins).
     server = FastAPI()
     server.mount(app_spec["url_prefix"], app_spec["app"])
     browser = TestClient(server, cookies={"_token": airflow_login.token})
-    page = browser.get(link_path("demo"), headers=HTML)
+    page = browser.get(run_page_path("demo"), headers=HTML)
     assert page.status_code == 200 and "rows_80-120" in page.text
     # The page's relative chart links resolve under the mount point.
     src = re.search(r'<img src="([^"]+)"', page.text).group(1)
-    assert browser.get(f"{URL_PREFIX}/runs/{src}").headers["content-type"] == "image/png"
-    assert TestClient(server).get(link_path("demo")).status_code == 401
-    assert json.loads(TestClient(server).get(f"{URL_PREFIX}/api/runs/demo").text)["status"] == 401
+    assert browser.get(f"{UI_PREFIX}/runs/{src}").headers["content-type"] == "image/png"
+    assert TestClient(server).get(run_page_path("demo")).status_code == 401
+    assert json.loads(TestClient(server).get(f"{UI_PREFIX}/api/runs/demo").text)["status"] == 401

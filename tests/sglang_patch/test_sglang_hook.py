@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 import sglang_fakes as fakes
 from sglang_patch import hook as capture_hook
+from sglang_patch import hook_spec
 from sglang_patch.dump_writer import dump_path, error_path
 
 NUM_LAYERS = 6
@@ -44,7 +45,7 @@ def fake_sglang(monkeypatch: pytest.MonkeyPatch):
 def hooked_model(dump_dir: Path, aux: list[int], kind: str = "deepseek", dtype: torch.dtype = torch.float32):
     """A model with the capture hook registered from the launcher's own spec, like SGLang does."""
     model = fakes.build_model(kind, NUM_LAYERS, dtype)
-    specs = json.loads(capture_hook.forward_hooks_argument(aux, NUM_LAYERS, dump_dir))
+    specs = json.loads(hook_spec.forward_hooks_argument(aux, NUM_LAYERS, dump_dir))
     hooked = fakes.register_forward_hooks(model, specs)
     assert hooked, "the spec's patterns matched no module"
     return model, hooked
@@ -173,7 +174,7 @@ def test_allreduce_fusion_partial_sums_give_error_files(tmp_path: Path, fake_sgl
 
 def test_layer_count_mismatch_is_reported_per_request(tmp_path: Path, fake_sglang) -> None:
     model = fakes.build_model("deepseek", NUM_LAYERS)
-    specs = capture_hook.forward_hooks_spec([2], NUM_LAYERS, tmp_path)
+    specs = hook_spec.forward_hooks_spec([2], NUM_LAYERS, tmp_path)
     specs[0]["config"]["num_layers"] = NUM_LAYERS + 1
     specs[0]["target_modules"] = ["model.layers.1", f"model.layers.{NUM_LAYERS - 1}"]
     fakes.register_forward_hooks(model, specs)
@@ -184,7 +185,7 @@ def test_layer_count_mismatch_is_reported_per_request(tmp_path: Path, fake_sglan
 
 def test_missing_target_module_is_reported_not_silently_short(tmp_path: Path, fake_sglang) -> None:
     model = fakes.build_model("deepseek", NUM_LAYERS)
-    specs = capture_hook.forward_hooks_spec([2, 4], NUM_LAYERS, tmp_path)
+    specs = hook_spec.forward_hooks_spec([2, 4], NUM_LAYERS, tmp_path)
     specs[0]["target_modules"] = [p for p in specs[0]["target_modules"] if not p.endswith("layers.3")]
     fakes.register_forward_hooks(model, specs)
     fakes.run(model, fakes.extend_batch({"row0-a": [1, 2]}))
@@ -211,7 +212,7 @@ def test_factory_refuses_unsupported_versions(tmp_path: Path, fake_sglang) -> No
     config = {"aux_layer_ids": [2], "num_layers": NUM_LAYERS, "dump_dir": str(tmp_path)}
     for version in ("0.5.9", "0.5.21", "0.5.23", "0.4.10.post2", "0.0.0.dev0"):
         fake_sglang(version=version)
-        with pytest.raises(capture_hook.UnsupportedSGLangVersion) as info:
+        with pytest.raises(hook_spec.UnsupportedSGLangVersion) as info:
             capture_hook.capture_hook_factory(config)
         assert ">=0.5.10,<0.5.21" in str(info.value) and repr(version) in str(info.value)
     for version in ("0.5.10", "0.5.10.post1", "0.5.15.post1", "0.5.20"):
@@ -221,17 +222,17 @@ def test_factory_refuses_unsupported_versions(tmp_path: Path, fake_sglang) -> No
 
 def test_factory_takes_the_dump_folder_from_the_environment(tmp_path: Path, fake_sglang, monkeypatch) -> None:
     config = {"aux_layer_ids": [2], "num_layers": NUM_LAYERS}
-    monkeypatch.delenv(capture_hook.DUMP_DIR_ENV, raising=False)
-    with pytest.raises(ValueError, match=capture_hook.DUMP_DIR_ENV):
+    monkeypatch.delenv(hook_spec.DUMP_DIR_ENV, raising=False)
+    with pytest.raises(ValueError, match=hook_spec.DUMP_DIR_ENV):
         capture_hook.capture_hook_factory(config)
-    monkeypatch.setenv(capture_hook.DUMP_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(hook_spec.DUMP_DIR_ENV, str(tmp_path))
     assert capture_hook.capture_hook_factory(config).dump_dir == str(tmp_path)
     with pytest.raises(ValueError, match="num_layers"):
         capture_hook.capture_hook_factory({"aux_layer_ids": [2]})
 
 
 def test_target_names_are_exact_for_both_layouts() -> None:
-    names = capture_hook.target_module_names([3, 31, 59], 61)
+    names = hook_spec.target_module_names([3, 31, 59], 61)
     assert names == [
         "model.layers.2", "model.layers.30", "model.layers.58", "model.layers.60",
         "language_model.model.layers.2", "language_model.model.layers.30",
@@ -239,24 +240,15 @@ def test_target_names_are_exact_for_both_layouts() -> None:
     ]
     assert not any(fnmatch.fnmatch("model.layers.20", p) for p in names)
     assert not any(fnmatch.fnmatch("vision_tower.model.layers.2", p) for p in names)
-    assert capture_hook.target_module_names([0], 4) == [
+    assert hook_spec.target_module_names([0], 4) == [
         "model.embed_tokens", "model.layers.3", "language_model.model.embed_tokens", "language_model.model.layers.3",
     ]
-
-
-@pytest.mark.parametrize(
-    ("ids", "message"),
-    [([], "empty"), ([2, 2], "duplicates"), ([7], "out of range"), ([-1], "out of range")],
-)
-def test_layer_ids_are_validated(ids: list[int], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        capture_hook.validate_layer_ids(ids, NUM_LAYERS)
 
 
 def test_a_module_hooked_under_two_names_still_gives_one_whole_dump(tmp_path: Path, fake_sglang) -> None:
     aux = [0, 3]
     model = fakes.build_model("kimi-aliased", NUM_LAYERS)
-    specs = capture_hook.forward_hooks_spec(aux, NUM_LAYERS, tmp_path)
+    specs = hook_spec.forward_hooks_spec(aux, NUM_LAYERS, tmp_path)
     hooked = fakes.register_forward_hooks(model, specs, remove_duplicate=False)
     assert "model.layers.5" in hooked and "language_model.model.layers.5" in hooked  # each hook runs twice
     fakes.run(model, fakes.extend_batch({"r": [1, 2, 3]}))

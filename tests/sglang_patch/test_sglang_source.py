@@ -31,8 +31,9 @@ import torch
 from safetensors.torch import load_file
 
 import sglang_fakes as fakes
-from eagleflow import sglang_server
+from eagleflow.engine import sglang_command
 from sglang_patch import hook as capture_hook
+from sglang_patch import hook_spec, request_ids
 from sglang_patch.dump_writer import dump_path
 
 pytestmark = pytest.mark.sglang_source
@@ -66,7 +67,7 @@ def checked_versions() -> list[str]:
     override = os.environ.get("EAGLEFLOW_SGLANG_SOURCE_VERSIONS")
     if override:
         return [v.strip() for v in override.split(",") if v.strip()]
-    return sorted({"0.5.10", "0.5.13.post1", "0.5.14", pinned_version()}, key=capture_hook.parse_version)
+    return sorted({"0.5.10", "0.5.13.post1", "0.5.14", pinned_version()}, key=hook_spec.parse_version)
 
 
 class Wheel:
@@ -223,11 +224,11 @@ def load_real_hook_manager(wheel: Wheel) -> types.ModuleType:
 
 
 def launcher_argv(version: str, tmp: Path) -> list[str]:
-    cfg = sglang_server.SGLangServerConfig(
+    cfg = sglang_command.SGLangServerConfig(
         model_path=str(tmp / "model"), dump_dir=tmp / "dumps", aux_layer_ids=[3, 31, 59], num_layers=61,
         sglang_version=version, python="python3", hook_pythonpath="",
     )
-    argv, _ = sglang_server.build_command(cfg, compute_caps=lambda: None)
+    argv, _ = sglang_command.build_command(cfg, compute_caps=lambda: None)
     return argv
 
 
@@ -240,7 +241,7 @@ def wheel(request: pytest.FixtureRequest) -> Wheel:
 
 
 def test_pin_is_inside_the_supported_range() -> None:
-    assert capture_hook.is_supported_version(pinned_version()), pinned_version()
+    assert hook_spec.is_supported_version(pinned_version()), pinned_version()
 
 
 def test_version_the_hook_reads(wheel: Wheel) -> None:
@@ -249,7 +250,7 @@ def test_version_the_hook_reads(wheel: Wheel) -> None:
     assert "from sglang._version import __version__" in wheel.text("sglang/version.py")
     match = re.search(r"^__version__ = version = '([^']+)'", wheel.text("sglang/_version.py"), re.MULTILINE)
     assert match and match.group(1) == wheel.version
-    assert capture_hook.is_supported_version(match.group(1))
+    assert hook_spec.is_supported_version(match.group(1))
 
 
 def test_forward_hooks_registration(wheel: Wheel) -> None:
@@ -287,7 +288,7 @@ def test_forward_hooks_flag_parses_our_json(wheel: Wheel, tmp_path: Path) -> Non
     assert "orjson.loads(value)" in ast.unparse(find_function(utils, "json_list_type"))
     argv = launcher_argv(wheel.version, tmp_path)
     specs = json.loads(argv[argv.index("--forward-hooks") + 1])
-    assert isinstance(specs, list) and specs[0]["hook_factory"] == capture_hook.HOOK_FACTORY
+    assert isinstance(specs, list) and specs[0]["hook_factory"] == hook_spec.HOOK_FACTORY
 
 
 def test_every_launcher_flag_exists(wheel: Wheel, tmp_path: Path) -> None:
@@ -296,7 +297,7 @@ def test_every_launcher_flag_exists(wheel: Wheel, tmp_path: Path) -> None:
     used = [a for a in argv[3:] if a.startswith("--")]
     missing = [f for f in used if f not in flags]
     assert not missing, f"sglang {wheel.version} has no {missing}"
-    if capture_hook.parse_version(wheel.version) >= sglang_server.CUDA_GRAPH_BACKEND_FLAGS_SINCE:
+    if hook_spec.parse_version(wheel.version) >= sglang_command.CUDA_GRAPH_BACKEND_FLAGS_SINCE:
         for phase in ("decode", "prefill"):
             assert "'disabled'" in field_annotation(wheel, f"cuda_graph_backend_{phase}")
     else:
@@ -307,7 +308,7 @@ def test_refused_extra_flags_are_real_flags(tmp_path: Path) -> None:
     known: set[str] = set()
     for version in checked_versions():
         known |= cli_flags(get_wheel(version))
-    unknown = [f for f in [*sglang_server.OWNED_FLAGS, *sglang_server.CAPTURE_BREAKING_FLAGS] if f not in known]
+    unknown = [f for f in [*sglang_command.OWNED_FLAGS, *sglang_command.CAPTURE_BREAKING_FLAGS] if f not in known]
     assert not unknown, f"refusing flags no checked sglang has: {unknown}"
 
 
@@ -379,7 +380,7 @@ def test_forward_batch_fields(wheel: Wheel) -> None:
 
 def test_tensor_parallel_rank_and_health_check_names(wheel: Wheel) -> None:
     find_function(wheel.tree(PARALLEL_STATE), "get_tensor_model_parallel_rank")
-    assert f'HEALTH_CHECK_RID_PREFIX = "{capture_hook.HEALTH_CHECK_RID_PREFIX}"' in wheel.text(CONSTANTS)
+    assert f'HEALTH_CHECK_RID_PREFIX = "{request_ids.HEALTH_CHECK_PREFIX}"' in wheel.text(CONSTANTS)
     assert re.search(r'rid = f"\{HEALTH_CHECK_RID_PREFIX\}_', wheel.text(HTTP_SERVER))
 
 
@@ -397,11 +398,11 @@ def test_real_hook_manager_registers_the_launcher_spec(wheel: Wheel, kind: str, 
     }.items():
         monkeypatch.setitem(sys.modules, name, module)
     num_layers, aux = 6, [0, 2, 4]
-    cfg = sglang_server.SGLangServerConfig(
+    cfg = sglang_command.SGLangServerConfig(
         model_path="unused", dump_dir=tmp_path, aux_layer_ids=aux, num_layers=num_layers,
         sglang_version=wheel.version, python="python3",
     )
-    argv, env = sglang_server.build_command(cfg, compute_caps=lambda: None)
+    argv, env = sglang_command.build_command(cfg, compute_caps=lambda: None)
     specs = json.loads(argv[argv.index("--forward-hooks") + 1])
     model = fakes.build_model(kind, num_layers)
     load_real_hook_manager(wheel).register_forward_hooks(model, specs)
@@ -425,7 +426,7 @@ def test_below_the_range_forward_batch_has_no_rids() -> None:
     batch = find_class(wheel.tree(FORWARD_BATCH), "ForwardBatch")
     fields = {s.target.id for s in batch.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
     assert "rids" not in fields
-    assert not capture_hook.is_supported_version(BELOW_RANGE)
+    assert not hook_spec.is_supported_version(BELOW_RANGE)
 
 
 def test_above_the_range_layers_no_longer_return_the_residual() -> None:
@@ -434,4 +435,4 @@ def test_above_the_range_layers_no_longer_return_the_residual() -> None:
     assert "residual" not in params(forward)
     returned = forward.body[-1]
     assert isinstance(returned, ast.Return) and "residual" not in ast.unparse(returned.value)
-    assert not capture_hook.is_supported_version(ABOVE_RANGE)
+    assert not hook_spec.is_supported_version(ABOVE_RANGE)

@@ -1,0 +1,69 @@
+"""``dataset-stats``: rows, tokens and the bytes the hidden states will take (DESIGN.md §1.3)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from eagleflow.config import AuxLayerIds, add_model_arguments, model_from_args
+from eagleflow.errors import UserError
+from eagleflow.data.verifier import config_int, resolve_aux_layer_ids
+from eagleflow.progress import format_bytes, format_table
+from eagleflow.results import emit_result
+
+BYTES_PER_VALUE = 2  # hidden states are stored as bf16
+
+
+class StatsConfig(BaseModel):
+    """Flags of ``python -m eagleflow dataset-stats``."""
+
+    dataset: Path = Field(description="training dataset folder (prepare-dataset output)")
+    model: Path = Field(description="verifier model folder (its config.json gives the hidden size)")
+    aux_layer_ids: AuxLayerIds = Field(description="captured layer ids; one more slot holds the final state")
+
+
+def dataset_stats(dataset_dir: Path, n_slots: int, hidden_size: int) -> dict[str, Any]:
+    """Rows, tokens, mean/max length and estimated hidden-state bytes (tokens × slots × hidden × 2)."""
+    import datasets
+
+    try:
+        lengths = list(datasets.load_from_disk(str(dataset_dir)).with_format(None)["seq_len"])
+    except FileNotFoundError as exc:
+        raise UserError(f"--dataset {dataset_dir} is not a prepared dataset: {exc}") from exc
+    tokens = int(sum(lengths))
+    return {
+        "rows": len(lengths),
+        "tokens": tokens,
+        "mean_len": round(tokens / len(lengths), 1) if lengths else 0.0,
+        "max_len": int(max(lengths)) if lengths else 0,
+        "n_slots": n_slots,
+        "hidden_size": hidden_size,
+        "estimated_bytes": tokens * n_slots * hidden_size * BYTES_PER_VALUE,
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser, StatsConfig)
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = model_from_args(StatsConfig, args)
+    aux_layer_ids = resolve_aux_layer_ids(cfg.model, cfg.aux_layer_ids)
+    stats = dataset_stats(cfg.dataset, len(aux_layer_ids) + 1, config_int(cfg.model, "hidden_size"))
+    print(
+        format_table(
+            [
+                ("rows", f"{stats['rows']:,}"),
+                ("tokens", f"{stats['tokens']:,}"),
+                ("mean / max length", f"{stats['mean_len']} / {stats['max_len']}"),
+                ("slots × hidden", f"{stats['n_slots']} × {stats['hidden_size']}"),
+                ("hidden states (est.)", format_bytes(stats["estimated_bytes"])),
+            ]
+        ),
+        flush=True,
+    )
+    emit_result(stats)
+    return 0

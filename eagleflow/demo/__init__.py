@@ -1,0 +1,14 @@
+"""The CPU demo's scaffolding: a tiny trained verifier, synthetic conversations, the demo run.
+
+Nothing in the product's stages imports this package; ``make demo``, ``make airflow``, the
+Params form's demo defaults and the tests do.
+
+- :mod:`~eagleflow.demo.run`: the demo's Params and inputs, and the summary of a finished run;
+- :mod:`~eagleflow.demo.tiny_model` (with :mod:`~eagleflow.demo.tiny_tokenizer` and
+  :mod:`~eagleflow.demo.tiny_training`): the tiny DeepSeek-V3 verifier;
+- :mod:`~eagleflow.demo.synthetic_data`: structured synthetic conversations.
+"""
+
+from eagleflow.demo.run import DEMO_PARAMS, DEMO_ROWS, DEMO_RUN_NAME, demo_params, demo_paths, make_demo_inputs, run_summary
+
+__all__ = ["DEMO_PARAMS", "DEMO_ROWS", "DEMO_RUN_NAME", "demo_params", "demo_paths", "make_demo_inputs", "run_summary"]

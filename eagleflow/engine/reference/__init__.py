@@ -1,0 +1,11 @@
+"""The reference engine: a CPU/GPU stand-in for SGLang that captures hidden states.
+
+SGLang cannot run on CPU machines, so the CPU path (and the GPU correctness oracle for the
+SGLang hook) is a small HTTP server backed by ``transformers``, in three parts:
+
+- :mod:`~eagleflow.engine.reference.config`: its flags (``python -m eagleflow serve-reference``);
+- :mod:`~eagleflow.engine.reference.protocol`: the subset of SGLang's native API it speaks,
+  with SGLang's field names, status codes and error bodies;
+- :mod:`~eagleflow.engine.reference.runner`: the model, its forward passes and the capture;
+- :mod:`~eagleflow.engine.reference.server`: the HTTP app, the warmup and the process's life.
+"""

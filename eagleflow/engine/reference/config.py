@@ -1,0 +1,53 @@
+"""Flags of ``python -m eagleflow serve-reference``, declared once."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from eagleflow.config import AuxLayerIds
+
+
+class ReferenceEngineConfig(BaseModel):
+    """Flags of ``python -m eagleflow serve-reference``."""
+
+    model: Path = Field(description="local folder of a transformers causal LM (config.json + safetensors)")
+    dump_dir: Path = Field(description="folder the per-request hidden-state dumps <rid>.safetensors go to")
+    aux_layers: AuxLayerIds = Field(
+        description="layer ids to capture, comma-separated: id k = the state entering decoder layer k, "
+        "n = the last layer's output before the final norm; the final pre-norm state is always added as the last slot"
+    )
+    host: str = Field("127.0.0.1", description="address to bind (keep 127.0.0.1 unless a remote client must reach it)")
+    port: int = Field(30000, ge=0, le=65535, description="TCP port to bind (SGLang's default 30000; 0 = any free port, printed at start)")
+    warmup_seconds: float = Field(
+        0.0, ge=0, description="simulated warmup: /health answers 503 this long after the model is loaded (one real forward runs meanwhile)"
+    )
+    device: Literal["cpu", "cuda"] = Field("cpu", description="where the model runs")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="model dtype; auto = the dtype in the model's config.json (dumps are always bf16)"
+    )
+    threads: int = Field(
+        0, ge=0, description="CPU threads for torch (0 = torch's default, one per core); 1 avoids thrashing on a shared small machine"
+    )
+    trust_remote_code: bool = Field(False, description="allow the model folder's own modelling code (Kimi-K2.5 needs it)")
+    fail_row: list[int] = Field(
+        default_factory=list,
+        description="TEST ONLY: comma list of rows whose requests (rid row{N}-…) answer 500, once across restarts "
+        "(a marker <dump_dir>/.fail-row-N.injected records that the failure was injected)",
+    )
+
+    @field_validator("fail_row")
+    @classmethod
+    def _rows_not_negative(cls, rows: list[int]) -> list[int]:
+        bad = [r for r in rows if r < 0]
+        if bad:
+            raise ValueError(f"row numbers must be >= 0, got {bad}")
+        return rows
+
+
+def fail_row_marker(dump_dir: str | os.PathLike[str], row: int) -> Path:
+    """The marker that records that ``--fail-row row`` has injected its one failure."""
+    return Path(dump_dir) / f".fail-row-{row}.injected"

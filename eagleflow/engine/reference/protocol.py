@@ -1,0 +1,147 @@
+"""SGLang's native ``/generate`` API as the reference engine speaks it.
+
+Field names, defaults, status codes and error bodies are SGLang 0.5.9's (read from
+``sglang/srt/entrypoints/http_server.py``, ``managers/io_struct.py`` and
+``managers/tokenizer_manager.py``):
+
+- ``POST /generate`` ``{"rid", "input_ids" | "text", "sampling_params": {"max_new_tokens", "temperature"}}``
+  -> ``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens",
+  "cached_tokens", "e2e_latency", ...}}``. A request error is 400 ``{"error": {"message"}}`` (SGLang's
+  ``_create_error_response``); a body without ``text``/``input_ids`` gets SGLang's own message.
+- ``GET /health`` and ``/health_generate``: 503 until the warmup is done, then 200.
+- ``GET /model_info`` (and its deprecated name ``/get_model_info``): answers at once.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+# SGLang's log line when its warmup request succeeded; the launcher/sensor side may grep for it.
+READY_LINE = "The server is fired up and ready to roll!"
+# SGLang's GenerateReqInput validation message (io_struct.py, _validate_inputs).
+NO_INPUT_MESSAGE = "Either text, input_ids or input_embeds should be provided."
+# SGLang's SamplingParams defaults (sampling_params.py) for fields a client leaves out.
+DEFAULT_MAX_NEW_TOKENS = 128
+DEFAULT_TEMPERATURE = 1.0
+GREEDY_BELOW_TEMPERATURE = 1e-6  # SGLang treats temperatures under this as greedy (top_k = 1)
+
+
+class RequestError(Exception):
+    """A request the engine answers with an error status; ``body`` is SGLang's error JSON for it."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+    @property
+    def body(self) -> dict[str, Any]:
+        if self.status == HTTPStatus.BAD_REQUEST:
+            # http_server._create_error_response: what a ValueError in the tokenizer manager becomes.
+            return {"error": {"message": self.message}}
+        # http_server's HTTPException handler (ErrorResponse), used for scheduler aborts (500/503).
+        return {"object": "error", "message": self.message, "type": str(self.status), "param": None, "code": self.status}
+
+
+def invalid_json_body(exc: ValueError) -> dict[str, Any]:
+    """SGLang's RequestValidationError answer (400) to a body that is not JSON."""
+    message = f"the request body is not valid JSON: {exc}"
+    return {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One parsed ``/generate`` body."""
+
+    rid: str
+    input_ids: list[int]
+    max_new_tokens: int
+    temperature: float
+    ignore_eos: bool
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a request is checked against: the vocabulary, the context length, the tokenizer."""
+
+    vocab_size: int
+    context_length: int | None
+    tokenize: Callable[[str], list[int]] | None  # None: the model folder has no tokenizer
+
+
+def parse_generate(body: Any, limits: ModelLimits) -> GenerateRequest:
+    """Parse and check a ``/generate`` body as SGLang does; raises :class:`RequestError` (400)."""
+    if isinstance(body, list):
+        raise RequestError(400, "a JSON list of requests is not supported by the reference engine; send one request per call")
+    if not isinstance(body, dict):
+        raise RequestError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    rid = body.get("rid")
+    if rid is None:
+        rid = uuid.uuid4().hex  # SGLang's default rid
+    if not isinstance(rid, str):
+        raise RequestError(400, f"rid must be a string, got {type(rid).__name__} (batch requests are not supported)")
+    # The rid becomes a file name in the dump folder: it must not leave that folder.
+    if not rid or "/" in rid or "\\" in rid or rid.startswith("."):
+        raise RequestError(400, f"rid {rid!r} must be a plain file name (no '/', '\\', leading '.')")
+    if body.get("stream"):
+        raise RequestError(400, f"rid {rid}: stream is not supported by the reference engine; send stream: false")
+    if body.get("input_embeds") is not None:
+        raise RequestError(400, f"rid {rid}: input_embeds is not supported by the reference engine; send input_ids")
+    input_ids = body.get("input_ids")
+    text = body.get("text")
+    if input_ids is None and text is None:
+        # Also what a vLLM-style body ({"prompt_token_ids": [...]}) gets: SGLang drops unknown keys.
+        raise RequestError(400, NO_INPUT_MESSAGE)
+    if input_ids is None:
+        input_ids = _tokenize(rid, text, limits)
+    input_ids = _check_input_ids(rid, input_ids, limits.vocab_size)
+
+    params = body.get("sampling_params") or {}
+    if not isinstance(params, dict):
+        raise RequestError(400, f"rid {rid}: sampling_params must be a JSON object, got {type(params).__name__}")
+    max_new_tokens = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+    if max_new_tokens is None:
+        max_new_tokens = DEFAULT_MAX_NEW_TOKENS
+    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+        raise RequestError(400, f"rid {rid}: sampling_params.max_new_tokens must be at least 0, got {max_new_tokens!r}.")
+    temperature = params.get("temperature", DEFAULT_TEMPERATURE)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
+        raise RequestError(400, f"rid {rid}: sampling_params.temperature must be a number >= 0, got {temperature!r}.")
+    if limits.context_length and len(input_ids) > limits.context_length:
+        raise RequestError(
+            400,
+            f"rid {rid}: The input ({len(input_ids)} tokens) is longer than the model's context length "
+            f"({limits.context_length} tokens).",
+        )
+    return GenerateRequest(rid, input_ids, int(max_new_tokens), float(temperature), bool(params.get("ignore_eos", False)))
+
+
+def _tokenize(rid: str, text: Any, limits: ModelLimits) -> list[int]:
+    if not isinstance(text, str):
+        raise RequestError(400, f"rid {rid}: text must be a string, got {type(text).__name__} (batch requests are not supported)")
+    if limits.tokenize is None:
+        raise RequestError(400, f"rid {rid}: text needs a tokenizer and the model folder has none; send input_ids")
+    return list(limits.tokenize(text))
+
+
+def _check_input_ids(rid: str, input_ids: Any, vocab_size: int) -> list[int]:
+    if not isinstance(input_ids, list):
+        raise RequestError(400, f"rid {rid}: input_ids must be a list of token ids, got {type(input_ids).__name__}")
+    if not input_ids:
+        raise RequestError(400, f"rid {rid}: input_ids is empty")
+    for position, token in enumerate(input_ids):
+        if isinstance(token, list):
+            raise RequestError(400, f"rid {rid}: input_ids is a list of lists; batch requests are not supported")
+        if not _is_int(token):
+            raise RequestError(400, f"rid {rid}: input_ids[{position}] = {token!r} is not an integer token id")
+        if not 0 <= token < vocab_size:
+            raise RequestError(400, f"rid {rid}: input_ids[{position}] = {token} is outside the vocabulary [0, {vocab_size})")
+    return input_ids
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,303 @@
+"""The reference engine's model: forward passes, hidden-state capture and dumps.
+
+Every prefill of a request whose rid is captured (:func:`sglang_patch.request_ids.is_captured`:
+all but SGLang's health checks) is recorded by hooks (:mod:`eagleflow.engine.capture`) and
+written by the same :class:`sglang_patch.dump_writer.DumpWriter` as the SGLang hook, to
+``<dump_dir>/<rid>.safetensors``, before the HTTP answer is sent.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from eagleflow.engine.reference.config import ReferenceEngineConfig, fail_row_marker
+from eagleflow.engine.reference.protocol import (
+    GREEDY_BELOW_TEMPERATURE,
+    READY_LINE,
+    GenerateRequest,
+    ModelLimits,
+    RequestError,
+    parse_generate,
+)
+from eagleflow.errors import UserError
+from eagleflow.files import atomic_write_text
+from sglang_patch.layer_ids import validate_aux_layer_ids
+from sglang_patch.request_ids import HEALTH_CHECK_PREFIX, is_captured, row_of_request_id
+
+if TYPE_CHECKING:
+    import torch
+
+STATS_INTERVAL_S = 30.0
+
+
+class ReferenceEngine:
+    """The model, its capture settings and the request logic, independent of the HTTP layer.
+
+    :param model: a loaded ``transformers`` causal LM in eval mode.
+    :param tokenizer: its tokenizer, or None when the folder has none (then only ``input_ids`` work).
+    :param config: the engine's flags.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, config: ReferenceEngineConfig) -> None:
+        from eagleflow.engine.capture import decoder_layers_and_norm, model_device
+        from sglang_patch.dump_writer import DumpWriter
+
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.device = model_device(model)
+        layers, _ = decoder_layers_and_norm(model)
+        self.num_layers = len(layers)
+        try:
+            self.aux_layer_ids = validate_aux_layer_ids(config.aux_layers, self.num_layers)
+        except ValueError as exc:
+            raise UserError(f"--aux-layers: {exc}") from exc
+        text_config = model.config.get_text_config()
+        self.vocab_size = int(text_config.vocab_size)
+        self.hidden_size = int(text_config.hidden_size)
+        self.limits = ModelLimits(
+            vocab_size=self.vocab_size,
+            context_length=getattr(text_config, "max_position_embeddings", None),
+            tokenize=tokenizer.encode if tokenizer is not None else None,
+        )
+        self.eos_token_ids = _eos_token_ids(model)
+        # Only the last position's logits are needed; older/remote modelling code may lack the knob.
+        self._logits_kwargs = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+        self.writer = DumpWriter(config.dump_dir)
+        self.ready = threading.Event()
+        self.shutting_down = False
+        self.warmup_error: str | None = None
+        self._forward_lock = threading.Lock()  # one forward at a time; requests queue on it
+        # Rows still to fail in this process: a marker left by an earlier process means its one
+        # injected failure already happened.
+        self.fail_rows_pending = {r for r in config.fail_row if not fail_row_marker(config.dump_dir, r).exists()}
+        self._stats_lock = threading.Lock()
+        self._requests = 0
+        self._failed = 0
+        self._prompt_tokens = 0
+        self._last_stats = (time.monotonic(), 0, 0)
+
+    @classmethod
+    def load(cls, config: ReferenceEngineConfig) -> ReferenceEngine:
+        """Load the model (and its tokenizer when the folder has one) named by ``config.model``."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        if not (config.model / "config.json").is_file():
+            raise UserError(f"--model: {config.model} is not a model folder (no config.json there)")
+        if config.device == "cuda" and not torch.cuda.is_available():
+            raise UserError("--device cuda: torch sees no CUDA device here; use --device cpu")
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        dtype: Any = "auto" if config.dtype == "auto" else getattr(torch, config.dtype)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(config.model), dtype=dtype, trust_remote_code=config.trust_remote_code
+            )
+        except (OSError, ValueError) as exc:
+            raise UserError(f"--model: cannot load {config.model}: {exc}") from exc
+        model.to(config.device).eval()
+        return cls(model, _load_tokenizer(config.model, config.trust_remote_code), config)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def generate(self, body: Any) -> dict[str, Any]:
+        """Answer one ``/generate`` body; raises :class:`RequestError` for an error answer."""
+        started = time.time()
+        rid: Any = body.get("rid") if isinstance(body, dict) else None  # for the log line, until parsed
+        try:
+            request = parse_generate(body, self.limits)
+            rid = request.rid
+            if is_captured(rid):
+                self._maybe_inject_failure(rid)
+            try:
+                output_ids, finish_reason = self._run(request)
+            except Exception as exc:  # the model failed (e.g. out of memory): a 500 naming it, the server lives on
+                traceback.print_exc()
+                raise RequestError(500, f"rid {rid}: forward failed: {type(exc).__name__}: {exc}") from exc
+        except RequestError as exc:
+            self._count(0, failed=True)
+            print(f"generate rid={rid}: HTTP {exc.status}: {exc.message}", file=sys.stderr, flush=True)
+            raise
+        if is_captured(rid):
+            self._count(len(request.input_ids), failed=False)
+        return {
+            "text": self._decode(output_ids),
+            "output_ids": output_ids,
+            "meta_info": {
+                "id": rid,
+                "finish_reason": finish_reason,
+                "prompt_tokens": len(request.input_ids),
+                "weight_version": "default",
+                "total_retractions": 0,
+                "completion_tokens": len(output_ids),
+                # No prefix cache here, so every prompt token is computed (and captured).
+                "cached_tokens": 0,
+                "e2e_latency": time.time() - started,
+            },
+        }
+
+    def health(self) -> bool:
+        """SGLang's ``/health_generate``: False before warmup or during shutdown, else a real 1-token forward."""
+        if self.shutting_down or not self.ready.is_set():
+            return False
+        rid = f"{HEALTH_CHECK_PREFIX}_{time.time()}"
+        try:
+            self.generate({"rid": rid, "input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
+        except Exception as exc:  # an unhealthy model is a 503, never a crashed endpoint
+            print(f"health check failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            return False
+        return True
+
+    def model_info(self) -> dict[str, Any]:
+        """``/model_info``: SGLang's fields, plus the shape facts a client of this engine needs."""
+        return {
+            "model_path": str(self.config.model),
+            "tokenizer_path": str(self.config.model) if self.tokenizer is not None else None,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(self.model.config, "model_type", None),
+            "architectures": getattr(self.model.config, "architectures", None),
+            # Extras (not in SGLang's answer): enough to size and check dumps without the model.
+            "engine": "eagleflow-reference",
+            "num_hidden_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "context_length": self.limits.context_length,
+            "dtype": str(self.model.dtype).removeprefix("torch."),
+            "aux_layer_ids": self.aux_layer_ids,
+            "num_hidden_state_slots": len(self.aux_layer_ids) + 1,
+            "dump_dir": str(self.config.dump_dir),
+        }
+
+    def warmup(self) -> None:
+        """One real forward (as SGLang's warmup request), then wait out ``--warmup-seconds``; sets :attr:`ready`."""
+        started = time.monotonic()
+        try:
+            ids = [i % self.vocab_size for i in (10, 11, 12)]  # SGLang's warmup ids without a tokenizer
+            self._run(GenerateRequest("WARMUP", ids, max_new_tokens=1, temperature=0.0, ignore_eos=True), dump=False)
+        except Exception as exc:
+            self.warmup_error = f"{type(exc).__name__}: {exc}"
+            print(f"warmup forward failed: {self.warmup_error}", file=sys.stderr, flush=True)
+            return
+        remaining = self.config.warmup_seconds - (time.monotonic() - started)
+        if remaining > 0:
+            time.sleep(remaining)
+        self.ready.set()
+        print(READY_LINE, flush=True)
+
+    def close(self) -> None:
+        """Write every queued dump, then stop the writer thread."""
+        self.shutting_down = True
+        self.writer.close()
+        for message in self.writer.write_errors:
+            print(f"dump write failed: {message}", file=sys.stderr, flush=True)
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _maybe_inject_failure(self, rid: str) -> None:
+        row = row_of_request_id(rid)
+        if row is None or row not in self.fail_rows_pending:
+            return
+        marker = fail_row_marker(self.config.dump_dir, row)
+        if not marker.exists():
+            atomic_write_text(marker, f"{rid}\n")
+        raise RequestError(500, f"injected failure for row {row} (--fail-row)")
+
+    def _run(self, request: GenerateRequest, dump: bool = True) -> tuple[list[int], dict[str, Any]]:
+        """Prefill (captured unless a health check or ``dump=False``), then up to ``max_new_tokens`` decode steps."""
+        import torch
+
+        from eagleflow.engine.capture import HiddenStateCapture
+
+        max_new_tokens = request.max_new_tokens
+        capture = dump and is_captured(request.rid)
+        ids = torch.tensor([request.input_ids], dtype=torch.long, device=self.device)
+        output_ids: list[int] = []
+        finish_reason: dict[str, Any] = {"type": "length", "length": max_new_tokens}
+        with self._forward_lock, torch.inference_mode():
+            if capture:
+                with HiddenStateCapture(self.model, self.aux_layer_ids) as hooks:
+                    out = self.model(input_ids=ids, use_cache=max_new_tokens > 1, **self._logits_kwargs)
+                states = hooks.stacked()
+                self.writer.submit(request.rid, states, torch.tensor(request.input_ids, dtype=torch.int64))
+            else:
+                out = self.model(input_ids=ids, use_cache=max_new_tokens > 1, **self._logits_kwargs)
+            for step in range(max_new_tokens):
+                token = _pick_token(out.logits[0, -1], request.temperature)
+                output_ids.append(token)
+                if token in self.eos_token_ids and not request.ignore_eos:
+                    finish_reason = {"type": "stop", "matched": token}
+                    break
+                if step + 1 < max_new_tokens:
+                    out = self.model(
+                        input_ids=torch.tensor([[token]], device=self.device),
+                        past_key_values=out.past_key_values,
+                        use_cache=True,
+                        **self._logits_kwargs,
+                    )
+        if capture:
+            # The client checks the dump right after our answer: it must be on disk by then.
+            self.writer.flush()
+        return output_ids, finish_reason
+
+    def _decode(self, output_ids: list[int]) -> str:
+        return self.tokenizer.decode(output_ids) if self.tokenizer is not None and output_ids else ""
+
+    def _count(self, prompt_tokens: int, failed: bool) -> None:
+        """Count a request and print a rate line every ``STATS_INTERVAL_S`` seconds (a server runs for hours)."""
+        with self._stats_lock:
+            self._requests += 1
+            self._failed += int(failed)
+            self._prompt_tokens += prompt_tokens
+            now = time.monotonic()
+            last_time, last_requests, last_tokens = self._last_stats
+            if now - last_time < STATS_INTERVAL_S:
+                return
+            elapsed = now - last_time
+            self._last_stats = (now, self._requests, self._prompt_tokens)
+            line = (
+                f"generate: {self._requests} requests ({self._failed} failed), {self._prompt_tokens} prompt tokens; "
+                f"last {elapsed:.0f}s: {(self._requests - last_requests) / elapsed:.2f} req/s, "
+                f"{(self._prompt_tokens - last_tokens) / elapsed:.0f} prompt tok/s"
+            )
+        print(line, flush=True)
+
+
+def _pick_token(logits: torch.Tensor, temperature: float) -> int:
+    import torch
+
+    if temperature < GREEDY_BELOW_TEMPERATURE:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1))
+
+
+def _eos_token_ids(model: Any) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    return ids
+
+
+def _load_tokenizer(model_dir: Path, trust_remote_code: bool) -> Any:
+    """The folder's tokenizer, or None when it ships none (a bare test model)."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model")
+    if not any((model_dir / name).exists() for name in names):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)

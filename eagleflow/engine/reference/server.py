@@ -1,0 +1,146 @@
+"""``python -m eagleflow serve-reference``: the reference engine's HTTP server and its life.
+
+Like SGLang, ``/generate`` is served as soon as the port is open; only the health checks wait
+for the warmup (one real forward, then ``--warmup-seconds``). SIGTERM/SIGINT stop it after
+every queued dump is written, with exit code 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import socket
+import threading
+import time
+from typing import Any
+
+from eagleflow.config import add_model_arguments, model_from_args
+from eagleflow.engine.reference.config import ReferenceEngineConfig
+from eagleflow.engine.reference.protocol import RequestError, invalid_json_body
+from eagleflow.engine.reference.runner import ReferenceEngine
+from eagleflow.errors import UserError
+
+
+def create_app(engine: ReferenceEngine) -> Any:
+    """The ASGI app serving ``engine`` (Starlette, which FastAPI/SGLang build on).
+
+    Handlers hand the work to the thread pool so several requests are in flight at once; the
+    engine serialises the forward passes itself.
+    """
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    async def generate(request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except ValueError as exc:
+            return JSONResponse(invalid_json_body(exc), status_code=400)
+        try:
+            return JSONResponse(await run_in_threadpool(engine.generate, body))
+        except RequestError as exc:
+            return JSONResponse(exc.body, status_code=exc.status)
+
+    async def health(request: Request) -> Response:
+        healthy = await run_in_threadpool(engine.health)
+        return Response(status_code=200 if healthy else 503)
+
+    async def model_info(request: Request) -> Response:
+        return JSONResponse(engine.model_info())
+
+    return Starlette(
+        routes=[
+            Route("/generate", generate, methods=["POST", "PUT"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/health_generate", health, methods=["GET"]),
+            Route("/model_info", model_info, methods=["GET"]),
+            Route("/get_model_info", model_info, methods=["GET"]),
+        ]
+    )
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (uvicorn serves on it); a clear error when the port is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise UserError(f"--host/--port: cannot bind {host}:{port}: {exc.strerror or exc}") from exc
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(config: ReferenceEngineConfig) -> int:
+    """Load the model, serve until SIGTERM/SIGINT, flush the dumps; 0 on a clean stop, 1 if warmup failed."""
+    import uvicorn
+
+    stop_signals: list[int] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        # Before uvicorn runs this just records the signal. uvicorn swaps in its own handler while
+        # serving and re-raises the signal after its graceful shutdown; it then lands here instead
+        # of killing the process, so the writer is flushed and the exit code is 0.
+        stop_signals.append(signum)
+        if server is not None:
+            server.should_exit = True
+
+    server: Any = None
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
+
+    load_started = time.monotonic()
+    engine = ReferenceEngine.load(config)
+    sock = bind_socket(config.host, config.port)
+    host, port = sock.getsockname()[:2]
+    print(
+        f"reference engine: model {config.model} ({', '.join(engine.model.config.architectures or ['?'])}, "
+        f"{engine.num_layers} layers, hidden {engine.hidden_size}, vocab {engine.vocab_size}, "
+        f"{str(engine.model.dtype).removeprefix('torch.')} on {config.device}) loaded in {time.monotonic() - load_started:.1f}s; "
+        f"aux layer ids {engine.aux_layer_ids} + final pre-norm state = {len(engine.aux_layer_ids) + 1} slots; "
+        f"dumps -> {config.dump_dir}; listening on http://{host}:{port}; warmup {config.warmup_seconds:g}s",
+        flush=True,
+    )
+    if engine.fail_rows_pending:
+        print(f"TEST fault injection: requests for rows {sorted(engine.fail_rows_pending)} will answer 500", flush=True)
+    if stop_signals:  # stopped while the model was loading
+        engine.close()
+        sock.close()
+        print(f"reference engine stopped (signal {signal.Signals(stop_signals[0]).name}) before serving", flush=True)
+        return 0
+
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(engine), log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=30)
+    )
+
+    def warmup_when_listening() -> None:
+        while not server.started and not server.should_exit:
+            time.sleep(0.05)
+        engine.warmup()
+        if engine.warmup_error is not None:
+            server.should_exit = True  # SGLang kills itself when its warmup request fails
+
+    threading.Thread(target=warmup_when_listening, name="warmup", daemon=True).start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.close()
+        sock.close()
+    reason = f"signal {signal.Signals(stop_signals[0]).name}" if stop_signals else "server stopped"
+    print(f"reference engine stopped ({reason}); dumps flushed", flush=True)
+    return 1 if engine.warmup_error is not None else 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``serve-reference``, derived from :class:`ReferenceEngineConfig`."""
+    add_model_arguments(parser, ReferenceEngineConfig)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point of ``python -m eagleflow serve-reference``."""
+    return serve(model_from_args(ReferenceEngineConfig, args))

@@ -1,0 +1,201 @@
+"""The hidden-state sample store: open, validate and publish ``hs_{row}.safetensors`` files.
+
+The file format itself is defined once in :mod:`sglang_patch.sample_file` (the capture hook
+inside SGLang writes it too); this module adds what the pipeline needs around it: where a
+row's file lives, whether it is complete, and moving a server dump into place.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagleflow.files import atomic_path
+from eagleflow.layout import hidden_states_dir
+from sglang_patch.sample_file import (
+    HIDDEN_STATES_DTYPE,
+    HIDDEN_STATES_KEY,
+    TOKEN_IDS_DTYPE,
+    TOKEN_IDS_KEY,
+    sample_file_name,
+    write_sample_file,
+)
+
+__all__ = [
+    "SampleState",
+    "Validation",
+    "load_sample",
+    "publish_dump",
+    "sample_path",
+    "validate",
+    "validate_dataset",
+    "write_sample",
+]
+
+
+class SampleState(str, enum.Enum):
+    COMPLETE = "complete"
+    MISSING = "missing"
+    CORRUPT = "corrupt"
+
+
+@dataclass(frozen=True)
+class Validation:
+    """Outcome of :func:`validate`: the state, and for a corrupt file the reason."""
+
+    state: SampleState
+    reason: str = ""
+    num_tokens: int = 0
+    num_bytes: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.state is SampleState.COMPLETE
+
+
+def sample_path(hidden_states_dir: str | os.PathLike[str], row: int) -> Path:
+    """Path of dataset row ``row``'s file: ``<dataset>/hidden_states/hs_{row}.safetensors``."""
+    return Path(hidden_states_dir) / sample_file_name(row)
+
+
+def write_sample(
+    hidden_states_dir: str | os.PathLike[str], row: int, hidden_states: torch.Tensor, token_ids: torch.Tensor
+) -> Path:
+    """Write row ``row``'s sample atomically and return its path."""
+    return write_sample_file(sample_path(hidden_states_dir, row), hidden_states, token_ids)
+
+
+def load_sample(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Read a sample file into ``{"hidden_states", "token_ids"}``."""
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def validate(
+    path: str | os.PathLike[str],
+    expected_token_ids: Sequence[int] | torch.Tensor,
+    n_slots: int,
+    hidden: int,
+    check_values: bool = True,
+) -> Validation:
+    """Tell whether ``path`` holds a complete sample for ``expected_token_ids``.
+
+    Complete means: the file opens, has exactly the two tensors with the §3.2 dtypes, shapes
+    ``[seq_len, n_slots, hidden]`` / ``[seq_len]`` with ``seq_len == len(expected_token_ids)``,
+    the same token ids, and (with ``check_values``) no NaN or Inf. Anything else is
+    ``CORRUPT`` with a reason.
+
+    ``check_values=False`` reads only the header and the token ids: enough for a file that
+    was published by rename after a full check (a file that exists is complete, §3.2), and
+    it keeps a resumed shard from re-reading hundreds of GB.
+    """
+    path = Path(path)
+    if not path.exists():
+        return Validation(SampleState.MISSING, "no file")
+    size = path.stat().st_size
+    try:
+        tensors = load_sample(path) if check_values else _load_header_and_tokens(path)
+    except Exception as exc:  # safetensors raises several types for a truncated/garbled file
+        return Validation(SampleState.CORRUPT, f"unreadable: {exc}", num_bytes=size)
+
+    def corrupt(reason: str) -> Validation:
+        return Validation(SampleState.CORRUPT, reason, num_bytes=size)
+
+    if set(tensors) != {HIDDEN_STATES_KEY, TOKEN_IDS_KEY}:
+        return corrupt(f"tensors {sorted(tensors)} != {sorted([HIDDEN_STATES_KEY, TOKEN_IDS_KEY])}")
+    states, tokens = tensors[HIDDEN_STATES_KEY], tensors[TOKEN_IDS_KEY]
+    expected = torch.as_tensor(expected_token_ids, dtype=TOKEN_IDS_DTYPE)
+    seq_len = expected.shape[0]
+    if states.dtype != HIDDEN_STATES_DTYPE:
+        return corrupt(f"hidden_states dtype {states.dtype}, expected {HIDDEN_STATES_DTYPE}")
+    if tokens.dtype != TOKEN_IDS_DTYPE:
+        return corrupt(f"token_ids dtype {tokens.dtype}, expected {TOKEN_IDS_DTYPE}")
+    if tuple(states.shape) != (seq_len, n_slots, hidden):
+        return corrupt(f"hidden_states shape {tuple(states.shape)}, expected {(seq_len, n_slots, hidden)}")
+    if tuple(tokens.shape) != (seq_len,):
+        return corrupt(f"token_ids shape {tuple(tokens.shape)}, expected {(seq_len,)}")
+    if not torch.equal(tokens, expected):
+        first = int((tokens != expected).nonzero()[0, 0])
+        return corrupt(f"token mismatch at position {first}: {int(tokens[first])} != {int(expected[first])}")
+    if not check_values:
+        return Validation(SampleState.COMPLETE, num_tokens=seq_len, num_bytes=size)
+    finite = torch.isfinite(states)
+    if not bool(finite.all()):
+        n_nan = int(torch.isnan(states).sum())
+        n_inf = int(torch.isinf(states).sum())
+        slots = sorted({int(s) for s in (~finite).nonzero()[:, 1].tolist()})
+        return corrupt(f"non-finite values: {n_nan} NaN, {n_inf} Inf in slots {slots}")
+    return Validation(SampleState.COMPLETE, num_tokens=seq_len, num_bytes=size)
+
+
+def validate_dataset(dataset_dir: str | os.PathLike[str], n_slots: int, hidden: int) -> list[tuple[int, str]]:
+    """Check every row of a prepared dataset against its hidden-state file (full check).
+
+    Returns ``(row, reason)`` for each row whose file is missing or corrupt; empty when the
+    dataset is complete and ready for training.
+    """
+    import datasets
+
+    dataset_dir = Path(dataset_dir)
+    rows = datasets.load_from_disk(str(dataset_dir)).with_format(None)["input_ids"]
+    problems = []
+    for row, ids in enumerate(rows):
+        check = validate(sample_path(hidden_states_dir(dataset_dir), row), ids, n_slots, hidden)
+        if not check.ok:
+            problems.append((row, f"{check.state.value}: {check.reason}"))
+    return problems
+
+
+class _HeaderOnly:
+    """Shape and dtype of a tensor without its data (what ``validate`` checks first)."""
+
+    def __init__(self, shape: list[int], dtype: torch.dtype) -> None:
+        self.shape, self.dtype = torch.Size(shape), dtype
+
+
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64, "I32": torch.int32}
+
+
+def _load_header_and_tokens(path: Path) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    out: dict[str, Any] = {}
+    with safe_open(str(path), framework="pt") as handle:
+        for key in handle.keys():
+            if key == TOKEN_IDS_KEY:
+                out[key] = handle.get_tensor(key)
+            else:
+                piece = handle.get_slice(key)
+                dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype(), piece.get_dtype())
+                out[key] = _HeaderOnly(piece.get_shape(), dtype)
+    # safe_open already refuses a file shorter than its header says (a truncated write).
+    return out
+
+
+def publish_dump(dump: str | os.PathLike[str], target: str | os.PathLike[str]) -> Path:
+    """Move a validated server dump to its final name.
+
+    A rename when both are on one filesystem (no second copy of hundreds of GB); otherwise a
+    copy to a temp name beside the target, fsync, rename, then the dump is removed.
+    """
+    dump, target = Path(dump), Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(dump, target)
+        return target
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+    with atomic_path(target) as tmp:
+        shutil.copyfile(dump, tmp)
+    dump.unlink()
+    return target

@@ -1,0 +1,11 @@
+"""The metrics stage: training metrics read in any form, and the charts drawn from them.
+
+- :mod:`~eagleflow.metrics.records`: what one ``metrics.jsonl`` record is, and its line reader;
+- :mod:`~eagleflow.metrics.reader`: any metrics file -> one DataFrame, and the latest numbers;
+- :mod:`~eagleflow.metrics.text_forms`: speculators' Rich and raw-repr log output -> records;
+- :mod:`~eagleflow.metrics.plot`: loss and accuracy charts (``python -m eagleflow plot``).
+"""
+
+from eagleflow.metrics.reader import latest_metrics, read_metrics, ttt_steps
+
+__all__ = ["latest_metrics", "read_metrics", "ttt_steps"]

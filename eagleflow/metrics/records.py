@@ -1,0 +1,137 @@
+"""The training-metrics record: its shape, how speculators' metric dicts become one, how to read them.
+
+speculators logs one dict per logged step on logger ``speculators.metrics``::
+
+    {"train": {"loss": …, "loss_0": …, "full_acc_0": …, "cond_acc_0": …, …}, "profile": {…,
+     "tokens_per_s": …}, "epoch": e, "lr": float | {"Muon": …, "AdamW": …}, "global_step": s}
+
+and one per validation epoch, ``{"val": {"loss_epoch": …, "loss_0_epoch": …, …}, "epoch": e}``,
+both with ``extra={"step": s}``. Each becomes one line of ``metrics.jsonl``::
+
+    {"kind": "train", "step", "epoch", "lr", "loss", "loss_0", "full_acc_0", "cond_acc_0", …,
+     "tokens_per_s", "time"}
+    {"kind": "val", "step", "epoch", "loss", "loss_0", "full_acc_0", "cond_acc_0", …, "time"}
+
+Written by the training step's recorder (:mod:`eagleflow.train.recorder`), read by
+:mod:`eagleflow.metrics.reader` (charts, UI) and by resume (:mod:`eagleflow.train.resume`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from eagleflow.errors import UserError
+
+KINDS = ("train", "val")
+# Per-TTT-step metric names, in the order they are shown.
+STEP_METRICS = ("loss", "full_acc", "cond_acc")
+# The optimizer group whose learning rate --lr sets (speculators reports one per group with Muon).
+LR_GROUP = "AdamW"
+
+_TTT_LOSS = re.compile(r"^loss_(\d+)$")
+
+
+def number(value: Any) -> float | None:
+    """A finite float, or None for NaN/Inf/missing (JSON has no NaN)."""
+    try:
+        result = float(value)
+    except (TypeError, ValueError):
+        return None
+    return result if math.isfinite(result) else None
+
+
+def ttt_steps_of(values: Mapping[str, Any]) -> list[int]:
+    """The TTT steps k that have a ``loss_k`` key, ascending."""
+    return sorted(int(m.group(1)) for key in values if (m := _TTT_LOSS.match(str(key))))
+
+
+def preferred_lr(value: Any) -> Any:
+    """The learning rate to show: the value itself, or the AdamW group's of a per-group mapping
+    (the one ``--lr`` sets), else the first group's."""
+    if isinstance(value, Mapping):
+        return value.get(LR_GROUP, next(iter(value.values()), None))
+    return value
+
+
+def _per_step(values: Mapping[str, Any], suffix: str = "") -> dict[str, float | None]:
+    out: dict[str, float | None] = {"loss": number(values.get("loss" + suffix))}
+    for k in ttt_steps_of({key.removesuffix(suffix): v for key, v in values.items() if key.endswith(suffix)}):
+        for name in STEP_METRICS:
+            out[f"{name}_{k}"] = number(values.get(f"{name}_{k}{suffix}"))
+    return out
+
+
+def train_record(msg: Mapping[str, Any], step: int, now: float, world_size: int = 1) -> dict[str, Any]:
+    """The ``kind: train`` record of one logged training step."""
+    profile = msg.get("profile") or {}
+    tokens_per_s = number(profile.get("tokens_per_s")) if isinstance(profile, Mapping) else None
+    record: dict[str, Any] = {
+        "kind": "train", "step": int(step), "epoch": int(msg.get("epoch", 0)), "lr": number(preferred_lr(msg.get("lr"))),
+    }
+    record.update(_per_step(msg["train"]))
+    # speculators times rank 0's packed batch; every rank processes one of the same size.
+    record["tokens_per_s"] = tokens_per_s * world_size if tokens_per_s is not None else None
+    record["time"] = now
+    return record
+
+
+def val_record(msg: Mapping[str, Any], step: int, now: float) -> dict[str, Any]:
+    """The ``kind: val`` record of one validation epoch (speculators' ``_epoch`` suffix dropped)."""
+    record: dict[str, Any] = {"kind": "val", "step": int(step), "epoch": int(msg.get("epoch", 0))}
+    record.update(_per_step(msg["val"], suffix="_epoch"))
+    record["time"] = now
+    return record
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "nan" if value is None else f"{value:.{digits}f}"
+
+
+def format_record(record: Mapping[str, Any]) -> str:
+    """``step 12 epoch 0 lr 3.0e-05 loss 4.210 acc0 0.310 acc1 0.120 …`` (accuracies are full_acc_k)."""
+    accs = " ".join(f"acc{k} {_fmt(record.get(f'full_acc_{k}'))}" for k in ttt_steps_of(record))
+    if record["kind"] == "val":
+        return f"val epoch {record['epoch']} step {record['step']} loss {_fmt(record['loss'], 4)} {accs}"
+    lr = "nan" if record.get("lr") is None else f"{record['lr']:.1e}"
+    line = f"step {record['step']} epoch {record['epoch']} lr {lr} loss {_fmt(record['loss'], 4)} {accs}"
+    if record.get("tokens_per_s") is not None:
+        line += f" {record['tokens_per_s']:.0f} tok/s"
+    return line
+
+
+def iter_jsonl(text: str, source: str = "<text>") -> Iterator[dict[str, Any]]:
+    """Every JSON object line of ``metrics.jsonl`` text, in order (records of any kind).
+
+    The last line may be half-written while training runs (no newline yet): it is skipped.
+    Any other line that does not parse is an error naming the line; blank lines are skipped.
+    """
+    lines = text.splitlines()
+    last_complete = text.endswith(("\n", "\r"))
+    for number_, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if number_ == len(lines) and not last_complete:
+                return  # still being written
+            raise UserError(f"{source} line {number_}: not a JSON object ({exc.msg}): {line[:80]!r}") from exc
+        if not isinstance(record, dict):
+            raise UserError(f"{source} line {number_}: expected a JSON object, got {type(record).__name__}")
+        yield record
+
+
+def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every record of a ``metrics.jsonl`` file (none when it does not exist yet); see :func:`iter_jsonl`."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    return list(iter_jsonl(text, str(path)))

@@ -1,0 +1,148 @@
+"""What a run folder holds, read for people: shards, totals, charts, latest metrics, files.
+
+The one reader of a whole run folder (DESIGN.md §3.6), used by the UI plugin's pages and by
+``make demo``'s summary. Light on purpose: no torch, so the Airflow API server can import it
+(pandas is imported only when a metrics file is read).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eagleflow.errors import UserError
+from eagleflow.extract.manifest import ShardManifest
+from eagleflow.layout import RunLayout
+
+# The charts the plot step draws (its file stem, and a title for people).
+CHARTS = (("loss", "Loss per TTT step"), ("acc", "Accuracy per TTT step"))
+
+
+@dataclass
+class ShardSummary(ShardManifest):
+    """One shard manifest with what a reader derives from it."""
+
+    @property
+    def rows(self) -> int:
+        return max(self.end - self.start, 0)
+
+    @property
+    def complete(self) -> int:
+        return self.done + self.skipped
+
+    @property
+    def rows_per_s(self) -> float | None:
+        return self.done / self.seconds if self.seconds > 0 and self.done else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 and self.tokens else None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "start": self.start, "end": self.end, "state": self.state, "rows": self.rows,
+            "done": self.done, "skipped": self.skipped, "failed": len(self.failed), "failed_rows": self.failed[:50],
+            "tokens": self.tokens, "bytes": self.bytes, "gb": self.bytes / 1e9, "seconds": self.seconds,
+            "rows_per_s": self.rows_per_s, "tokens_per_s": self.tokens_per_s, "updated": self.updated,
+            "error": self.error,
+        }
+
+
+def read_shards(layout: RunLayout) -> list[ShardSummary]:
+    """Every ``shards/*.json`` manifest, ordered by first row; an unreadable one is shown as such."""
+    shards: list[ShardSummary] = []
+    if not layout.shards.is_dir():
+        return shards
+    for path in layout.shards.glob("*.json"):
+        try:
+            shards.append(ShardSummary.read(path))
+        except (OSError, ValueError, TypeError) as exc:
+            shards.append(ShardSummary(name=path.stem, state="unreadable", error=f"{path.name}: {exc}"))
+    return sorted(shards, key=lambda s: (s.start, s.name))
+
+
+class MetricsCache:
+    """``latest_metrics`` of a metrics file, re-read only when the file changes (it can be MBs)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[Path, tuple[tuple[int, int], dict[str, Any]]] = {}
+
+    def latest(self, path: Path) -> dict[str, Any] | None:
+        from eagleflow.metrics.reader import latest_metrics, read_metrics
+
+        try:
+            stat = path.stat()
+        except OSError:
+            return None
+        key = (stat.st_mtime_ns, stat.st_size)
+        cached = self._entries.get(path)
+        if cached and cached[0] == key:
+            return cached[1]
+        try:
+            latest = latest_metrics(read_metrics(path))
+        except UserError as exc:
+            latest = {"error": str(exc), "records": 0, "train": None, "val": None, "ttt": []}
+        self._entries[path] = (key, latest)
+        return latest
+
+
+def readable_files(layout: RunLayout) -> list[Path]:
+    """The logs a reader of the run may open: training log, server log, metrics."""
+    return [layout.train.log, layout.server_log, layout.train.metrics]
+
+
+def _json_or_empty(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def run_summary(layout: RunLayout, metrics: MetricsCache | None = None) -> dict[str, Any]:
+    """Everything a page or a summary shows about a run, as plain JSON (paths relative to the run)."""
+    shards = read_shards(layout)
+    charts = {}
+    for name, _ in CHARTS:
+        png, svg = layout.charts / f"{name}.png", layout.charts / f"{name}.svg"
+        if png.is_file():
+            charts[name] = {
+                "png": str(png.relative_to(layout.root)),
+                "svg": str(svg.relative_to(layout.root)) if svg.is_file() else None,
+                "mtime": int(png.stat().st_mtime),
+            }
+    totals = {
+        "shards": len(shards),
+        "shards_done": sum(1 for s in shards if s.state == "success"),
+        "rows": sum(s.rows for s in shards),
+        "rows_complete": sum(s.complete for s in shards),
+        "rows_failed": sum(len(s.failed) for s in shards),
+        "tokens": sum(s.tokens for s in shards),
+        "gb": sum(s.bytes for s in shards) / 1e9,
+    }
+    result = _json_or_empty(layout.train.result)
+    return {
+        "run": layout.root.name,
+        "shards": [s.as_json() for s in shards],
+        "totals": totals,
+        "metrics": (metrics or MetricsCache()).latest(layout.train.metrics),
+        "charts": charts,
+        "checkpoint": result.get("best_checkpoint") or result.get("checkpoint_dir"),
+        "files": [str(p.relative_to(layout.root)) for p in readable_files(layout) if p.is_file()],
+    }
+
+
+def list_runs(root: Path) -> list[dict[str, Any]]:
+    """Folders under the output root that look like runs (they have shards/ or train/)."""
+    runs = []
+    if not root.is_dir():
+        return runs
+    for child in root.iterdir():
+        try:
+            layout = RunLayout.of(root, child.name)
+        except UserError:
+            continue
+        if child.is_dir() and (layout.shards.is_dir() or layout.train.root.is_dir()):
+            runs.append({"name": child.name, "modified": child.stat().st_mtime})
+    return sorted(runs, key=lambda r: -r["modified"])

@@ -1,0 +1,180 @@
+"""speculators as the training step's child process: device, flags, command, signals, log.
+
+The child is ``python -m eagleflow.train.speculators_entry …`` on CPU or one GPU, and
+``torchrun --nproc-per-node G -m eagleflow.train.speculators_entry …`` on several; its output
+goes line by line to stdout and ``train.log``; SIGTERM/SIGINT are forwarded to its process
+group (speculators then saves an ``interrupted`` checkpoint and stops).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from eagleflow.errors import UserError
+from eagleflow.layout import TrainLayout
+from eagleflow.train.config import TrainConfig
+
+
+class TrainingFailed(Exception):
+    """The speculators child failed or stopped early; ``returncode`` is its exit status."""
+
+    def __init__(self, message: str, returncode: int) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+
+
+@dataclass(frozen=True)
+class Device:
+    kind: Literal["cpu", "cuda"]
+    gpus: int
+
+
+def resolve_device(cfg: TrainConfig) -> Device:
+    """``--device auto`` -> cuda when torch sees a GPU; ``--gpus`` defaults to all it sees."""
+    import torch
+
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    kind = cfg.device if cfg.device != "auto" else ("cuda" if available else "cpu")
+    if kind == "cpu":
+        if cfg.gpus is not None:
+            raise UserError(f"--gpus {cfg.gpus}: torch sees no GPU (use --device cpu without --gpus to train on CPU)")
+        return Device("cpu", 0)
+    if available == 0:
+        raise UserError("--device cuda: torch sees no GPU")
+    gpus = cfg.gpus or available
+    if gpus > available:
+        raise UserError(f"--gpus {gpus}: torch sees only {available} GPU(s)")
+    return Device("cuda", gpus)
+
+
+class TrainLog:
+    """Appends to ``train.log`` and echoes to stdout: what the operator streams into the task log."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.handle = open(path, "a", encoding="utf-8", errors="replace")  # noqa: SIM115 - closed in close()
+
+    def write(self, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        self.handle.write(text)
+        self.handle.flush()
+
+    def say(self, message: str) -> None:
+        self.write(f"[eagleflow] {message}\n")
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+def speculators_flags(cfg: TrainConfig, verifier: Path, device: Device, paths: TrainLayout) -> list[str]:
+    """speculators ``train`` flags for this run (an argv list; nothing goes through a shell)."""
+    on_gpu = device.kind == "cuda"
+    loss = cfg.loss_implementation if cfg.loss_implementation != "auto" else ("fused" if on_gpu else "eager")
+    attn = cfg.draft_attn_impl if cfg.draft_attn_impl != "auto" else ("simple_flex_attention" if on_gpu else "sdpa")
+    flags = [
+        "--verifier-name-or-path", str(verifier),  # absolute: the checkpoint records it as typed
+        "--data-path", str(cfg.dataset.absolute()),
+        "--save-path", str(paths.checkpoints.absolute()),
+        "--log-dir", str(paths.speculators_logs.absolute()),
+        "--target-layer-ids", *[str(i) for i in cfg.aux_layer_ids],
+        "--draft-vocab-size", str(cfg.draft_vocab_size),
+        "--epochs", str(cfg.epochs),
+        "--lr", str(cfg.lr),
+        "--optimizer", cfg.optimizer,
+        "--total-seq-len", str(cfg.total_seq_len),
+        "--ttt-steps", str(cfg.ttt_steps),
+        "--noise-std", str(cfg.noise_std),
+        "--scheduler-type", cfg.scheduler_type,
+        "--scheduler-warmup-ratio", str(cfg.scheduler_warmup_ratio),
+        "--num-workers", str(cfg.num_workers),
+        "--train-data-ratio", str(cfg.train_data_ratio),
+        "--log-freq", str(cfg.log_freq),
+        "--seed", str(cfg.seed),
+        "--mask-token-id", str(cfg.mask_token_id),
+        "--hidden-states-dtype", cfg.hidden_states_dtype,
+        "--loss-implementation", loss,
+        "--draft-attn-impl", attn,
+        # Every epoch: resume needs them. (--save-best would keep only the best one; without it
+        # speculators still points checkpoint_best at the lowest validation loss.)
+        "--checkpoint-freq", "1",
+        "--on-missing", "raise",  # extraction made every file; a gap is a bug, not a vLLM call
+    ]
+    if cfg.draft_config is not None:
+        flags += ["--draft-config", str(cfg.draft_config.absolute())]
+    else:
+        flags += ["--num-layers", str(cfg.num_layers)]
+    if cfg.trust_remote_code:
+        flags.append("--trust-remote-code")
+    return flags
+
+
+def child_command(device: Device, paths: TrainLayout, flags: list[str]) -> list[str]:
+    """``python -m eagleflow.train.speculators_entry …``, under torchrun for more than one GPU."""
+    entry = ["-m", "eagleflow.train.speculators_entry", "--metrics", str(paths.metrics.absolute()),
+             "--summary", str(paths.drafter.absolute()), "--"]
+    if device.kind == "cuda" and device.gpus > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={device.gpus}"]
+        return launcher + entry + flags
+    return [sys.executable, "-u"] + entry + flags
+
+
+def child_env(device: Device) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if device.kind == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # --device cpu on a GPU machine: speculators must not see one
+    return env
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it when this process dies, even by SIGKILL."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: the operator's process-group kill still reaches us
+
+
+def run_child(command: list[str], env: dict[str, str], log: TrainLog) -> tuple[int, int | None]:
+    """Run the child, stream its output, forward SIGTERM/SIGINT; return (exit code, signal forwarded)."""
+    log.say("command: " + " ".join(command))
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        process_group=0,  # its own group, so a forwarded signal reaches torchrun's workers too
+        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+    )
+    forwarded: list[int] = []
+
+    def forward(signum: int, _frame: Any) -> None:
+        forwarded.append(signum)
+        try:
+            os.killpg(process.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        assert process.stdout is not None
+        for raw in iter(process.stdout.readline, b""):
+            log.write(raw.decode("utf-8", errors="replace"))
+        returncode = process.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if process.poll() is None:  # we are unwinding on an error: do not leave training behind
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait()
+    return returncode, (forwarded[0] if forwarded else None)

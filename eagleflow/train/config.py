@@ -1,0 +1,77 @@
+"""Flags of ``python -m eagleflow train``, declared once; defaults are the seed run's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from eagleflow.config import AuxLayerIds
+
+# Flags whose change between a run and its resume would silently change the model or the
+# learning-rate schedule (speculators would stretch or cut the cosine over a new total).
+RESUME_MUST_MATCH = (
+    "aux_layer_ids",
+    "epochs",
+    "lr",
+    "scheduler_type",
+    "scheduler_warmup_ratio",
+    "optimizer",
+    "total_seq_len",
+    "ttt_steps",
+    "train_data_ratio",
+    "draft_vocab_size",
+    "num_layers",
+    "draft_config",
+)
+
+
+class TrainConfig(BaseModel):
+    """Flags of ``python -m eagleflow train``; defaults are the seed run's hyperparameters."""
+
+    dataset: Path = Field(description="training dataset folder with hidden_states/ (DESIGN.md §3.3)")
+    verifier: Path = Field(description="verifier model folder (config.json + safetensors)")
+    out: Path = Field(description="training folder: checkpoints/, metrics.jsonl, train.log, result.json")
+    aux_layer_ids: AuxLayerIds = Field(
+        description="captured layer ids, as given to extraction (speculators --target-layer-ids)"
+    )
+    epochs: int = Field(5, ge=1, description="training epochs; resume with the same count")
+    lr: float = Field(3e-5, gt=0, description="peak learning rate (AdamW)")
+    total_seq_len: int = Field(2048, ge=16, description="tokens packed into one training sequence")
+    ttt_steps: int = Field(3, ge=1, description="test-time-training steps the draft is unrolled over")
+    noise_std: float = Field(0.05, ge=0, description="standard deviation of the noise added to hidden states")
+    scheduler_type: Literal["cosine", "linear", "none"] = Field("cosine", description="learning-rate schedule")
+    scheduler_warmup_ratio: float = Field(0.01, ge=0, le=1, description="warmup as a fraction of all steps")
+    num_workers: int = Field(4, ge=0, description="data-loader worker processes")
+    draft_vocab_size: int = Field(32000, ge=1, description="draft vocabulary size (d2t/t2d built if missing)")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="optimizer; with muon, --lr applies to the AdamW group only"
+    )
+    num_layers: int = Field(1, ge=1, description="draft decoder layers (ignored with --draft-config)")
+    draft_config: Path | None = Field(
+        None, description="decoder config JSON (LlamaConfig) fixing the draft layer shape, e.g. for Kimi-K2.5"
+    )
+    train_data_ratio: float = Field(0.9, gt=0, lt=1, description="fraction of rows trained on; the rest validates")
+    log_freq: int = Field(1, ge=1, description="log a metrics record every N steps")
+    seed: int = Field(42, description="random seed")
+    mask_token_id: int = Field(
+        0, ge=0, description="given so speculators does not load the verifier's tokenizer; EAGLE-3 does not use it"
+    )
+    trust_remote_code: bool = Field(False, description="let transformers run the verifier's own config code")
+    hidden_states_dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="compute dtype of hidden states")
+    loss_implementation: Literal["auto", "fused", "eager"] = Field(
+        "auto", description="speculators loss kernel; auto: fused on GPU, eager on CPU"
+    )
+    draft_attn_impl: Literal["auto", "simple_flex_attention", "sdpa", "eager"] = Field(
+        "auto", description="draft attention; auto: simple_flex_attention on GPU, sdpa on CPU"
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where to train; auto: cuda when available")
+    gpus: int | None = Field(None, ge=1, description="GPUs to train on (torchrun when more than one); default: all")
+    restart: bool = Field(False, description="start from scratch; the old run moves to OUT/previous/<time>/")
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.device == "cpu" and self.gpus is not None:
+            raise ValueError("--gpus does not apply with --device cpu")
+        return self

@@ -1,0 +1,178 @@
+"""In-child launcher of ``speculators`` training: CPU shims, metric capture, then speculators' own entry.
+
+``python -m eagleflow.train.speculators_entry --metrics M [--summary S] -- <speculators train flags>``
+(or the same module under ``torchrun``). It is what ``python -m eagleflow train`` starts as its
+child; it can also run in-process through :func:`run`.
+
+Three things happen before speculators' ``cli.main(TrainConfig.resolve(argv))``:
+
+* Without CUDA, the three device look-ups speculators makes are pointed at the CPU
+  (:func:`apply_cpu_shims`); with CUDA nothing is changed.
+* Metric capture: speculators' ``setup_metric_logger`` runs ``dictConfig``, which drops any
+  handler attached to ``speculators.metrics`` before it. We wrap that function and attach
+  :class:`~eagleflow.train.recorder.MetricsRecorder` *after* it, so records are written however
+  the host configured logging. The metric logger then stops propagating: the recorder prints
+  a readable line per step, so the root handlers need not print raw dict reprs.
+* Plain log lines: when nothing configured the root logger yet, it gets a plain stdout handler
+  instead of speculators' Rich handler, whose 80-column wrapping shreds lines in a task log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from eagleflow.files import atomic_write_json
+from eagleflow.train.recorder import MetricsRecorder
+
+METRICS_LOGGER = "speculators.metrics"
+
+
+def apply_cpu_shims() -> None:
+    """Point speculators' three device look-ups at the CPU (DESIGN.md §5).
+
+    * ``trainer.get_local_rank`` -> ``"cpu"``: the trainer moves the model and every batch to
+      ``.to(local_rank)``, an int that means ``cuda:<n>``.
+    * ``checkpointer.get_current_device`` -> ``"cpu"``: resume loads state dicts onto it, and
+      it falls back to ``"cuda:0"`` when there is no accelerator.
+    * ``torch.accelerator.synchronize`` -> no-op: the step timer calls it on every logged step
+      and it raises when there is no accelerator.
+    """
+    import torch
+
+    import speculators.train.checkpointer as checkpointer
+    import speculators.train.trainer as trainer
+
+    trainer.get_local_rank = lambda: "cpu"  # type: ignore[assignment]
+    checkpointer.get_current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.accelerator.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _plain_root_logger(level: str = "INFO") -> None:
+    """Our stand-in for speculators' ``setup_root_logger``: plain lines, rank 0 only."""
+    root = logging.getLogger()
+    if not root.handlers:
+        from speculators.train.logger import IsRank0Filter
+
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S"))
+        handler.addFilter(IsRank0Filter())
+        root.addHandler(handler)
+        root.setLevel(level)
+    logging.getLogger("httpx").propagate = False  # as speculators does: one line per HTTP call is noise
+
+
+def _count_parameters(model: Any) -> dict[str, int]:
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"total_parameters": int(total), "trainable_parameters": int(trainable)}
+
+
+def install(metrics_path: Path, summary_path: Path | None = None) -> Callable[[], None]:
+    """Patch speculators' CLI module so that metrics, parameter counts and epochs reach us.
+
+    Returns a function that undoes the patches, so an in-process caller can train again.
+    """
+    import speculators.train.cli as cli
+    from speculators.train.trainer import Trainer
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # Made inside the wrapped setup, not here: dictConfig closes every handler that exists
+    # when it runs, attached or not. Rank 0 only: speculators logs metrics on every rank.
+    recorders: list[MetricsRecorder] = []
+    originals = {
+        "setup_metric_logger": cli.setup_metric_logger,
+        "setup_root_logger": cli.setup_root_logger,
+        "build_draft_model": cli.build_draft_model,
+    }
+    train_epoch = Trainer.train_epoch
+
+    def setup_metric_logger_then_attach(*args: Any, **kwargs: Any) -> None:
+        originals["setup_metric_logger"](*args, **kwargs)  # dictConfig: drops earlier handlers on the logger
+        metric_logger = logging.getLogger(METRICS_LOGGER)
+        if _rank() == 0:
+            recorders.append(MetricsRecorder(metrics_path, world_size=world_size))
+            metric_logger.addHandler(recorders[-1])
+        metric_logger.propagate = False
+
+    def build_draft_model_and_report(*args: Any, **kwargs: Any) -> Any:
+        model = originals["build_draft_model"](*args, **kwargs)
+        summary = _count_parameters(model)
+        summary.update(
+            draft_vocab_size=int(model.draft_vocab_size),
+            verifier_vocab_size=int(model.verifier_vocab_size),
+            hidden_size=int(model.hidden_size),
+            draft_layers=int(model.config.transformer_layer_config.num_hidden_layers),
+            target_layer_ids=list(model.target_layer_ids),
+        )
+        if _rank() == 0:
+            logging.getLogger("eagleflow").info("drafter: %s", json.dumps(summary))
+            if summary_path is not None:
+                atomic_write_json(summary_path, summary)
+        return model
+
+    def train_epoch_with_progress(self: Any, epoch: int) -> Any:
+        for recorder in recorders:
+            recorder.begin_epoch(epoch, self.config.num_epochs, len(self.train_loader), self.global_step)
+        return train_epoch(self, epoch)
+
+    cli.setup_metric_logger = setup_metric_logger_then_attach
+    cli.setup_root_logger = _plain_root_logger
+    cli.build_draft_model = build_draft_model_and_report
+    Trainer.train_epoch = train_epoch_with_progress  # type: ignore[method-assign]
+
+    def restore() -> None:
+        for name, value in originals.items():
+            setattr(cli, name, value)
+        Trainer.train_epoch = train_epoch  # type: ignore[method-assign]
+        for recorder in recorders:
+            logging.getLogger(METRICS_LOGGER).removeHandler(recorder)
+            recorder.close()
+
+    return restore
+
+
+def run(argv: Sequence[str], metrics_path: Path, summary_path: Path | None = None) -> None:
+    """Train with speculators' own entry point on ``argv`` (its flags), capturing metrics."""
+    import torch
+
+    if not torch.cuda.is_available():
+        apply_cpu_shims()
+    restore = install(Path(metrics_path), summary_path)
+    from speculators.train.cli import main as speculators_main
+    from speculators.train.config import TrainConfig
+
+    try:
+        speculators_main(TrainConfig.resolve(list(argv)))
+    finally:
+        restore()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        print("usage: python -m eagleflow.train.speculators_entry --metrics PATH [--summary PATH] -- <speculators flags>", file=sys.stderr)
+        return 2
+    split = argv.index("--")
+    parser = argparse.ArgumentParser(prog="python -m eagleflow.train.speculators_entry")
+    parser.add_argument("--metrics", type=Path, required=True, help="metrics.jsonl to append records to")
+    parser.add_argument("--summary", type=Path, help="JSON file for the drafter's parameter counts")
+    ours = parser.parse_args(argv[:split])
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    run(argv[split + 1 :], ours.metrics, ours.summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

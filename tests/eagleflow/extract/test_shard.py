@@ -1,0 +1,269 @@
+"""extract: rows -> engine -> validated hs_{row} files, with resume, retries and a fast stop.
+
+The engine is the real reference engine in a subprocess, started and stopped with the same
+functions the operators use (eagleflow.engine.process); the extractor speaks real HTTP to it. The
+retry and dump-check rules are also pinned with an injected ``post=`` fake.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagleflow.config import model_to_argv
+from eagleflow.data.prepare import write_training_dataset
+from eagleflow.engine.process import Readiness, ServerInfo, check_ready, free_port, pid_alive, start_server, stop_server
+from eagleflow.engine.reference.config import ReferenceEngineConfig
+from eagleflow.extract.client import EngineClient
+from eagleflow.extract.sample_store import sample_path, validate, write_sample
+from eagleflow.extract.shard import ExtractConfig, ShardExtractor
+from sglang_patch.dump_writer import DumpWriter
+
+AUX = [2, 4, 5]
+HIDDEN = 64
+ROWS = 24
+
+
+def make_rows(n: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, 1000, (int(torch.randint(8, 40, (1,), generator=generator)),), generator=generator).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    rows = make_rows(ROWS)
+    path = tmp_path_factory.mktemp("run") / "dataset"
+    write_training_dataset(rows, [[1] * len(r) for r in rows], path)
+    return path, rows
+
+
+def launch_engine(model: Path, dump_dir: Path, log: Path, *extra: str) -> ServerInfo:
+    port = free_port()
+    engine = ReferenceEngineConfig(model=model, dump_dir=dump_dir, aux_layers=AUX, port=port, warmup_seconds=0)
+    argv = [sys.executable, "-m", "eagleflow", "serve-reference", *model_to_argv(engine), *extra]
+    info = start_server(argv, {}, log, log.with_suffix(".json"), f"http://127.0.0.1:{port}", dump_dir)
+    deadline = time.monotonic() + 120
+    while check_ready(info).state is not Readiness.READY:
+        assert time.monotonic() < deadline and pid_alive(info.pid), log.read_text()[-3000:]
+        time.sleep(0.3)
+    return info
+
+
+@pytest.fixture(scope="module")
+def engine(random_tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerInfo]:
+    folder = tmp_path_factory.mktemp("engine")
+    info = launch_engine(random_tiny_model, folder / "dumps", folder / "server.log", "--fail-row", "5")
+    yield info
+    stop_server(info.pid, grace=10)
+
+
+def config(dataset: Path, server: ServerInfo, model: Path, rows: str, **overrides: Any) -> ExtractConfig:
+    values: dict[str, Any] = dict(
+        dataset=dataset, server=server.url, dump_dir=Path(server.dump_dir), rows=rows, model=model,
+        aux_layer_ids=AUX, concurrency=4, max_retries=1, progress_every=5,
+    )
+    values.update(overrides)
+    return ExtractConfig(**values)
+
+
+def test_shard_extracts_every_row_then_a_rerun_skips_them_without_reading_them(dataset, engine, random_tiny_model, capsys) -> None:
+    path, rows = dataset
+    report = ShardExtractor(config(path, engine, random_tiny_model, "6:24")).run()
+    assert (report.done, report.skipped, report.failed, report.state) == (18, 0, [], "success")
+    assert report.tokens == sum(len(r) for r in rows[6:24])
+    for row in range(6, 24):
+        assert validate(sample_path(path / "hidden_states", row), rows[row], len(AUX) + 1, HIDDEN).ok
+    manifest = json.loads((path.parent / "shards" / "rows_6-24.json").read_text())
+    assert manifest["done"] == 18 and manifest["state"] == "success" and manifest["bytes"] == report.bytes
+    out = capsys.readouterr().out
+    assert "rows: 5/18" in out and "tokens/s" in out and "MB/s" in out and "ETA" in out
+    assert not list(Path(engine.dump_dir).glob("row*"))  # every dump was moved, none copied
+
+    # A published file is complete by contract (DESIGN.md §3.2): a rerun checks only its header
+    # and token ids, never the states (hundreds of GB at full scale). A NaN planted in one file
+    # after publication proves it: a full re-read would redo that row.
+    planted = sample_path(path / "hidden_states", 7)
+    tensors = load_file(planted)
+    tensors["hidden_states"][0, 0, 0] = float("nan")
+    save_file(tensors, planted)
+    inodes = {row: sample_path(path / "hidden_states", row).stat() for row in range(6, 24)}
+    client = CountingClient(engine.url, 60.0)
+    again = ShardExtractor(config(path, engine, random_tiny_model, "6:24"), client=client).run()
+    assert (again.done, again.skipped, again.failed, again.state) == (0, 18, [], "success")
+    assert client.generated == 0  # not one request reached the engine
+    for row, stat in inodes.items():
+        now = sample_path(path / "hidden_states", row).stat()
+        assert (now.st_ino, now.st_mtime_ns) == (stat.st_ino, stat.st_mtime_ns)
+
+
+class CountingClient(EngineClient):
+    """The real client, counting the rows it sends."""
+
+    generated = 0
+
+    def generate(self, row: int, input_ids: list[int]) -> tuple[str, dict[str, Any]]:
+        self.generated += 1
+        return super().generate(row, input_ids)
+
+
+def test_failed_row_is_recorded_the_shard_carries_on_and_the_cli_names_it(dataset, engine, random_tiny_model) -> None:
+    path, rows = dataset
+    manifest = path.parent / "shards" / "rows_0-6.json"
+    cfg = config(path, engine, random_tiny_model, "0:6")
+    proc = subprocess.run(
+        [sys.executable, "-m", "eagleflow", "extract", *model_to_argv(cfg)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "1 row(s) failed: 5" in proc.stdout and "A retry redoes only these rows" in proc.stdout
+    data = json.loads(manifest.read_text())
+    assert data["state"] == "failed" and data["done"] == 5
+    assert data["failed"][0]["row"] == 5 and "injected failure for row 5" in data["failed"][0]["reason"]
+    assert "after 2 attempts" in data["failed"][0]["reason"]  # a 500 is retried
+    assert not sample_path(path / "hidden_states", 5).exists()
+
+
+def test_a_4xx_is_not_retried_and_names_the_row(tmp_path: Path, engine, random_tiny_model) -> None:
+    write_training_dataset([[1, 2, 3], [7, 5000, 9]], [[1, 1, 1], [1, 1, 1]], tmp_path / "dataset")
+    report = ShardExtractor(config(tmp_path / "dataset", engine, random_tiny_model, "0:2", max_retries=3)).run()
+    assert report.done == 1 and len(report.failed) == 1
+    reason = report.failed[0]["reason"]
+    assert "row 1" in reason and "400" in reason and "input_ids[1]" in reason and "attempts" not in reason
+
+
+def test_killing_the_engine_mid_shard_stops_within_seconds_and_the_next_attempt_resumes(
+    tmp_path: Path, random_tiny_model: Path
+) -> None:
+    rows = make_rows(40, seed=1)
+    dataset = tmp_path / "dataset"
+    write_training_dataset(rows, [[1] * len(r) for r in rows], dataset)
+    server = launch_engine(random_tiny_model, tmp_path / "dumps", tmp_path / "server.log")
+    cfg = config(dataset, server, random_tiny_model, "0:40", concurrency=2, progress_every=1, server_pid=server.pid)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eagleflow", "extract", *model_to_argv(cfg)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("rows: 6/"):
+            break
+    os.killpg(os.getpgid(server.pid), signal.SIGKILL)
+    killed_at = time.monotonic()
+    rest = proc.stdout.read()
+    proc.wait(timeout=30)
+    assert proc.returncode == 1
+    assert time.monotonic() - killed_at < 10
+    assert "is gone" in rest or "refuses connections" in rest, rest
+    done_before = {p.name: p.stat().st_mtime_ns for p in (dataset / "hidden_states").glob("hs_*.safetensors")}
+    assert 6 <= len(done_before) < 40
+    assert not [p for p in (dataset / "hidden_states").iterdir() if not p.name.startswith("hs_")]  # no partial files
+
+    server = launch_engine(random_tiny_model, tmp_path / "dumps", tmp_path / "server2.log")
+    try:
+        report = ShardExtractor(cfg.model_copy(update={"server": server.url, "server_pid": server.pid})).run()
+    finally:
+        stop_server(server.pid, grace=10)
+    assert report.skipped == len(done_before) and report.done == 40 - len(done_before) and not report.failed
+    for name, mtime in done_before.items():
+        assert (dataset / "hidden_states" / name).stat().st_mtime_ns == mtime
+    for row in range(40):
+        assert validate(sample_path(dataset / "hidden_states", row), rows[row], len(AUX) + 1, HIDDEN).ok
+
+
+# ---- the dump checks and retry rules, with a fake engine ----------------------------------------
+
+
+class FakeResponse:
+    def __init__(self, status: int, body: Any) -> None:
+        self.status_code, self._body, self.text = status, body, json.dumps(body)
+
+    def json(self) -> Any:
+        return self._body
+
+
+class FakeEngine:
+    """Answers /generate like SGLang and writes dumps through the real DumpWriter."""
+
+    def __init__(self, dump_dir: Path, script: list[str]) -> None:
+        self.writer = DumpWriter(dump_dir)
+        self.script = script
+        self.calls = 0
+
+    def __call__(self, url: str, json: dict, timeout: float) -> FakeResponse:
+        action = self.script[min(self.calls, len(self.script) - 1)]
+        self.calls += 1
+        rid, ids = json["rid"], json["input_ids"]
+        meta = {"id": rid, "prompt_tokens": len(ids), "cached_tokens": 0}
+        if action == "500":
+            return FakeResponse(500, {"error": {"message": "boom"}})
+        if action == "cached":
+            meta["cached_tokens"] = 2
+        elif action == "error-file":
+            self.writer.submit_error(rid, "extend_prefix_len=3 > 0: prefix reuse would give a short dump")
+        elif action == "nan":
+            states = torch.zeros(len(ids), len(AUX) + 1, HIDDEN)
+            states[0, 0, 0] = float("nan")
+            self.writer.submit(rid, states, torch.tensor(ids))
+        elif action == "ok":
+            self.writer.submit(rid, torch.randn(len(ids), len(AUX) + 1, HIDDEN), torch.tensor(ids))
+        self.writer.flush(10)
+        return FakeResponse(200, {"text": "", "meta_info": meta})
+
+
+@pytest.mark.parametrize(
+    ("script", "calls", "reason"),
+    [
+        (["500", "ok"], 2, None),
+        (["500", "500", "500"], 3, "engine answered 500: boom (after 3 attempts)"),
+        (["cached"], 1, "reused 2 cached prefix tokens"),
+        (["error-file"], 1, "engine reported: extend_prefix_len=3 > 0"),
+        (["nan"], 1, "NaN"),
+        (["none"], 3, "no dump"),
+    ],
+)
+def test_dump_checks_and_retries(tmp_path: Path, random_tiny_model: Path, script: list[str], calls: int, reason: str | None) -> None:
+    write_training_dataset([[3, 4, 5, 6]], [[1, 1, 1, 1]], tmp_path / "dataset")
+    fake = FakeEngine(tmp_path / "dumps", script)
+    server = ServerInfo("http://engine.invalid", None, "", "", str(tmp_path / "dumps"))
+    cfg = config(tmp_path / "dataset", server, random_tiny_model, "0:1", max_retries=2, dump_wait=0.2)
+    extractor = ShardExtractor(cfg, client=EngineClient(cfg.server, cfg.request_timeout, post=fake), sleep=lambda s: time.sleep(min(s, 0.01)))
+    extractor._stop.wait = lambda timeout=None: False  # no backoff sleeps in the test
+    report = extractor.run()
+    assert fake.calls == calls
+    if reason is None:
+        assert report.done == 1 and not report.failed
+    else:
+        assert report.done == 0 and reason in report.failed[0]["reason"]
+        assert not list((tmp_path / "dumps").glob("row0-*"))  # bad dumps are not left behind
+
+
+def test_corrupt_existing_file_is_redone(tmp_path: Path, random_tiny_model: Path) -> None:
+    write_training_dataset([[3, 4, 5]], [[1, 1, 1]], tmp_path / "dataset")
+    hidden = tmp_path / "dataset" / "hidden_states"
+    write_sample(hidden, 0, torch.zeros(3, len(AUX) + 1, HIDDEN), torch.tensor([3, 4, 6]))  # wrong tokens
+    fake = FakeEngine(tmp_path / "dumps", ["ok"])
+    server = ServerInfo("http://engine.invalid", None, "", "", str(tmp_path / "dumps"))
+    cfg = config(tmp_path / "dataset", server, random_tiny_model, "0:1")
+    report = ShardExtractor(cfg, client=EngineClient(cfg.server, cfg.request_timeout, post=fake)).run()
+    assert report.done == 1 and report.skipped == 0
+    assert validate(sample_path(hidden, 0), [3, 4, 5], len(AUX) + 1, HIDDEN).ok
+
+
+def test_rows_past_the_dataset_end_is_a_user_error(dataset, random_tiny_model: Path) -> None:
+    from eagleflow.errors import UserError
+
+    path, _ = dataset
+    server = ServerInfo("http://engine.invalid", None, "", "", str(path.parent / "dumps"))
+    with pytest.raises(UserError, match="past the end of the dataset"):
+        ShardExtractor(config(path, server, random_tiny_model, "20:30")).run()
+    with pytest.raises(ValueError, match="START < END"):
+        config(path, server, random_tiny_model, "30:20")

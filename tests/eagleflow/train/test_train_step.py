@@ -1,0 +1,474 @@
+"""train: real speculators training on the tiny verifier's hidden states, on CPU.
+
+The expensive artefacts are cached under ``.cache/test-data/`` keyed by what they depend on:
+the trained tiny verifier (lead's ``tiny_model`` fixture) and a dataset of its hidden states
+built the way the pipeline builds it (chat template masks, ``write_training_dataset``,
+``capture_hidden_states``, ``write_sample``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from eagleflow.errors import UserError
+from eagleflow.results import find_result
+from eagleflow.layout import TrainLayout
+from eagleflow.metrics.records import format_record
+from eagleflow.metrics.records import read_records as read_metrics
+from eagleflow.train.child import Device, TrainLog, child_command, speculators_flags
+from eagleflow.train.config import TrainConfig
+from eagleflow.train.recorder import MetricsRecorder
+from eagleflow.train.resume import CHECKPOINT_FILES, prepare_checkpoints, truncate_for_resume
+from eagleflow.train.step import check_dataset
+from eagleflow.train.verifier_head import EMBED, HEAD_MANIFEST, LM_HEAD, NORM, locate_weights, prepare_verifier
+
+REPO = Path(__file__).resolve().parents[3]
+DATA_CACHE = REPO / ".cache" / "test-data"
+AUX = [2, 4, 6]
+ROWS = 120
+DRAFT_VOCAB = 256
+DATA_RECIPE = 1  # bump when the dataset recipe below changes
+TRAIN_KEYS = {"kind", "step", "epoch", "lr", "loss", "tokens_per_s", "time"}
+VAL_KEYS = {"kind", "step", "epoch", "loss", "time"}
+# Small and fast: the drafter learns the trained tiny verifier within two epochs at this lr.
+FAST = ["--total-seq-len", "256", "--num-workers", "0", "--draft-vocab-size", str(DRAFT_VOCAB), "--lr", "3e-3"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Tiny tensors gain nothing from a second thread, and on a shared 2-core machine
+    # oversubscribed OpenMP threads make every step many times slower.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def build_dataset(model_dir: Path, out: Path, rows: int, seed: int) -> Path:
+    """Conversations -> chat-template masks -> §3.3 dataset -> captured hidden states."""
+    from transformers import AutoModelForCausalLM
+
+    from eagleflow.engine.capture import capture_hidden_states
+    from eagleflow.data.prepare import ChatTokenizer, write_training_dataset
+    from eagleflow.extract.sample_store import write_sample
+    from eagleflow.demo.synthetic_data import generate_conversations
+
+    chat = ChatTokenizer(model_dir)
+    encoded = [chat(c["messages"]) for c in generate_conversations(rows, seed=seed)]
+    ids, masks = [e[0][:256] for e in encoded], [e[1][:256] for e in encoded]
+    write_training_dataset(ids, masks, out)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    for row, row_ids in enumerate(ids):
+        write_sample(out / "hidden_states", row, capture_hidden_states(model, row_ids, AUX), torch.tensor(row_ids))
+    return out
+
+
+def cached_dataset(model_dir: Path, rows: int = ROWS, seed: int = 11) -> Path:
+    record = (model_dir / "eagleflow_tiny_model.json").read_bytes()
+    key = hashlib.sha256(record + json.dumps([DATA_RECIPE, rows, seed, AUX]).encode()).hexdigest()[:16]
+    final = DATA_CACHE / f"train-{key}" / "dataset"
+    if not (final.parent / "done").exists():
+        staging = DATA_CACHE / f".train-{key}.{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        build_dataset(model_dir, staging / "dataset", rows, seed)
+        (staging / "done").write_text("ok\n")
+        shutil.rmtree(final.parent, ignore_errors=True)
+        os.replace(staging, final.parent)
+    return final
+
+
+@pytest.fixture(scope="session")
+def trained_data(tiny_model: Path) -> Path:
+    return cached_dataset(tiny_model)
+
+
+def copy_dataset(dataset: Path, dest: Path) -> Path:
+    """A private copy (the step writes vocabulary files into the dataset folder)."""
+    shutil.copytree(dataset, dest, symlinks=True)
+    return dest
+
+
+def train_argv(dataset: Path, verifier: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "eagleflow", "train", "--dataset", str(dataset), "--verifier", str(verifier),
+            "--out", str(out), "--aux-layer-ids", ",".join(map(str, AUX)), *FAST, *extra]
+
+
+def assert_checkpoint_set(checkpoints: Path, epochs: int) -> None:
+    for epoch in range(epochs):
+        for name in CHECKPOINT_FILES:
+            assert (checkpoints / str(epoch) / name).is_file(), f"{checkpoints / str(epoch) / name} missing"
+    assert (checkpoints / "checkpoint_best").exists()
+
+
+def assert_records(metrics: Path, epochs: int) -> tuple[list[dict], list[dict]]:
+    records = list(read_metrics(metrics))
+    train = [r for r in records if r["kind"] == "train"]
+    val = [r for r in records if r["kind"] == "val"]
+    assert [r["step"] for r in train] == list(range(len(train))), "one record per step, in order, no repeats"
+    assert sorted({r["epoch"] for r in train}) == list(range(epochs))
+    assert [r["epoch"] for r in val] == list(range(epochs))
+    ttt = {f"{name}_{k}" for k in range(3) for name in ("loss", "full_acc", "cond_acc")}
+    for r in train:
+        assert set(r) == TRAIN_KEYS | ttt, set(r) ^ (TRAIN_KEYS | ttt)
+        assert isinstance(r["lr"], float) and isinstance(r["loss"], float) and r["tokens_per_s"] > 0
+    for r in val:
+        assert set(r) == VAL_KEYS | ttt
+    return train, val
+
+
+# ---------------------------------------------------------------------------------------------
+# Full runs through the CLI, the way the operator starts the step
+
+
+def test_two_epochs_learn_and_record_every_step(trained_data: Path, tiny_model: Path, tmp_path: Path) -> None:
+    dataset = copy_dataset(trained_data, tmp_path / "dataset")
+    out = tmp_path / "train"
+    proc = subprocess.run(train_argv(dataset, tiny_model, out, "--epochs", "2"), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    result = find_result(proc.stdout.splitlines())
+    assert result == json.loads((out / "result.json").read_text())
+    assert result == {
+        "checkpoint_dir": str(out / "checkpoints"),
+        "best_checkpoint": str((out / "checkpoints" / "checkpoint_best").resolve()),
+        "metrics_path": str(out / "metrics.jsonl"),
+        "log_path": str(out / "train.log"),
+    }
+    assert_checkpoint_set(out / "checkpoints", 2)
+    train, val = assert_records(out / "metrics.jsonl", 2)
+
+    # The drafter learns: step-0 accuracy of the last logged steps is clearly above the first ones.
+    first = np.mean([r["full_acc_0"] for r in train[:5]])
+    last = np.mean([r["full_acc_0"] for r in train[-5:]])
+    assert last > first + 0.15, (first, last)
+    assert val[-1]["full_acc_0"] > val[0]["full_acc_0"] - 0.05
+
+    log = (out / "train.log").read_text()
+    assert "step 0 epoch 0 lr " in log and " acc0 " in log and "val epoch 1 " in log
+    assert "{'train'" not in log, "metric dicts are recorded, not printed raw"
+    summary = [line for line in proc.stdout.splitlines() if "drafter:" in line and "trainable" in line]
+    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    assert summary and f"draft vocab {DRAFT_VOCAB} of verifier vocab {vocab}" in summary[-1]
+
+    # The checkpoint is speculators' own model with the configured draft vocabulary.
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    model = Eagle3DraftModel.from_pretrained(result["best_checkpoint"])
+    assert model.draft_vocab_size == DRAFT_VOCAB and model.lm_head.weight.shape[0] == DRAFT_VOCAB
+    assert int(model.t2d.sum()) == DRAFT_VOCAB
+    assert model.config.speculators_config.verifier.name_or_path == str(tiny_model)
+    assert list(model.target_layer_ids) == AUX
+
+
+def test_sigterm_during_epoch_two_then_rerun_resumes(trained_data: Path, tiny_model: Path, tmp_path: Path) -> None:
+    dataset = copy_dataset(trained_data, tmp_path / "dataset")
+    out = tmp_path / "train"
+    argv = train_argv(dataset, tiny_model, out, "--epochs", "2")
+    first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not any(r["kind"] == "train" and r["epoch"] == 1 for r in read_metrics(out / "metrics.jsonl")):
+            assert first.poll() is None, first.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "epoch 2 never started"
+            time.sleep(0.05)
+        first.send_signal(signal.SIGTERM)  # what Airflow's on_kill sends; forwarded to the child group
+        output, _ = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert "training stopped by SIGTERM" in output
+    assert (out / "checkpoints" / "0" / "training_state.json").exists()
+    assert not (out / "checkpoints" / "1").exists(), "killed during epoch 2: no epoch-2 checkpoint yet"
+    steps_per_epoch = json.loads((out / "checkpoints" / "0" / "training_state.json").read_text())["global_step"]
+
+    second = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    log = (out / "train.log").read_text()
+    assert f"resuming from checkpoint {out / 'checkpoints' / '0'} (epoch 1 of 2 finished" in log
+    assert "Resuming training on epoch 1" in log  # speculators' own word for it
+    assert_checkpoint_set(out / "checkpoints", 2)
+    assert not (out / "checkpoints" / "interrupted").exists(), "the stale interrupt checkpoint moved aside"
+    train, _ = assert_records(out / "metrics.jsonl", 2)
+    assert sum(r["epoch"] == 0 for r in train) == steps_per_epoch, "epoch 1's records kept, once"
+    assert train[-1]["epoch"] == 1 and train[steps_per_epoch]["epoch"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Kimi-K2.5 layout: language_model.-prefixed weights and a multimodal config
+
+
+def save_kimi_style(model_dir: Path, dest: Path) -> dict[str, torch.Tensor]:
+    """Re-save a tiny verifier the way Kimi-K2.5 ships: prefixed weights beside a vision tower."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    prefixed = {f"language_model.{k}": v for k, v in tensors.items()}
+    prefixed["vision_tower.encoder.final_layernorm.weight"] = torch.ones(8)
+    prefixed["mm_projector.proj.0.weight"] = torch.zeros(4, 8)
+    dest.mkdir(parents=True)
+    save_file(dict(list(prefixed.items())[: len(prefixed) // 2]), str(dest / "model-00001-of-00002.safetensors"))
+    save_file(dict(list(prefixed.items())[len(prefixed) // 2 :]), str(dest / "model-00002-of-00002.safetensors"))
+    names = list(prefixed)
+    weight_map = {k: "model-00001-of-00002.safetensors" if i < len(names) // 2 else "model-00002-of-00002.safetensors"
+                  for i, k in enumerate(names)}
+    (dest / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    text = json.loads((model_dir / "config.json").read_text())
+    text["model_type"] = "kimi_k2"
+    config = {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config"},
+        "text_config": text,
+        "vision_config": {"hidden_size": 8},
+    }
+    (dest / "config.json").write_text(json.dumps(config))
+    return tensors
+
+
+def test_prepare_verifier_head_for_prefixed_weights(random_tiny_model: Path, tmp_path: Path) -> None:
+    assert prepare_verifier(random_tiny_model, tmp_path / "unused") == random_tiny_model.absolute()
+    assert not (tmp_path / "unused").exists(), "a plain verifier is used as it is"
+
+    kimi = tmp_path / "kimi"
+    originals = save_kimi_style(random_tiny_model, kimi)
+    weights = locate_weights(kimi)
+    assert (weights.embed_key, weights.lm_head_key, weights.norm_key) == (
+        "language_model.model.embed_tokens.weight", "language_model.lm_head.weight", "language_model.model.norm.weight"
+    )
+    head = prepare_verifier(kimi, tmp_path / "head")
+    from safetensors.torch import load_file
+
+    loaded = load_file(str(head / "model.safetensors"))
+    assert set(loaded) == {EMBED, LM_HEAD, NORM}
+    for key in (EMBED, LM_HEAD, NORM):
+        assert torch.equal(loaded[key], originals[key]), key
+    config = json.loads((head / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3" and "auto_map" not in config and "text_config" not in config
+    assert config["architectures"] == ["KimiK25ForConditionalGeneration"]
+
+    # speculators itself reads the head: its config through AutoConfig, its tensors by name.
+    from speculators.models.utils import get_verifier_config
+    from speculators.utils.loading import load_model_layers
+
+    assert get_verifier_config(str(head)).vocab_size == originals[EMBED].shape[0]
+    assert torch.equal(load_model_layers([NORM], str(head))[NORM], originals[NORM])
+
+    mtime = (head / "model.safetensors").stat().st_mtime_ns
+    assert prepare_verifier(kimi, tmp_path / "head") == head
+    assert (head / "model.safetensors").stat().st_mtime_ns == mtime, "an up-to-date head is reused"
+    assert json.loads((head / HEAD_MANIFEST).read_text())["source"] == str(kimi)
+
+    (kimi / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"vision_tower.x.weight": "a"}}))
+    with pytest.raises(UserError, match="no '\\*embed_tokens.weight' tensor"):
+        prepare_verifier(kimi, tmp_path / "head2")
+
+
+def test_kimi_layout_trains_in_a_host_that_configured_logging_first(
+    trained_data: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    """speculators runs in-process after the host set up logging (as an Airflow worker does)."""
+    dataset = copy_dataset(trained_data, tmp_path / "dataset")
+    kimi = tmp_path / "kimi"
+    originals = save_kimi_style(tiny_model, kimi)
+    out = tmp_path / "train"
+    script = f"""
+import logging, sys
+from pathlib import Path
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="HOST %(name)s %(message)s")
+logging.getLogger("speculators.metrics").addHandler(logging.StreamHandler(sys.stderr))  # dropped by dictConfig
+from eagleflow.train.child import Device, speculators_flags
+from eagleflow.train.config import TrainConfig
+from eagleflow.layout import TrainLayout
+from eagleflow.train.verifier_head import prepare_verifier
+from eagleflow.data.vocab import VocabConfig, build_vocab
+from eagleflow.train import speculators_entry
+cfg = TrainConfig(dataset=Path({str(dataset)!r}), verifier=Path({str(kimi)!r}), out=Path({str(out)!r}),
+                  aux_layer_ids={AUX!r}, epochs=1, lr=3e-3, total_seq_len=256, num_workers=0,
+                  draft_vocab_size={DRAFT_VOCAB})
+paths = TrainLayout(cfg.out)
+build_vocab(VocabConfig(dataset=cfg.dataset, draft_vocab_size=cfg.draft_vocab_size, verifier=cfg.verifier))
+head = prepare_verifier(cfg.verifier, paths.verifier_head)
+speculators_entry.run(speculators_flags(cfg, head, Device("cpu", 0), paths), paths.metrics, paths.drafter)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    train, val = assert_records(out / "metrics.jsonl", 1)
+    assert "step 0 epoch 0 lr" in proc.stdout
+    assert "{'train'" not in proc.stderr and "{'val'" not in proc.stderr, "no raw metric dicts in the host's log"
+    assert "HOST speculators" in proc.stderr, "the host's own root handler kept working"
+
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    model = Eagle3DraftModel.from_pretrained(str(out / "checkpoints" / "0"))
+    assert model.config.speculators_config.verifier.name_or_path == str(out / "verifier-head")
+    t2d = model.t2d.bool()
+    assert torch.equal(model.embed_tokens.weight.to(originals[EMBED].dtype), originals[EMBED])
+    assert torch.equal(model.verifier_norm.weight.to(originals[NORM].dtype), originals[NORM])
+    assert torch.equal(model.verifier_lm_head.weight.to(originals[LM_HEAD].dtype), originals[LM_HEAD][t2d])
+    drafter = json.loads((out / "drafter.json").read_text())
+    assert drafter["verifier_vocab_size"] == originals[EMBED].shape[0] and drafter["draft_vocab_size"] == DRAFT_VOCAB
+    assert 0 < drafter["trainable_parameters"] < drafter["total_parameters"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces, without training
+
+
+def test_defaults_are_the_seed_run_and_flags_reach_speculators(tmp_path: Path) -> None:
+    cfg = TrainConfig(dataset=tmp_path / "d", verifier=tmp_path / "v", out=tmp_path / "o", aux_layer_ids=[3, 31, 59])
+    seed = dict(epochs=5, lr=3e-5, total_seq_len=2048, ttt_steps=3, noise_std=0.05, scheduler_type="cosine",
+                scheduler_warmup_ratio=0.01, num_workers=4, draft_vocab_size=32000, optimizer="adamw")
+    assert {k: getattr(cfg, k) for k in seed} == seed
+    for field, info in TrainConfig.model_fields.items():
+        assert info.description, f"{field} has no description"
+
+    flags = speculators_flags(cfg, Path("/abs/verifier"), Device("cpu", 0), TrainLayout(tmp_path / "o"))
+    assert flags[flags.index("--target-layer-ids") + 1 : flags.index("--target-layer-ids") + 4] == ["3", "31", "59"]
+    assert flags.count("--target-layer-ids") == 1
+    pairs = dict(zip(flags[::1], flags[1::1]))
+    assert pairs["--optimizer"] == "adamw" and pairs["--lr"] == "3e-05" and pairs["--scheduler-type"] == "cosine"
+    assert pairs["--loss-implementation"] == "eager" and pairs["--draft-attn-impl"] == "sdpa"
+    assert pairs["--on-missing"] == "raise" and pairs["--mask-token-id"] == "0"
+    assert pairs["--save-path"] == str((tmp_path / "o" / "checkpoints").absolute())
+
+    # Every flag we pass is one speculators' own parser accepts.
+    from speculators.train.config import TrainConfig as SpeculatorsConfig
+
+    parsed = SpeculatorsConfig.resolve(flags)
+    assert parsed.draft.target_layer_ids == [3, 31, 59] and parsed.optimizer.lr == 3e-5
+    assert parsed.data.noise_std == 0.05 and parsed.scheduler.scheduler_warmup_ratio == 0.01
+
+    gpu = speculators_flags(cfg, Path("/abs/verifier"), Device("cuda", 8), TrainLayout(tmp_path / "o"))
+    assert "fused" in gpu and "simple_flex_attention" in gpu
+    command = child_command(Device("cuda", 8), TrainLayout(tmp_path / "o"), gpu)
+    assert command[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8"]
+    assert command[5:7] == ["-m", "eagleflow.train.speculators_entry"] and command[-len(gpu):] == gpu
+    cpu = child_command(Device("cpu", 0), TrainLayout(tmp_path / "o"), flags)
+    assert cpu[:4] == [sys.executable, "-u", "-m", "eagleflow.train.speculators_entry"]
+
+    with pytest.raises(ValueError, match=r"aux layer ids \[2, 2\] repeat \[2\]"):
+        TrainConfig(dataset=tmp_path, verifier=tmp_path, out=tmp_path, aux_layer_ids=[2, 2])
+
+    # The operator builds the step's argv with model_to_argv; the step's parser reads it back.
+    import argparse
+
+    from eagleflow.config import model_from_args, model_to_argv
+    from eagleflow.train.step import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    custom = cfg.model_copy(update={"draft_config": tmp_path / "draft.json", "gpus": 2, "restart": True})
+    assert model_from_args(TrainConfig, parser.parse_args(model_to_argv(custom))) == custom
+
+
+def test_dataset_checks_name_the_problem(trained_data: Path, tmp_path: Path) -> None:
+    dataset = copy_dataset(trained_data, tmp_path / "dataset")
+    cfg = TrainConfig(dataset=dataset, verifier=tmp_path, out=tmp_path / "o", aux_layer_ids=AUX)
+    assert check_dataset(cfg, hidden_size=64) == ROWS
+
+    with pytest.raises(UserError, match=r"need \[seq_len, 3, 64\]"):
+        check_dataset(cfg.model_copy(update={"aux_layer_ids": [2, 4]}), hidden_size=64)
+    with pytest.raises(UserError, match=r"need \[seq_len, 4, 32\]"):
+        check_dataset(cfg, hidden_size=32)
+    (dataset / "hidden_states" / "hs_7.safetensors").unlink()
+    (dataset / "hidden_states" / "hs_9.safetensors").unlink()
+    with pytest.raises(UserError, match=r"2 of 120 rows have no hidden states .*\(rows 7, 9\)"):
+        check_dataset(cfg, hidden_size=64)
+    state = json.loads((dataset / "state.json").read_text())
+    (dataset / "state.json").write_text(json.dumps({**state, "_format_type": None}))
+    with pytest.raises(UserError, match="set_format\\('torch'\\)"):
+        check_dataset(cfg, hidden_size=64)
+
+
+def _fake_checkpoint(path: Path, global_step: int) -> None:
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True)
+    save_file({"w": torch.zeros(1)}, str(path / "model.safetensors"))
+    (path / "config.json").write_text("{}")
+    (path / "optimizer_state_dict.pt").write_bytes(b"x")
+    (path / "training_state.json").write_text(json.dumps({"epoch": int(path.name), "local_step": 0, "global_step": global_step}))
+
+
+def test_resume_point_cleanup_and_mismatched_settings(tmp_path: Path) -> None:
+    cfg = TrainConfig(dataset=tmp_path, verifier=tmp_path, out=tmp_path / "o", aux_layer_ids=AUX, epochs=3)
+    paths = TrainLayout(cfg.out)
+    log = TrainLog(paths.log)
+    assert prepare_checkpoints(cfg, paths, log) is None
+
+    _fake_checkpoint(paths.checkpoints / "0", 10)
+    _fake_checkpoint(paths.checkpoints / "1", 20)
+    (paths.checkpoints / "2").mkdir()  # killed while saving epoch 3
+    (paths.checkpoints / "2" / "config.json").write_text("{}")
+    (paths.checkpoints / "interrupted").mkdir()
+    (paths.checkpoints / "epoch2_end").symlink_to("2")
+    lines = [{"kind": "train", "step": s, "epoch": s // 10} for s in range(25)] + [
+        {"kind": "val", "step": 10, "epoch": 0}, {"kind": "val", "step": 20, "epoch": 1}, {"kind": "val", "step": 25, "epoch": 2}]
+    paths.metrics.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"kind": "tra')  # torn last line
+    paths.config.write_text(cfg.model_dump_json())
+
+    point = prepare_checkpoints(cfg, paths, log)
+    assert point is not None and (point.epoch, point.global_step) == (1, 20)
+    assert not (paths.checkpoints / "2").exists() and not (paths.checkpoints / "interrupted").exists()
+    assert not (paths.checkpoints / "epoch2_end").is_symlink()
+    moved = list(paths.previous.glob("*/2"))
+    assert moved and (moved[0].parent / "interrupted").exists()
+    kept = list(read_metrics(paths.metrics))
+    assert [r["step"] for r in kept if r["kind"] == "train"] == list(range(20))
+    assert [r["epoch"] for r in kept if r["kind"] == "val"] == [0, 1]
+    assert "resuming from checkpoint" in paths.log.read_text()
+
+    with pytest.raises(UserError, match=r"--epochs was 3, now 5.*pass --restart"):
+        prepare_checkpoints(cfg.model_copy(update={"epochs": 5}), paths, log)
+    assert prepare_checkpoints(cfg.model_copy(update={"epochs": 5, "restart": True}), paths, log) is None
+    assert not paths.checkpoints.exists() and not paths.metrics.exists()
+    log.close()
+
+
+def test_metric_records_from_speculators_dicts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    now = iter([100.0, 101.0, 102.0])
+    recorder = MetricsRecorder(tmp_path / "m.jsonl", clock=lambda: next(now))
+    logger = logging.getLogger("test.speculators.metrics")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    logger.addHandler(recorder)
+    try:
+        recorder.begin_epoch(0, 2, 10, 0)
+        train = {"loss_0": 1.5, "full_acc_0": 0.25, "cond_acc_0": 0.25, "kl_div_0": 1.5, "loss_1": 1.7,
+                 "full_acc_1": 0.1, "cond_acc_1": 0.4, "loss": 3.2, "error_records": 0.0}
+        logger.info({"train": train, "profile": {"tokens_per_s": 500.0}, "epoch": 0, "lr": {"Muon": 3e-4, "AdamW": 3e-5},
+                     "global_step": 0}, extra={"step": 0})
+        logger.info({"train": {**train, "loss": float("nan")}, "profile": None, "epoch": 0, "lr": 3e-5, "global_step": 1},
+                    extra={"step": 1})
+        logger.info({"val": {"loss_0_epoch": 1.0, "full_acc_0_epoch": 0.5, "cond_acc_0_epoch": 0.5, "loss_epoch": 2.0},
+                     "epoch": 0}, extra={"step": 2})
+        logger.info({"verifier": {"x": 1}}, extra={"hparams": True})  # run config: not a metric record
+        logger.info("a plain message")
+    finally:
+        logger.removeHandler(recorder)
+        recorder.close()
+    records = list(read_metrics(tmp_path / "m.jsonl"))
+    assert records[0] == {"kind": "train", "step": 0, "epoch": 0, "lr": 3e-5, "loss": 3.2, "loss_0": 1.5,
+                          "full_acc_0": 0.25, "cond_acc_0": 0.25, "loss_1": 1.7, "full_acc_1": 0.1, "cond_acc_1": 0.4,
+                          "tokens_per_s": 500.0, "time": 100.0}
+    assert records[1]["loss"] is None and records[1]["tokens_per_s"] is None
+    assert records[2] == {"kind": "val", "step": 2, "epoch": 0, "loss": 2.0, "loss_0": 1.0, "full_acc_0": 0.5,
+                          "cond_acc_0": 0.5, "time": 102.0}
+    assert len(records) == 3
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("step 0 epoch 0 lr 3.0e-05 loss 3.2000 acc0 0.250 acc1 0.100 500 tok/s [epoch 1/2 step 1/10")
+    assert lines[1].startswith("step 1 epoch 0 lr 3.0e-05 loss nan")
+    assert lines[2] == format_record(records[2]) == "val epoch 0 step 2 loss 2.0000 acc0 0.500"
+    assert truncate_for_resume(tmp_path / "m.jsonl", resume_step=1, last_epoch=-1) == 2
+    assert [r["step"] for r in read_metrics(tmp_path / "m.jsonl")] == [0]
