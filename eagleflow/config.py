@@ -49,10 +49,13 @@ def parse_int_list(text: str) -> list[int]:
 
 
 def _strip_optional(annotation: Any) -> Any:
+    """``X | None`` -> ``X``, and ``Annotated[X, ...]`` -> ``X``: the type a flag parses."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         if len(args) == 1:
-            return args[0]
+            annotation = args[0]
+    if typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
     return annotation
 
 
