@@ -1,10 +1,11 @@
-"""Atomic publication of files: write beside the target, fsync, then rename over it."""
+"""Atomic publication of files and folders: write beside the target, then rename over it."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +34,26 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_folder(target: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield an empty staging folder beside ``target``; on success it replaces ``target`` whole.
+
+    A reader sees the old folder or the complete new one, never a mix; on error the staging
+    folder is removed and ``target`` is left as it was.
+    """
+    target = Path(target)
+    staging = target.parent / f".{target.name}.staging-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def atomic_write_text(target: str | os.PathLike[str], text: str) -> Path:

@@ -19,14 +19,13 @@ with plain names and a plain config is used as it is.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from eagleflow.data.verifier import read_config, text_config_of
 from eagleflow.errors import UserError
+from eagleflow.files import atomic_folder
 
 EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
@@ -168,18 +167,10 @@ def prepare_verifier(model_dir: Path, head_dir: Path) -> Path:
             f"but the text config says vocab_size {vocab} x hidden_size {hidden}"
         )
 
-    staging = head_dir.parent / f".{head_dir.name}.staging-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
+    with atomic_folder(head_dir) as staging:
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (staging / HEAD_MANIFEST).write_text(json.dumps(signature, indent=2, sort_keys=True) + "\n")
-        if head_dir.exists():
-            shutil.rmtree(head_dir)
-        os.replace(staging, head_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     print(
         f"verifier head {head_dir}: {weights.embed_key}, {weights.lm_head_key or '(tied)'}, {weights.norm_key} "
         f"from {model_dir} under plain names; text config model_type {config['model_type']}",
