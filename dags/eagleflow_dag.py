@@ -7,7 +7,9 @@ The story of DESIGN.md §1, top to bottom:
 2. meanwhile prepare_dataset, dataset_stats, check_disk and plan_shards get the rows ready;
 3. extract_shard runs once per shard (rows_0-2000, …), each retryable and clearable alone;
 4. stop_server (teardown) stops the engine, even when a shard fails;
-5. build_vocab, train_drafter and plot_metrics turn the hidden states into a drafter and charts.
+5. build_vocab, train_drafter and plot_metrics turn the hidden states into a drafter and charts;
+6. export_drafter writes the drafter as SGLang and vLLM load it, and evaluate_drafter serves it,
+   measuring accept length and speedup on held-out prompts.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from airflow.sdk import DAG, Param
 
 from operators.dataset import CheckDiskOperator, DatasetStatsOperator, PlanShardsOperator, PrepareDatasetOperator
+from operators.drafter import EvaluateOperator, ExportOperator
 from operators.extract import SHARD_MAP_INDEX_TEMPLATE, ShardExtractOperator
 from operators.params import GPU_POOL, GPU_QUEUE, form_defaults, pipeline_params
 from operators.server import ServerReadySensor, SGLangServerOperator, StopServerOperator
@@ -30,7 +33,7 @@ with DAG(
     tags=["eagleflow", "speculative-decoding"],
     doc_md=__doc__,
 ) as dag:
-    # The engine, extraction and training run on the GPU node: its Celery queue, one slot.
+    # The engine, extraction, training and evaluation run on the GPU node: its Celery queue, one slot.
     on_gpu = {"queue": GPU_QUEUE, "pool": GPU_POOL}
 
     launch_server = SGLangServerOperator(task_id="launch_server", **on_gpu)
@@ -52,8 +55,11 @@ with DAG(
     build_vocab = BuildVocabOperator(task_id="build_vocab")
     train_drafter = TrainOperator(task_id="train_drafter", **on_gpu)
     plot_metrics = PlotOperator(task_id="plot_metrics")
+    export_drafter = ExportOperator(task_id="export_drafter")
+    evaluate_drafter = EvaluateOperator(task_id="evaluate_drafter", **on_gpu)
 
     prepare_dataset >> dataset_stats >> check_disk >> plan_shards
     launch_server >> wait_server_ready >> extract_shard >> stop_server.as_teardown(setups=[launch_server, wait_server_ready])
     check_disk >> extract_shard
     [extract_shard, stop_server] >> build_vocab >> train_drafter >> plot_metrics
+    train_drafter >> export_drafter >> evaluate_drafter

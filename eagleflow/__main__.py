@@ -27,6 +27,8 @@ STEPS: dict[str, tuple[str, str]] = {
     "build-vocab": ("eagleflow.data.vocab", "build the draft vocabulary (d2t/t2d)"),
     "train": ("eagleflow.train.step", "train the EAGLE-3 drafter with speculators"),
     "plot": ("eagleflow.metrics.plot", "draw loss and accuracy charts from training metrics"),
+    "export": ("eagleflow.export.step", "write the drafter folders SGLang and vLLM serve from a checkpoint"),
+    "evaluate": ("eagleflow.evaluate.step", "serve the drafter, measure accept length and speedup on held-out prompts"),
 }
 
 

@@ -8,6 +8,8 @@
       server/server.log            engine output; server/dumps/ the hook's hand-off folder
       train/                       the training step's folder (:class:`TrainLayout`)
       train-progress/*.png, *.svg
+      drafter/sglang/, drafter/speculators/, drafter/export.json   the exported drafter
+      eval/report.json, eval/accept.{png,svg}                        its evaluation
 
 The training step also runs on its own (``python -m eagleflow train --out DIR``), so the
 names inside its folder belong to :class:`TrainLayout`, which :attr:`RunLayout.train` returns.
@@ -94,6 +96,16 @@ class RunLayout:
     @property
     def dump_dir(self) -> Path:
         return self.server / "dumps"
+
+    @property
+    def drafter(self) -> Path:
+        """The exported drafter: sglang/, speculators/, export.json."""
+        return self.root / "drafter"
+
+    @property
+    def evaluation(self) -> Path:
+        """The evaluation's report.json and charts (and its engines' logs)."""
+        return self.root / "eval"
 
     @property
     def train(self) -> TrainLayout:

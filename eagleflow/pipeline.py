@@ -4,8 +4,10 @@
 from the run's params (:meth:`PipelineConfig.from_params`) and turns it into the argv of its
 step. :func:`param_schemas` gives the JSON schema of every field, which the DAG turns into
 Airflow ``Param`` objects, so a knob's default, type, title and description live here only.
-The training Params are :class:`~eagleflow.train.config.TrainConfig` fields
-(:data:`TRAIN_PARAMS`); :meth:`PipelineConfig.train_config` gives the step its typed config.
+The training and evaluation Params are fields of their steps' own configs (:data:`TRAIN_PARAMS`
+of :class:`~eagleflow.train.config.TrainConfig`, :data:`EVAL_PARAMS` of
+:class:`~eagleflow.evaluate.config.EvaluateConfig`); :meth:`PipelineConfig.train_config` and
+:meth:`PipelineConfig.evaluate_config` give those steps their typed configs.
 
 Airflow validates a triggered run's conf against those JSON schemas before the run is
 created, so what a schema can say (types, bounds, distinct aux ids) is refused at trigger
@@ -22,6 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, create_model, model_validator
 
 from eagleflow.config import AuxLayerIds, build_model
+from eagleflow.evaluate.config import EvaluateConfig
 from eagleflow.layout import RunLayout
 from eagleflow.train.config import TrainConfig
 
@@ -42,11 +45,18 @@ TRAIN_PARAMS = (
     "device",
     "gpus",
     "restart",
+    "serve_with",
 )
 
-# The same fields as a model of their own: checks the training Params without a run folder.
-TrainParams = create_model(  # type: ignore[call-overload]
-    "TrainParams", **{name: (TrainConfig.model_fields[name].annotation, TrainConfig.model_fields[name]) for name in TRAIN_PARAMS}
+# Evaluation knobs offered in the Params form; their types, defaults and help are EvaluateConfig's.
+EVAL_PARAMS = ("eval_rows", "eval_max_new_tokens", "eval_concurrency")
+# Every step Param as a model of its own: checks them without a run folder.
+STEP_PARAMS: dict[str, type[BaseModel]] = {
+    **dict.fromkeys(TRAIN_PARAMS, TrainConfig),
+    **dict.fromkeys(EVAL_PARAMS, EvaluateConfig),
+}
+StepParams = create_model(  # type: ignore[call-overload]
+    "StepParams", **{name: (model.model_fields[name].annotation, model.model_fields[name]) for name, model in STEP_PARAMS.items()}
 )
 
 
@@ -114,8 +124,9 @@ class PipelineConfig(BaseModel):
         description="With a remote server: the folder its capture hook writes to, as seen from the workers.",
     )
 
-    # Not a Param itself: the training Params as given (checked by from_params), see train_config().
-    train_params: dict[str, Any] = Field(default_factory=dict)
+    # Not a Param itself: the steps' Params as given (checked by from_params); see train_config(),
+    # evaluate_config().
+    step_params: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _remote_needs_dump_dir(self) -> PipelineConfig:
@@ -135,8 +146,8 @@ class PipelineConfig(BaseModel):
         for name in ("run_name", "server_url", "server_dump_dir", "aux_layer_ids"):
             if values.get(name) in ("", []):
                 values[name] = None
-        values["train_params"] = {k: params[k] for k in TRAIN_PARAMS if params.get(k) is not None}
-        build_model(TrainParams, values["train_params"], param_name)
+        values["step_params"] = {k: params[k] for k in STEP_PARAMS if params.get(k) is not None}
+        build_model(StepParams, values["step_params"], param_name)
         cfg = build_model(cls, values, param_name)
         if cfg.run_name is None:
             cfg = cfg.model_copy(update={"run_name": run_name_from_run_id(run_id)})
@@ -157,10 +168,14 @@ class PipelineConfig(BaseModel):
         self.resolved_aux_layer_ids()
         return self
 
+    def step_values(self, model: type[BaseModel]) -> dict[str, Any]:
+        """The Params of the step whose config is ``model``, as given."""
+        return {name: value for name, value in self.step_params.items() if STEP_PARAMS[name] is model}
+
     def train_config(self) -> TrainConfig:
         """The training step's config: the training Params plus this run's folders and aux ids."""
         values = {
-            **self.train_params,
+            **self.step_values(TrainConfig),
             "dataset": self.layout.dataset,
             "verifier": model_dir(self),
             "out": self.layout.train.root,
@@ -169,7 +184,25 @@ class PipelineConfig(BaseModel):
         return build_model(TrainConfig, values, param_name)
 
 
-PIPELINE_PARAMS = tuple(name for name in PipelineConfig.model_fields if name != "train_params")
+    def evaluate_config(self) -> EvaluateConfig:
+        """The evaluation step's config: its Params plus this run's folders, engine and training split."""
+        layout = self.layout
+        values = {
+            **self.step_values(EvaluateConfig),
+            "dataset": layout.dataset,
+            "model": model_dir(self),
+            "drafter": layout.drafter,
+            "out": layout.evaluation,
+            "train_dir": layout.train.root,
+            "engine": self.engine,
+            "tp_size": self.tp_size,
+            "server_extra_args": list(self.server_extra_args),
+            "warmup_timeout": self.warmup_timeout_minutes * 60,
+        }
+        return build_model(EvaluateConfig, values, param_name)
+
+
+PIPELINE_PARAMS = tuple(name for name in PipelineConfig.model_fields if name != "step_params")
 
 
 def param_name(field: str) -> str:
@@ -185,7 +218,11 @@ def run_name_from_run_id(run_id: str) -> str:
 
 def param_schemas() -> dict[str, dict[str, Any]]:
     """JSON schema of each Param (``default``, ``type``, ``title``, ``description``, bounds), in form order."""
-    return {**schemas_of(PipelineConfig, PIPELINE_PARAMS), **schemas_of(TrainConfig, TRAIN_PARAMS)}
+    return {
+        **schemas_of(PipelineConfig, PIPELINE_PARAMS),
+        **schemas_of(TrainConfig, TRAIN_PARAMS),
+        **schemas_of(EvaluateConfig, EVAL_PARAMS),
+    }
 
 
 def schemas_of(model: type[BaseModel], names: tuple[str, ...]) -> dict[str, dict[str, Any]]:

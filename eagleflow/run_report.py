@@ -18,6 +18,7 @@ from eagleflow.layout import RunLayout
 
 # The charts the plot step draws (its file stem, and a title for people).
 CHARTS = (("loss", "Loss per TTT step"), ("acc", "Accuracy per TTT step"))
+EVAL_REPORT, EVAL_CHART = "report.json", "accept"  # written by eagleflow.evaluate.step / .report
 
 
 @dataclass
@@ -90,7 +91,7 @@ class MetricsCache:
 
 def readable_files(layout: RunLayout) -> list[Path]:
     """The logs a reader of the run may open: training log, server log, metrics."""
-    return [layout.train.log, layout.server_log, layout.train.metrics]
+    return [layout.train.log, layout.server_log, layout.train.metrics, layout.evaluation / EVAL_REPORT]
 
 
 def _json_or_empty(path: Path) -> dict[str, Any]:
@@ -98,6 +99,23 @@ def _json_or_empty(path: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+
+
+def evaluation_summary(layout: RunLayout) -> dict[str, Any] | None:
+    """The drafter's evaluation (accept length, speedup, estimate) and its chart, or None before one ran."""
+    report = _json_or_empty(layout.evaluation / EVAL_REPORT)
+    if not report:
+        return None
+    png, svg = layout.evaluation / f"{EVAL_CHART}.png", layout.evaluation / f"{EVAL_CHART}.svg"
+    keys = ("engine", "prompts", "max_new_tokens", "concurrency", "num_steps", "accept_length", "accept_rate",
+            "tokens_per_s", "same_tokens_as_baseline", "offline_estimate", "versions")
+    summary = {key: report.get(key) for key in keys}
+    summary["chart"] = {
+        "png": str(png.relative_to(layout.root)) if png.is_file() else None,
+        "svg": str(svg.relative_to(layout.root)) if svg.is_file() else None,
+        "mtime": int(png.stat().st_mtime) if png.is_file() else 0,
+    }
+    return summary
 
 
 def run_summary(layout: RunLayout, metrics: MetricsCache | None = None) -> dict[str, Any]:
@@ -129,6 +147,7 @@ def run_summary(layout: RunLayout, metrics: MetricsCache | None = None) -> dict[
         "metrics": (metrics or MetricsCache()).latest(layout.train.metrics),
         "charts": charts,
         "checkpoint": result.get("best_checkpoint") or result.get("checkpoint_dir"),
+        "evaluation": evaluation_summary(layout),
         "files": [str(p.relative_to(layout.root)) for p in readable_files(layout) if p.is_file()],
     }
 

@@ -67,8 +67,15 @@ def main() -> int:
     print(f"  charts       {', '.join(summary['charts'])}")
     if "step0_acc_last" in summary:
         print(f"  step-0 accuracy: first steps {summary['step0_acc_first']:.3f} -> last steps {summary['step0_acc_last']:.3f}")
+    evaluation = summary.get("evaluation")
+    if evaluation:
+        single = evaluation["tokens_per_s"]["single_stream"]
+        print(f"  drafter      accept length {evaluation['accept_length']['mean']:.2f} on {evaluation['prompts']} held-out "
+              f"prompts, speedup {single['speedup']:.2f}x ({single['drafter']:.1f} vs {single['baseline']:.1f} tokens/s, "
+              f"{evaluation['engine']} engine); report {cfg.layout.evaluation / 'report.json'}")
     complete = summary.get("validated_rows") == summary["rows"] > 0
-    return 0 if str(run.state) == "success" and complete else 1
+    evaluated = bool(evaluation) and (evaluation["accept_length"]["mean"] or 0) > 1
+    return 0 if str(run.state) == "success" and complete and evaluated else 1
 
 
 if __name__ == "__main__":

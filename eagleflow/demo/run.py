@@ -32,6 +32,9 @@ DEMO_PARAMS: dict[str, Any] = {
     "num_workers": 0,
     "draft_vocab_size": 512,
     "device": "cpu",
+    "eval_rows": 8,
+    "eval_max_new_tokens": 48,
+    "eval_concurrency": 2,
 }
 
 
@@ -80,6 +83,7 @@ def run_summary(run_dir: str | Path, model_path: str | Path, aux_layer_ids: list
         "shards": [s["name"] for s in facts["shards"]],
         "hidden_state_bytes": sum(p.stat().st_size for p in layout.hidden_states.glob("hs_*.safetensors")),
         "checkpoint": facts["checkpoint"],
+        "evaluation": facts["evaluation"],
         "charts": sorted(str(p) for p in layout.charts.glob("*.*")),
     }
     if layout.hidden_states.exists():

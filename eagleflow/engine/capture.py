@@ -96,6 +96,19 @@ class HiddenStateCapture:
         return torch.stack([s[0] for s in states], dim=1).to(getattr(torch, CAPTURE_DTYPE_NAME))
 
 
+class AuxStateCapture(HiddenStateCapture):
+    """The aux slots alone, in the model's dtype: what an EAGLE-3 drafter reads from its target."""
+
+    def aux(self) -> torch.Tensor:
+        """``[seq_len, len(aux_layer_ids) * hidden]`` of the last recorded pass (aux ids in order)."""
+        import torch
+
+        missing = [k for k in self.aux_layer_ids if k not in self._records]
+        if missing:
+            raise RuntimeError(f"no state was recorded for layer ids {missing}")
+        return torch.cat([self._records[k][0] for k in self.aux_layer_ids], dim=-1)
+
+
 def model_device(model: nn.Module) -> torch.device:
     """The device of the model's first parameter (where inputs must go)."""
     return next(model.parameters()).device

@@ -1,15 +1,20 @@
-"""The engine a run launches: its argv and environment, reference engine or SGLang.
+"""The engines a run launches: their argv and environment, reference engine or SGLang.
 
-The one place that turns a run's :class:`~eagleflow.pipeline.PipelineConfig` into an engine
-command line; the SGLang flags themselves are :mod:`eagleflow.engine.sglang_command`'s, the
-reference engine's flags :class:`~eagleflow.engine.reference.config.ReferenceEngineConfig`'s.
+The one place that turns a run's settings into an engine command line: the capture engine
+extraction reads from (:func:`engine_command`) and the serving engine evaluation measures
+(:func:`serving_engine_command`). The SGLang flags themselves are
+:mod:`eagleflow.engine.sglang_command`'s (capture) and :mod:`eagleflow.engine.sglang_serving`'s
+(serving), the reference engine's :class:`~eagleflow.engine.reference.config.ReferenceEngineConfig`'s.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
+from pathlib import Path
 
 from eagleflow.config import model_to_argv
+from eagleflow.export.step import ServedDrafter
 from eagleflow.pipeline import PipelineConfig, model_dir
 
 
@@ -37,3 +42,38 @@ def engine_command(cfg: PipelineConfig, port: int) -> tuple[list[str], dict[str,
         extra_args=list(cfg.server_extra_args),
     )
     return build_command(sglang)
+
+
+def serving_engine_command(
+    engine: str,
+    model: Path,
+    port: int,
+    drafter: ServedDrafter | None,
+    *,
+    tp_size: int = 1,
+    extra_args: Sequence[str] = (),
+) -> tuple[list[str], dict[str, str]]:
+    """argv and environment of an engine that serves ``model`` (with ``drafter``'s EAGLE-3 decoding if given).
+
+    The reference engine takes SGLang's speculative flags under the same names, so both
+    engines measure the same thing.
+    """
+    if engine == "reference":
+        from eagleflow.engine.reference.config import ReferenceEngineConfig
+
+        served = ReferenceEngineConfig(model=model.absolute(), host="127.0.0.1", port=port)
+        if drafter is not None:
+            served = served.model_copy(
+                update={
+                    "speculative_algorithm": "EAGLE3",
+                    "speculative_draft_model_path": drafter.path,
+                    "speculative_num_steps": drafter.num_steps,
+                    "speculative_num_draft_tokens": drafter.num_steps + 1,
+                    "speculative_draft_window_size": drafter.window,
+                }
+            )
+        argv = [sys.executable, "-u", "-m", "eagleflow", "serve-reference", *model_to_argv(served)]
+        return argv + list(extra_args), {"PYTHONUNBUFFERED": "1"}
+    from eagleflow.engine.sglang_serving import build_serving_command
+
+    return build_serving_command(str(model.absolute()), port, drafter, tp_size=tp_size, extra_args=extra_args)

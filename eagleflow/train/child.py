@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from eagleflow.errors import UserError
+from eagleflow.export.targets import serving_target
 from eagleflow.layout import TrainLayout
 from eagleflow.train.config import TrainConfig
 
@@ -106,6 +107,8 @@ def speculators_flags(cfg: TrainConfig, verifier: Path, device: Device, paths: T
         # speculators still points checkpoint_best at the lowest validation loss.)
         "--checkpoint-freq", "1",
         "--on-missing", "raise",  # extraction made every file; a gap is a bug, not a vLLM call
+        # What the serving engine's draft layer computes (eagleflow.export.targets).
+        "--norm-before-residual" if serving_target(cfg.serve_with).norm_before_residual else "--no-norm-before-residual",
     ]
     if cfg.draft_config is not None:
         flags += ["--draft-config", str(cfg.draft_config.absolute())]

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 
 from eagleflow.config import AuxLayerIds
+from eagleflow.export.targets import ServeWith
 
 # Flags whose change between a run and its resume would silently change the model or the
 # learning-rate schedule (speculators would stretch or cut the cosine over a new total).
@@ -24,6 +25,7 @@ RESUME_MUST_MATCH = (
     "draft_vocab_size",
     "num_layers",
     "draft_config",
+    "serve_with",
 )
 
 
@@ -53,6 +55,11 @@ class TrainConfig(BaseModel):
         None, description="decoder config JSON (LlamaConfig) fixing the draft layer shape, e.g. for Kimi-K2.5"
     )
     train_data_ratio: float = Field(0.9, gt=0, lt=1, description="fraction of rows trained on; the rest validates")
+    serve_with: ServeWith = Field(
+        "sglang",
+        description="the engine that will serve the drafter: sglang trains with norm_before_residual off "
+        "(what SGLang's draft layer computes), vllm keeps speculators' default",
+    )
     log_freq: int = Field(1, ge=1, description="log a metrics record every N steps")
     seed: int = Field(42, description="random seed")
     mask_token_id: int = Field(

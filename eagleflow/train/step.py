@@ -22,6 +22,7 @@ from typing import Any
 from eagleflow.config import add_model_arguments, model_from_args
 from eagleflow.data.verifier import resolve_aux_layer_ids, text_config
 from eagleflow.errors import UserError
+from eagleflow.export.targets import serving_target
 from eagleflow.files import atomic_write_json
 from eagleflow.layout import TrainLayout, hidden_states_dir
 from eagleflow.results import emit_result
@@ -155,6 +156,8 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
             atomic_write_json(paths.config, json.loads(cfg.model_dump_json()))
             if resume is None:
                 log.say(f"starting fresh: {cfg.epochs} epochs, checkpoints in {paths.checkpoints}")
+            target = serving_target(cfg.serve_with)
+            log.say(f"serving with {target.name}: norm_before_residual {target.norm_before_residual} ({target.why})")
             flags = speculators_flags(cfg, verifier, device, paths)
             returncode, forwarded = run_child(child_command(device, paths, flags), child_env(device), log)
             if forwarded is not None:

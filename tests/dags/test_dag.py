@@ -22,7 +22,8 @@ def test_the_dag_tells_the_story(eagleflow_dag) -> None:
     tasks = dag.task_dict
     assert set(tasks) == {
         "launch_server", "wait_server_ready", "prepare_dataset", "dataset_stats", "check_disk", "plan_shards",
-        "extract_shard", "stop_server", "build_vocab", "train_drafter", "plot_metrics",
+        "extract_shard", "stop_server", "build_vocab", "train_drafter", "plot_metrics", "export_drafter",
+        "evaluate_drafter",
     }
     assert tasks["launch_server"].is_setup and tasks["wait_server_ready"].is_setup and tasks["stop_server"].is_teardown
     assert tasks["wait_server_ready"].upstream_task_ids == {"launch_server"}
@@ -34,6 +35,8 @@ def test_the_dag_tells_the_story(eagleflow_dag) -> None:
     assert tasks["build_vocab"].upstream_task_ids == {"extract_shard", "stop_server"}
     assert tasks["train_drafter"].upstream_task_ids == {"build_vocab"}
     assert tasks["plot_metrics"].upstream_task_ids == {"train_drafter"}
+    assert tasks["export_drafter"].upstream_task_ids == {"train_drafter"}
+    assert tasks["evaluate_drafter"].upstream_task_ids == {"export_drafter"}
     assert tasks["extract_shard"].map_index_template == "{{ task.shard['name'] }}"
 
 
@@ -42,7 +45,7 @@ def test_engine_extraction_and_training_run_on_the_gpu_queue_and_pool(eagleflow_
     from eagleflow.deploy import GPU_POOL, GPU_QUEUE
 
     on_gpu = {t.task_id for t in eagleflow_dag.tasks if (t.queue, t.pool) == (GPU_QUEUE, GPU_POOL)}
-    assert on_gpu == {"launch_server", "wait_server_ready", "extract_shard", "stop_server", "train_drafter"}
+    assert on_gpu == {"launch_server", "wait_server_ready", "extract_shard", "stop_server", "train_drafter", "evaluate_drafter"}
     for task in eagleflow_dag.tasks:
         if task.task_id not in on_gpu:
             assert task.pool != GPU_POOL
@@ -52,7 +55,8 @@ def test_every_param_has_a_title_and_description(eagleflow_dag) -> None:
     params = eagleflow_dag.params
     for name in ("engine", "model_path", "dataset_input", "output_root", "run_name", "shard_size", "aux_layer_ids",
                  "max_len", "concurrency", "server_port", "server_extra_args", "server_url", "epochs", "lr",
-                 "noise_std", "ttt_steps", "draft_vocab_size"):
+                 "noise_std", "ttt_steps", "draft_vocab_size", "serve_with", "eval_rows", "eval_max_new_tokens",
+                 "eval_concurrency"):
         param = params.get_param(name)
         assert param.schema.get("title") and param.description, name
     assert params.get_param("shard_size").value == 2000
@@ -104,8 +108,8 @@ def test_remote_server_mode_launches_and_stops_nothing_and_extracts_everything(
         "server_url": outside_engine.url,
         "server_dump_dir": outside_engine.dump_dir,
     }
-    # Training is covered elsewhere; here the point is the engine hand-off.
-    run = eagleflow_dag.test(run_conf=conf, mark_success_pattern="build_vocab|train_drafter|plot_metrics")
+    # Training and export are covered elsewhere; here the point is the engine hand-off.
+    run = eagleflow_dag.test(run_conf=conf, mark_success_pattern="build_vocab|train_drafter|plot_metrics|export_drafter")
     tis = {(ti.task_id, ti.map_index): ti for ti in run.get_task_instances()}
     assert str(run.state) == "success", {k: ti.state for k, ti in tis.items()}
     assert tis[("launch_server", -1)].xcom_pull(task_ids="launch_server") == {
@@ -113,6 +117,7 @@ def test_remote_server_mode_launches_and_stops_nothing_and_extracts_everything(
     }
     assert tis[("stop_server", -1)].xcom_pull(task_ids="stop_server") == "remote server left running"
     assert pid_alive(outside_engine.pid)  # nobody stopped the remote engine
+    assert tis[("evaluate_drafter", -1)].state == "skipped"  # no engine of this run to relaunch with the drafter
     assert not (tmp_path / "runs" / "remote" / "server" / "server.log").exists()  # nobody launched one
     assert sorted(ti.rendered_map_index for (task, _), ti in tis.items() if task == "extract_shard") == [
         "rows_0-5", "rows_10-12", "rows_5-10",

@@ -26,7 +26,7 @@ ROWS, SHARD_SIZE, FAIL_ROW = 30, 10, 13
 FAILED_SHARD = FAIL_ROW // SHARD_SIZE  # map index of rows_10-20
 SHARD_NAMES = [f"rows_{s}-{s + SHARD_SIZE}" for s in range(0, ROWS, SHARD_SIZE)]
 SETUPS_AND_TEARDOWN = ["launch_server", "wait_server_ready", "stop_server"]
-DOWNSTREAM = ["build_vocab", "train_drafter", "plot_metrics"]
+DOWNSTREAM = ["build_vocab", "train_drafter", "plot_metrics", "export_drafter", "evaluate_drafter"]
 UNTOUCHED = ["prepare_dataset", "dataset_stats", "check_disk", "plan_shards"]
 RUN_TIMEOUT = 600.0
 MAX_LEN = 256
@@ -51,6 +51,9 @@ def _conf(model: Path, conversations: Path, output_root: Path, run_name: str) ->
         "num_workers": 0,
         "draft_vocab_size": 256,
         "device": "cpu",
+        "eval_rows": 2,
+        "eval_max_new_tokens": 8,
+        "eval_concurrency": 1,
     }
 
 
@@ -167,6 +170,8 @@ def test_failed_shard_cleared_through_the_api_reruns_alone(
     _check_every_row_readable(layout.dataset, random_tiny_model)
     plots = airflow_stack.xcom(run_id, "plot_metrics")
     assert plots["png"] and all(Path(p).is_file() for p in plots["png"] + plots["svg"]), plots
+    evaluation = airflow_stack.xcom(run_id, "evaluate_drafter")
+    assert evaluation["accept_length"] >= 1.0 and Path(evaluation["report"]).is_file(), evaluation
     print(f"scheduler test: first pass {first_pass:.0f}s, total {time.monotonic() - started:.0f}s")
 
 

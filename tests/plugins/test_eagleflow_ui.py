@@ -64,6 +64,32 @@ def test_run_json_and_index(client: TestClient, output_root: Path) -> None:
     assert 'href="runs/demo"' in index and "other-run" not in index  # not a run: no shards/ or train/
 
 
+def test_the_drafter_evaluation_is_shown_once_it_ran(client: TestClient, output_root: Path) -> None:
+    assert "Not evaluated yet" in client.get("/runs/demo", headers=HTML).text
+    evaluation = output_root / "demo" / "eval"
+    evaluation.mkdir()
+    report = {
+        "engine": "reference", "prompts": 8, "max_new_tokens": 48, "concurrency": 2, "num_steps": 3,
+        "accept_length": {"mean": 1.74, "p50": 1.54, "p90": 2.55, "per_prompt": [1.74] * 8},
+        "accept_rate": 0.15, "same_tokens_as_baseline": 1.0, "versions": {"eagleflow": "0.1.0"},
+        "tokens_per_s": {"single_stream": {"drafter": 51.4, "baseline": 34.8, "speedup": 1.477},
+                         "concurrent": {"drafter": 76.5, "baseline": 49.9, "speedup": 1.533}},
+        "offline_estimate": {"accept_length": 1.55, "from": "validation epoch 3 (full_acc_0..2)", "full_acc": [0.4, 0.1, 0.05]},
+    }
+    (evaluation / "report.json").write_text(json.dumps(report))
+    png = (output_root / "demo" / "train-progress" / "loss.png").read_bytes()
+    (evaluation / "accept.png").write_bytes(png)
+    page = client.get("/runs/demo", headers=HTML).text
+    assert "Drafter evaluation" in page and "Not evaluated yet" not in page
+    assert "<b>1.740</b>" in page and "<b>1.540 / 2.550</b>" in page and "<b>15.0%</b>" in page
+    assert "<b>1.477×</b>" in page and "51.4 vs 34.8 tokens/s" in page and "validation epoch 3" in page
+    assert re.search(r'<img src="demo/files/eval/accept\.png\?v=\d+" alt="Accept length and tokens/s">', page)
+    assert client.get("/runs/demo/files/eval/accept.png").content == png
+    summary = client.get("/api/runs/demo").json()["evaluation"]
+    assert summary["accept_length"]["mean"] == 1.74 and summary["chart"]["png"] == "eval/accept.png"
+    assert "eval/report.json" in client.get("/api/runs/demo").json()["files"]
+
+
 def test_unreadable_manifest_is_shown_not_fatal(client: TestClient, output_root: Path) -> None:
     (output_root / "demo" / "shards" / "rows_120-160.json").write_text('{"name": "rows_120-16')
     page = client.get("/runs/demo", headers=HTML).text

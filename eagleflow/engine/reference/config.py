@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from eagleflow.config import AuxLayerIds
 
@@ -15,10 +15,13 @@ class ReferenceEngineConfig(BaseModel):
     """Flags of ``python -m eagleflow serve-reference``."""
 
     model: Path = Field(description="local folder of a transformers causal LM (config.json + safetensors)")
-    dump_dir: Path = Field(description="folder the per-request hidden-state dumps <rid>.safetensors go to")
-    aux_layers: AuxLayerIds = Field(
-        description="layer ids to capture, comma-separated: id k = the state entering decoder layer k, "
-        "n = the last layer's output before the final norm; the final pre-norm state is always added as the last slot"
+    dump_dir: Path | None = Field(
+        None, description="folder the per-request hidden-state dumps <rid>.safetensors go to; none: serve without capturing"
+    )
+    aux_layers: AuxLayerIds | None = Field(
+        None,
+        description="layer ids to capture (with --dump-dir), comma-separated: id k = the state entering decoder layer k, "
+        "n = the last layer's output before the final norm; the final pre-norm state is always added as the last slot",
     )
     host: str = Field("127.0.0.1", description="address to bind (keep 127.0.0.1 unless a remote client must reach it)")
     port: int = Field(30000, ge=0, le=65535, description="TCP port to bind (SGLang's default 30000; 0 = any free port, printed at start)")
@@ -33,11 +36,39 @@ class ReferenceEngineConfig(BaseModel):
         0, ge=0, description="CPU threads for torch (0 = torch's default, one per core); 1 avoids thrashing on a shared small machine"
     )
     trust_remote_code: bool = Field(False, description="allow the model folder's own modelling code (Kimi-K2.5 needs it)")
+    # SGLang's speculative decoding flags (server_args), with the same names and meaning.
+    speculative_algorithm: Literal["EAGLE3"] | None = Field(
+        None, description="EAGLE3: decode with the drafter of --speculative-draft-model-path (greedy requests only)"
+    )
+    speculative_draft_model_path: Path | None = Field(
+        None, description="the drafter folder eagleflow export wrote for SGLang (drafter/sglang)"
+    )
+    speculative_num_steps: int = Field(3, ge=1, description="draft tokens proposed per verification")
+    speculative_eagle_topk: int = Field(1, ge=1, le=1, description="candidates per draft step; the reference engine drafts a chain (1)")
+    speculative_num_draft_tokens: int | None = Field(
+        None, ge=2, description="tokens verified per round: --speculative-num-steps + 1 for a chain (default)"
+    )
+    speculative_draft_window_size: int | None = Field(
+        None, ge=1, description="sliding window of the draft's attention (the drafter's, from the export)"
+    )
     fail_row: list[int] = Field(
         default_factory=list,
         description="TEST ONLY: comma list of rows whose requests (rid row{N}-…) answer 500, once across restarts "
         "(a marker <dump_dir>/.fail-row-N.injected records that the failure was injected)",
     )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ReferenceEngineConfig:
+        if (self.dump_dir is None) != (self.aux_layers is None):
+            raise ValueError("--dump-dir and --aux-layers go together: capture needs both")
+        if self.speculative_algorithm and self.speculative_draft_model_path is None:
+            raise ValueError("--speculative-algorithm EAGLE3 needs --speculative-draft-model-path")
+        chain = self.speculative_num_steps + 1
+        if self.speculative_num_draft_tokens not in (None, chain):
+            raise ValueError(
+                f"--speculative-num-draft-tokens must be --speculative-num-steps + 1 = {chain} for a chain (topk 1)"
+            )
+        return self
 
     @field_validator("fail_row")
     @classmethod

@@ -1,9 +1,12 @@
-"""The reference engine's model: forward passes, hidden-state capture and dumps.
+"""The reference engine's model: forward passes, hidden-state capture and dumps, speculative decoding.
 
-Every prefill of a request whose rid is captured (:func:`sglang_patch.request_ids.is_captured`:
-all but SGLang's health checks) is recorded by hooks (:mod:`eagleflow.engine.capture`) and
-written by the same :class:`sglang_patch.dump_writer.DumpWriter` as the SGLang hook, to
-``<dump_dir>/<rid>.safetensors``, before the HTTP answer is sent.
+With ``--dump-dir``, every prefill of a request whose rid is captured
+(:func:`sglang_patch.request_ids.is_captured`: all but SGLang's health checks) is recorded by
+hooks (:mod:`eagleflow.engine.capture`) and written by the same
+:class:`sglang_patch.dump_writer.DumpWriter` as the SGLang hook, to
+``<dump_dir>/<rid>.safetensors``, before the HTTP answer is sent. With
+``--speculative-algorithm EAGLE3``, greedy requests decode with the exported drafter
+(:mod:`eagleflow.engine.reference.speculative`).
 """
 
 from __future__ import annotations
@@ -54,10 +57,12 @@ class ReferenceEngine:
         self.device = model_device(model)
         layers, _ = decoder_layers_and_norm(model)
         self.num_layers = len(layers)
-        try:
-            self.aux_layer_ids = validate_aux_layer_ids(config.aux_layers, self.num_layers)
-        except ValueError as exc:
-            raise UserError(f"--aux-layers: {exc}") from exc
+        self.aux_layer_ids: list[int] | None = None
+        if config.aux_layers is not None:
+            try:
+                self.aux_layer_ids = validate_aux_layer_ids(config.aux_layers, self.num_layers)
+            except ValueError as exc:
+                raise UserError(f"--aux-layers: {exc}") from exc
         text_config = model.config.get_text_config()
         self.vocab_size = int(text_config.vocab_size)
         self.hidden_size = int(text_config.hidden_size)
@@ -69,14 +74,17 @@ class ReferenceEngine:
         self.eos_token_ids = _eos_token_ids(model)
         # Only the last position's logits are needed; older/remote modelling code may lack the knob.
         self._logits_kwargs = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-        self.writer = DumpWriter(config.dump_dir)
+        self.writer = DumpWriter(config.dump_dir) if config.dump_dir is not None else None
+        self.speculative = speculative_decoder(model, config) if config.speculative_algorithm else None
         self.ready = threading.Event()
         self.shutting_down = False
         self.warmup_error: str | None = None
         self._forward_lock = threading.Lock()  # one forward at a time; requests queue on it
         # Rows still to fail in this process: a marker left by an earlier process means its one
         # injected failure already happened.
-        self.fail_rows_pending = {r for r in config.fail_row if not fail_row_marker(config.dump_dir, r).exists()}
+        self.fail_rows_pending = {
+            r for r in config.fail_row if config.dump_dir is None or not fail_row_marker(config.dump_dir, r).exists()
+        }
         self._stats_lock = threading.Lock()
         self._requests = 0
         self._failed = 0
@@ -117,7 +125,9 @@ class ReferenceEngine:
             if is_captured(rid):
                 self._maybe_inject_failure(rid)
             try:
-                output_ids, finish_reason = self._run(request)
+                output_ids, finish_reason, spec = self._run(request)
+            except RequestError:
+                raise
             except Exception as exc:  # the model failed (e.g. out of memory): a 500 naming it, the server lives on
                 traceback.print_exc()
                 raise RequestError(500, f"rid {rid}: forward failed: {type(exc).__name__}: {exc}") from exc
@@ -140,6 +150,7 @@ class ReferenceEngine:
                 # No prefix cache here, so every prompt token is computed (and captured).
                 "cached_tokens": 0,
                 "e2e_latency": time.time() - started,
+                **spec,
             },
         }
 
@@ -175,8 +186,10 @@ class ReferenceEngine:
             "context_length": self.limits.context_length,
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "aux_layer_ids": self.aux_layer_ids,
-            "num_hidden_state_slots": len(self.aux_layer_ids) + 1,
-            "dump_dir": str(self.config.dump_dir),
+            "num_hidden_state_slots": len(self.aux_layer_ids) + 1 if self.aux_layer_ids is not None else None,
+            "dump_dir": str(self.config.dump_dir) if self.config.dump_dir is not None else None,
+            "speculative_algorithm": self.config.speculative_algorithm,
+            "speculative_num_steps": self.config.speculative_num_steps if self.speculative else None,
         }
 
     def warmup(self) -> None:
@@ -198,6 +211,8 @@ class ReferenceEngine:
     def close(self) -> None:
         """Write every queued dump, then stop the writer thread."""
         self.shutting_down = True
+        if self.writer is None:
+            return
         self.writer.close()
         for message in self.writer.write_errors:
             print(f"dump write failed: {message}", file=sys.stderr, flush=True)
@@ -208,19 +223,30 @@ class ReferenceEngine:
         row = row_of_request_id(rid)
         if row is None or row not in self.fail_rows_pending:
             return
-        marker = fail_row_marker(self.config.dump_dir, row)
-        if not marker.exists():
-            atomic_write_text(marker, f"{rid}\n")
+        if self.config.dump_dir is not None:
+            marker = fail_row_marker(self.config.dump_dir, row)
+            if not marker.exists():
+                atomic_write_text(marker, f"{rid}\n")
         raise RequestError(500, f"injected failure for row {row} (--fail-row)")
 
-    def _run(self, request: GenerateRequest, dump: bool = True) -> tuple[list[int], dict[str, Any]]:
-        """Prefill (captured unless a health check or ``dump=False``), then up to ``max_new_tokens`` decode steps."""
+    def _run(self, request: GenerateRequest, dump: bool = True) -> tuple[list[int], dict[str, Any], dict[str, Any]]:
+        """Prefill (captured unless a health check, ``dump=False`` or no dump folder), then up to
+        ``max_new_tokens`` decode steps (speculative when a drafter is loaded); returns the output
+        ids, the finish reason and SGLang's spec fields of ``meta_info``."""
         import torch
 
         from eagleflow.engine.capture import HiddenStateCapture
 
         max_new_tokens = request.max_new_tokens
-        capture = dump and is_captured(request.rid)
+        capture = dump and self.writer is not None and is_captured(request.rid)
+        if self.speculative is not None and max_new_tokens > 1 and not capture:
+            if request.temperature >= GREEDY_BELOW_TEMPERATURE:
+                raise RequestError(400, f"rid {request.rid}: the reference engine's speculative decoding is greedy only; send temperature 0")
+            with self._forward_lock, torch.inference_mode():
+                output_ids, finish_reason, stats = self.speculative.generate(
+                    request.input_ids, max_new_tokens, self.eos_token_ids, request.ignore_eos
+                )
+            return output_ids, finish_reason, stats.meta_info(len(output_ids))
         ids = torch.tensor([request.input_ids], dtype=torch.long, device=self.device)
         output_ids: list[int] = []
         finish_reason: dict[str, Any] = {"type": "length", "length": max_new_tokens}
@@ -248,7 +274,7 @@ class ReferenceEngine:
         if capture:
             # The client checks the dump right after our answer: it must be on disk by then.
             self.writer.flush()
-        return output_ids, finish_reason
+        return output_ids, finish_reason, {}
 
     def _decode(self, output_ids: list[int]) -> str:
         return self.tokenizer.decode(output_ids) if self.tokenizer is not None and output_ids else ""
@@ -301,3 +327,23 @@ def _load_tokenizer(model_dir: Path, trust_remote_code: bool) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+
+
+def speculative_decoder(model: Any, config: ReferenceEngineConfig) -> Any:
+    """The EAGLE-3 decoder of ``--speculative-draft-model-path`` for ``model``, capturing what SGLang's target would."""
+    from eagleflow.engine.capture import AuxStateCapture
+    from eagleflow.engine.reference.draft_model import Eagle3Drafter
+    from eagleflow.engine.reference.speculative import SpeculativeDecoder
+    from eagleflow.export.sglang_drafter import NotServable, captured_layer_ids
+
+    folder = config.speculative_draft_model_path
+    if folder is None or not (folder / "config.json").is_file():
+        raise UserError(f"--speculative-draft-model-path: {folder} has no config.json (run eagleflow export first)")
+    drafter = Eagle3Drafter(folder, model.get_input_embeddings(), model.dtype, next(model.parameters()).device)
+    drafter.window = config.speculative_draft_window_size
+    architecture = (getattr(model.config, "architectures", None) or ["?"])[0]
+    try:
+        layers = captured_layer_ids(drafter.config["eagle_config"]["eagle_aux_hidden_state_layer_ids"], architecture)
+    except NotServable as exc:
+        raise UserError(f"--speculative-draft-model-path: {exc}") from exc
+    return SpeculativeDecoder(model, drafter, lambda: AuxStateCapture(model, layers), config.speculative_num_steps)

@@ -102,8 +102,18 @@ def serve(config: ReferenceEngineConfig) -> int:
         f"reference engine: model {config.model} ({', '.join(engine.model.config.architectures or ['?'])}, "
         f"{engine.num_layers} layers, hidden {engine.hidden_size}, vocab {engine.vocab_size}, "
         f"{str(engine.model.dtype).removeprefix('torch.')} on {config.device}) loaded in {time.monotonic() - load_started:.1f}s; "
-        f"aux layer ids {engine.aux_layer_ids} + final pre-norm state = {len(engine.aux_layer_ids) + 1} slots; "
-        f"dumps -> {config.dump_dir}; listening on http://{host}:{port}; warmup {config.warmup_seconds:g}s",
+        + (
+            f"aux layer ids {engine.aux_layer_ids} + final pre-norm state = {len(engine.aux_layer_ids) + 1} slots; "
+            f"dumps -> {config.dump_dir}; "
+            if engine.aux_layer_ids is not None
+            else "no capture; "
+        )
+        + (
+            f"EAGLE3 drafter {config.speculative_draft_model_path}, {config.speculative_num_steps} draft tokens per round; "
+            if engine.speculative is not None
+            else ""
+        )
+        + f"listening on http://{host}:{port}; warmup {config.warmup_seconds:g}s",
         flush=True,
     )
     if engine.fail_rows_pending:

@@ -8,11 +8,8 @@ built the way the pipeline builds it (chat template masks, ``write_training_data
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -35,16 +32,10 @@ from eagleflow.train.resume import CHECKPOINT_FILES, prepare_checkpoints, trunca
 from eagleflow.train.step import check_dataset
 from eagleflow.train.verifier_head import EMBED, HEAD_MANIFEST, LM_HEAD, NORM, locate_weights, prepare_verifier
 
-REPO = Path(__file__).resolve().parents[3]
-DATA_CACHE = REPO / ".cache" / "test-data"
-AUX = [2, 4, 6]
-ROWS = 120
-DRAFT_VOCAB = 256
-DATA_RECIPE = 1  # bump when the dataset recipe below changes
+from training_data import AUX, DRAFT_VOCAB, REPO, ROWS, TrainedRun, copy_dataset, train_argv
+
 TRAIN_KEYS = {"kind", "step", "epoch", "lr", "loss", "tokens_per_s", "time"}
 VAL_KEYS = {"kind", "step", "epoch", "loss", "time"}
-# Small and fast: the drafter learns the trained tiny verifier within two epochs at this lr.
-FAST = ["--total-seq-len", "256", "--num-workers", "0", "--draft-vocab-size", str(DRAFT_VOCAB), "--lr", "3e-3"]
 
 
 @pytest.fixture(autouse=True)
@@ -52,55 +43,6 @@ def _one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     # Tiny tensors gain nothing from a second thread, and on a shared 2-core machine
     # oversubscribed OpenMP threads make every step many times slower.
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-
-
-def build_dataset(model_dir: Path, out: Path, rows: int, seed: int) -> Path:
-    """Conversations -> chat-template masks -> §3.3 dataset -> captured hidden states."""
-    from transformers import AutoModelForCausalLM
-
-    from eagleflow.engine.capture import capture_hidden_states
-    from eagleflow.data.prepare import ChatTokenizer, write_training_dataset
-    from eagleflow.extract.sample_store import write_sample
-    from eagleflow.demo.synthetic_data import generate_conversations
-
-    chat = ChatTokenizer(model_dir)
-    encoded = [chat(c["messages"]) for c in generate_conversations(rows, seed=seed)]
-    ids, masks = [e[0][:256] for e in encoded], [e[1][:256] for e in encoded]
-    write_training_dataset(ids, masks, out)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    for row, row_ids in enumerate(ids):
-        write_sample(out / "hidden_states", row, capture_hidden_states(model, row_ids, AUX), torch.tensor(row_ids))
-    return out
-
-
-def cached_dataset(model_dir: Path, rows: int = ROWS, seed: int = 11) -> Path:
-    record = (model_dir / "eagleflow_tiny_model.json").read_bytes()
-    key = hashlib.sha256(record + json.dumps([DATA_RECIPE, rows, seed, AUX]).encode()).hexdigest()[:16]
-    final = DATA_CACHE / f"train-{key}" / "dataset"
-    if not (final.parent / "done").exists():
-        staging = DATA_CACHE / f".train-{key}.{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
-        build_dataset(model_dir, staging / "dataset", rows, seed)
-        (staging / "done").write_text("ok\n")
-        shutil.rmtree(final.parent, ignore_errors=True)
-        os.replace(staging, final.parent)
-    return final
-
-
-@pytest.fixture(scope="session")
-def trained_data(tiny_model: Path) -> Path:
-    return cached_dataset(tiny_model)
-
-
-def copy_dataset(dataset: Path, dest: Path) -> Path:
-    """A private copy (the step writes vocabulary files into the dataset folder)."""
-    shutil.copytree(dataset, dest, symlinks=True)
-    return dest
-
-
-def train_argv(dataset: Path, verifier: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "eagleflow", "train", "--dataset", str(dataset), "--verifier", str(verifier),
-            "--out", str(out), "--aux-layer-ids", ",".join(map(str, AUX)), *FAST, *extra]
 
 
 def assert_checkpoint_set(checkpoints: Path, epochs: int) -> None:
@@ -130,10 +72,8 @@ def assert_records(metrics: Path, epochs: int) -> tuple[list[dict], list[dict]]:
 # Full runs through the CLI, the way the operator starts the step
 
 
-def test_two_epochs_learn_and_record_every_step(trained_data: Path, tiny_model: Path, tmp_path: Path) -> None:
-    dataset = copy_dataset(trained_data, tmp_path / "dataset")
-    out = tmp_path / "train"
-    proc = subprocess.run(train_argv(dataset, tiny_model, out, "--epochs", "2"), capture_output=True, text=True, timeout=900)
+def test_two_epochs_learn_and_record_every_step(trained_run: TrainedRun, tiny_model: Path) -> None:
+    proc, out = trained_run, trained_run.out
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     result = find_result(proc.stdout.splitlines())
@@ -168,6 +108,11 @@ def test_two_epochs_learn_and_record_every_step(trained_data: Path, tiny_model: 
     assert int(model.t2d.sum()) == DRAFT_VOCAB
     assert model.config.speculators_config.verifier.name_or_path == str(tiny_model)
     assert list(model.target_layer_ids) == AUX
+
+    # Trained for the engine that serves it: SGLang's draft layer keeps the pre-norm residual.
+    assert model.config.norm_before_residual is False
+    assert "serving with sglang: norm_before_residual False (SGLang's" in log
+    assert json.loads((out / "train-config.json").read_text())["serve_with"] == "sglang"
 
 
 def test_sigterm_during_epoch_two_then_rerun_resumes(trained_data: Path, tiny_model: Path, tmp_path: Path) -> None:
@@ -348,6 +293,10 @@ def test_defaults_are_the_seed_run_and_flags_reach_speculators(tmp_path: Path) -
     parsed = SpeculatorsConfig.resolve(flags)
     assert parsed.draft.target_layer_ids == [3, 31, 59] and parsed.optimizer.lr == 3e-5
     assert parsed.data.noise_std == 0.05 and parsed.scheduler.scheduler_warmup_ratio == 0.01
+    # serve_with decides what speculators trains: SGLang's function by default, its own default for vLLM.
+    assert parsed.draft.norm_before_residual is False
+    vllm = cfg.model_copy(update={"serve_with": "vllm"})
+    assert SpeculatorsConfig.resolve(speculators_flags(vllm, Path("/v"), Device("cpu", 0), TrainLayout(tmp_path))).draft.norm_before_residual
 
     gpu = speculators_flags(cfg, Path("/abs/verifier"), Device("cuda", 8), TrainLayout(tmp_path / "o"))
     assert "fused" in gpu and "simple_flex_attention" in gpu

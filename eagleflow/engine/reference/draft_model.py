@@ -1,0 +1,172 @@
+"""An EAGLE-3 drafter computed as SGLang computes it, from the folder ``eagleflow export`` writes.
+
+Plain torch on the exported ``config.json`` and ``model.safetensors``, following
+``sglang/srt/models/llama_eagle3.py`` (0.5.20–0.5.23), not speculators' Python class, so the
+reference engine serves exactly what SGLang would load:
+
+- the target's aux states ``[T, n_aux * H]`` pass ``input_norm`` (``norm_before_fc``), the per-aux
+  ``fc_norm`` and ``fc``; a draft decode step passes the draft's own hidden state instead;
+- the input layer keeps the **pre-norm** state as its residual, normalises it with
+  ``hidden_norm`` and the token embedding (the *target's*, as SGLang's ``set_embed`` gives it)
+  with ``input_layernorm``, and attends over their concatenation; later layers fold the residual
+  in with ``hidden_norm``; attention is Llama's (RoPE, neox style; GQA; optional sliding window);
+- ``norm(hidden, residual)`` gives the logits over the draft vocabulary and, for the next step,
+  the pre-norm state (the normed one with ``norm_output``); draft ids map to target ids by
+  ``d2t + arange`` (SGLang's hot token ids).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+LEGACY_NAMES = {"midlayer.": "layers.0."}  # names older EAGLE-3 exports use (SGLang maps them too)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm, computed in float32 as SGLang's and transformers' kernels do."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * x).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+@dataclass
+class DraftCache:
+    """Keys and values of every draft layer for positions ``0 .. length-1``."""
+
+    keys: list[torch.Tensor | None] = field(default_factory=list)
+    values: list[torch.Tensor | None] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return 0 if not self.keys or self.keys[0] is None else int(self.keys[0].shape[1])
+
+    def crop(self, length: int) -> None:
+        """Forget positions from ``length`` on (drafts the target rejected)."""
+        self.keys = [k[:, :length] if k is not None else None for k in self.keys]
+        self.values = [v[:, :length] if v is not None else None for v in self.values]
+
+
+class Eagle3Drafter:
+    """The draft model of an exported SGLang EAGLE-3 folder.
+
+    :param folder: the ``drafter/sglang`` folder (config.json, model.safetensors).
+    :param embed_tokens: the target's token embedding (SGLang gives the draft the target's).
+    :param dtype: compute dtype (the target's).
+    """
+
+    def __init__(self, folder: str | Path, embed_tokens: torch.nn.Module, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        self.config: dict[str, Any] = json.loads((folder / "config.json").read_text())
+        weights = load_file(str(folder / "model.safetensors"), device=str(device))
+        for legacy, name in LEGACY_NAMES.items():
+            weights = {k.replace(legacy, name): v for k, v in weights.items()}
+        self.weights = {k.removeprefix("model."): (v if k == "d2t" else v.to(dtype)) for k, v in weights.items()}
+        self.embed_tokens = embed_tokens
+        self.dtype = dtype
+        c = self.config
+        self.hidden = int(c["hidden_size"])
+        self.heads = int(c["num_attention_heads"])
+        self.kv_heads = int(c.get("num_key_value_heads") or self.heads)
+        self.head_dim = int(c.get("head_dim") or self.hidden // self.heads)
+        self.layers = int(c["num_hidden_layers"])
+        self.eps = float(c["rms_norm_eps"])
+        eagle = c.get("eagle_config") or {}
+        self.norm_before_fc = bool(eagle.get("norm_before_fc", c.get("norm_before_fc", False)))
+        self.norm_output = bool(c.get("norm_output", False))
+        self.num_aux = len(eagle.get("eagle_aux_hidden_state_layer_ids") or [None] * 3)
+        rope = c.get("rope_parameters") or {}
+        theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported by the reference drafter")
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim))
+        self.window: int | None = None  # set by the engine from --speculative-draft-window-size
+        d2t = self.weights.get("d2t")
+        self.hot_token_ids = (d2t + torch.arange(d2t.shape[0], device=d2t.device)) if d2t is not None else None
+
+    def new_cache(self) -> DraftCache:
+        return DraftCache(keys=[None] * self.layers, values=[None] * self.layers)
+
+    def target_token(self, draft_id: int) -> int:
+        """The target vocabulary id of draft id ``draft_id``."""
+        return int(self.hot_token_ids[draft_id]) if self.hot_token_ids is not None else int(draft_id)
+
+    # ---- the forward pass --------------------------------------------------------------
+
+    def forward(
+        self, input_ids: torch.Tensor, hidden_states: torch.Tensor, positions: torch.Tensor, cache: DraftCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft pass over ``T`` new positions; returns ``(draft-vocab logits [T, V_d], hidden [T, H])``.
+
+        :param input_ids: ``[T]`` target-vocabulary token ids (the token after each position).
+        :param hidden_states: ``[T, n_aux * target_hidden]`` target aux states, or ``[T, H]`` draft states.
+        :param positions: ``[T]`` absolute positions, continuing ``cache``.
+        """
+        w = self.weights
+        embeds = self.embed_tokens(input_ids).to(self.dtype)
+        hidden = hidden_states.to(self.dtype)
+        if hidden.shape[-1] != embeds.shape[-1]:
+            if self.norm_before_fc:
+                hidden = rms_norm(hidden, w["input_norm.weight"], self.eps)
+            if "fc_norm.0.weight" in w:
+                chunks = hidden.chunk(self.num_aux, dim=-1)
+                hidden = torch.cat([rms_norm(x, w[f"fc_norm.{i}.weight"], self.eps) for i, x in enumerate(chunks)], -1)
+            hidden = F.linear(hidden, w["fc.weight"])
+        residual: torch.Tensor | None = None
+        for layer in range(self.layers):
+            p = f"layers.{layer}."
+            if layer == 0:
+                residual = hidden  # the pre-norm state: SGLang's input layer never reads norm_before_residual
+                x = torch.cat([rms_norm(embeds, w[p + "input_layernorm.weight"], self.eps),
+                               rms_norm(hidden, w[p + "hidden_norm.weight"], self.eps)], dim=-1)
+            else:
+                residual = hidden + residual
+                x = rms_norm(residual, w[p + "hidden_norm.weight"], self.eps)
+            attn = self._attention(layer, x, positions, cache)
+            residual = attn + residual
+            x = rms_norm(residual, w[p + "post_attention_layernorm.weight"], self.eps)
+            gate, up = F.linear(x, w[p + "mlp.gate_proj.weight"]), F.linear(x, w[p + "mlp.up_proj.weight"])
+            hidden = F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
+        pre_norm = hidden + residual
+        normed = rms_norm(pre_norm, w["norm.weight"], self.eps)
+        logits = F.linear(normed, w["lm_head.weight"]).float()
+        return logits, (normed if self.norm_output else pre_norm)
+
+    def _attention(self, layer: int, x: torch.Tensor, positions: torch.Tensor, cache: DraftCache) -> torch.Tensor:
+        w, p = self.weights, f"layers.{layer}.self_attn."
+        steps = x.shape[0]
+        q = F.linear(x, w[p + "q_proj.weight"]).view(steps, self.heads, self.head_dim).transpose(0, 1)
+        k = F.linear(x, w[p + "k_proj.weight"]).view(steps, self.kv_heads, self.head_dim).transpose(0, 1)
+        v = F.linear(x, w[p + "v_proj.weight"]).view(steps, self.kv_heads, self.head_dim).transpose(0, 1)
+        angles = positions.float()[:, None] * self.inv_freq[None, :]
+        cos = torch.cat([angles, angles], -1).cos().to(q.dtype)
+        sin = torch.cat([angles, angles], -1).sin().to(q.dtype)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        if cache.keys[layer] is not None:
+            k = torch.cat([cache.keys[layer], k], dim=1)
+            v = torch.cat([cache.values[layer], v], dim=1)
+        cache.keys[layer], cache.values[layer] = k, v
+        key_positions = torch.arange(k.shape[1], device=x.device)
+        allowed = key_positions[None, :] <= positions[:, None]
+        if self.window is not None:
+            allowed &= key_positions[None, :] > positions[:, None] - self.window
+        repeat = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(repeat, dim=0), v.repeat_interleave(repeat, dim=0)
+        scores = (q.float() @ k.float().transpose(1, 2)) / math.sqrt(self.head_dim)
+        scores = scores.masked_fill(~allowed[None], float("-inf"))
+        out = (scores.softmax(-1) @ v.float()).to(x.dtype)
+        return F.linear(out.transpose(0, 1).reshape(steps, self.heads * self.head_dim), w[p + "o_proj.weight"])

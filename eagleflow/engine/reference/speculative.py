@@ -1,0 +1,148 @@
+"""Greedy EAGLE-3 speculative decoding in the reference engine, as SGLang runs a chain of drafts.
+
+SGLang's flags mean here what they mean there: ``--speculative-num-steps N`` drafts N tokens
+per round, ``--speculative-eagle-topk 1`` keeps one candidate per step (a chain, no tree) and
+``--speculative-num-draft-tokens N+1`` verifies them together with the last accepted token.
+
+One request, greedy (temperature 0):
+
+1. the target prefills the prompt (its aux states captured) and picks the first token ``c``;
+2. the drafter extends over every position i with ``(token i+1, target aux state i)`` — the
+   same alignment speculators trains (``shift_batch``) — and drafts ``d1`` after ``c``, then
+   ``d2 … dN`` from its own hidden states;
+3. the target verifies ``[c, d1 … dN]`` in one forward: ``d_j`` is accepted while it equals the
+   target's own greedy choice, and the target's choice after the last accepted one is the bonus
+   token; rejected positions leave both caches;
+4. the drafter extends over the accepted positions (with the verify pass's aux states) and the
+   next round starts from the bonus token.
+
+The tokens are therefore exactly greedy decoding's (up to the target's own numerics), and the
+answer carries SGLang's ``spec_verify_ct``, ``spec_accept_length`` (completion tokens / verify
+count, the bonus token included), ``spec_accept_rate`` (accepted / proposed drafts),
+``spec_num_correct_drafts`` and ``spec_num_proposed_drafts``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from eagleflow.engine.reference.draft_model import Eagle3Drafter
+
+
+@dataclass
+class SpecStats:
+    """What SGLang's answer reports about one request's speculative decoding."""
+
+    verify_ct: int = 0
+    correct_drafts: int = 0
+    draft_tokens_per_round: int = 0
+
+    def meta_info(self, completion_tokens: int) -> dict[str, Any]:
+        """SGLang's ``meta_info`` spec fields (tokenizer_manager); none when nothing was verified."""
+        if self.verify_ct == 0:
+            return {}
+        proposed = self.verify_ct * self.draft_tokens_per_round
+        return {
+            "spec_verify_ct": self.verify_ct,
+            "spec_accept_length": completion_tokens / self.verify_ct,
+            "spec_accept_rate": self.correct_drafts / proposed if proposed else 0.0,
+            "spec_num_correct_drafts": self.correct_drafts,
+            "spec_num_proposed_drafts": proposed,
+        }
+
+
+def crop_cache(cache: Any, length: int) -> None:
+    """Cut a transformers cache back to ``length`` positions."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+class SpeculativeDecoder:
+    """Greedy chain drafting and verification for one target model and one drafter.
+
+    :param target: the ``transformers`` causal LM.
+    :param drafter: the exported drafter, computed as SGLang does.
+    :param capture: returns a context manager recording the target's aux states, whose
+        ``aux()`` gives ``[T, n_aux * hidden]`` for the last pass.
+    :param num_steps: drafts per round (``--speculative-num-steps``).
+    """
+
+    def __init__(self, target: Any, drafter: Eagle3Drafter, capture: Callable[[], Any], num_steps: int) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.capture = capture
+        self.num_steps = num_steps
+        self.device = next(target.parameters()).device
+
+    def _target(self, ids: Sequence[int], cache: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """One target pass over ``ids`` after ``cache``: (logits [T, V], aux [T, n_aux*H], cache)."""
+        with self.capture() as hooks:
+            out = self.target(
+                input_ids=torch.tensor([list(ids)], device=self.device), past_key_values=cache, use_cache=True
+            )
+        return out.logits[0], hooks.aux(), out.past_key_values
+
+    def _draft(self, tokens: Sequence[int], hidden: torch.Tensor, start: int, cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(start, start + len(tokens), device=self.device)
+        ids = torch.tensor(list(tokens), device=self.device)
+        return self.drafter.forward(ids, hidden, positions, cache)
+
+    def generate(
+        self, input_ids: Sequence[int], max_new_tokens: int, stop_ids: set[int], ignore_eos: bool
+    ) -> tuple[list[int], dict[str, Any], SpecStats]:
+        """Greedy tokens after ``input_ids`` (up to ``max_new_tokens``), the finish reason, the stats."""
+        stats = SpecStats(draft_tokens_per_round=self.num_steps)
+        logits, aux, target_cache = self._target(input_ids, None)
+        current = int(torch.argmax(logits[-1]))
+        output = [current]
+        committed = len(input_ids)  # positions whose target KV is cached (the prompt, then accepted tokens)
+        if self._finished(output, max_new_tokens, stop_ids, ignore_eos):
+            return self._result(output, max_new_tokens, stop_ids, ignore_eos, stats)
+        draft_cache = self.drafter.new_cache()
+        # Draft extend over the prompt: position i sees token i+1 (the last one: the first output token).
+        draft_logits, draft_hidden = self._draft([*input_ids[1:], current], aux, 0, draft_cache)
+        while True:
+            drafts: list[int] = []
+            logit, hidden = draft_logits[-1], draft_hidden[-1:]
+            for step in range(self.num_steps):
+                drafts.append(self.drafter.target_token(int(torch.argmax(logit))))
+                if step + 1 < self.num_steps:
+                    step_logits, hidden = self._draft([drafts[-1]], hidden, committed + step, draft_cache)
+                    logit = step_logits[-1]
+            verify_logits, verify_aux, target_cache = self._target([current, *drafts], target_cache)
+            choices = [int(t) for t in torch.argmax(verify_logits, dim=-1)]
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == choices[accepted]:
+                accepted += 1
+            stats.verify_ct += 1
+            stats.correct_drafts += accepted
+            output += [*drafts[:accepted], choices[accepted]]
+            if self._finished(output, max_new_tokens, stop_ids, ignore_eos):
+                return self._result(output, max_new_tokens, stop_ids, ignore_eos, stats)
+            # Keep what was accepted: the verified block up to the last accepted draft.
+            crop_cache(target_cache, committed + accepted + 1)
+            draft_cache.crop(committed)
+            next_tokens = [*drafts[:accepted], choices[accepted]]
+            draft_logits, draft_hidden = self._draft(next_tokens, verify_aux[: accepted + 1], committed, draft_cache)
+            committed += accepted + 1
+            current = choices[accepted]
+
+    @staticmethod
+    def _finished(output: list[int], max_new_tokens: int, stop_ids: set[int], ignore_eos: bool) -> bool:
+        return len(output) >= max_new_tokens or (not ignore_eos and any(t in stop_ids for t in output))
+
+    @staticmethod
+    def _result(
+        output: list[int], max_new_tokens: int, stop_ids: set[int], ignore_eos: bool, stats: SpecStats
+    ) -> tuple[list[int], dict[str, Any], SpecStats]:
+        """Cut at the first stop token or at ``max_new_tokens``, as decoding one token at a time would."""
+        if not ignore_eos:
+            for i, token in enumerate(output):
+                if token in stop_ids:
+                    return output[: i + 1], {"type": "stop", "matched": token}, stats
+        return output[:max_new_tokens], {"type": "length", "length": max_new_tokens}, stats

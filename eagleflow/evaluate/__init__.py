@@ -1,0 +1,7 @@
+"""The evaluation stage: the exported drafter served and measured on held-out prompts.
+
+- :mod:`~eagleflow.evaluate.step`: ``python -m eagleflow evaluate`` (engines with and without the drafter);
+- :mod:`~eagleflow.evaluate.prompts`: the held-out prompts (rows training never saw);
+- :mod:`~eagleflow.evaluate.engine_run`: one engine started, asked, stopped;
+- :mod:`~eagleflow.evaluate.report`: accept length, speedup, the offline estimate, the chart.
+"""

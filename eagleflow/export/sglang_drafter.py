@@ -1,0 +1,205 @@
+"""SGLang's EAGLE-3 draft model folder: the one place that knows what SGLang reads from it.
+
+Read from ``sglang/srt/models/llama_eagle3.py`` (0.5.20–0.5.23, unchanged in what it reads) and
+each target model's ``set_eagle3_layers_to_capture``; ``tests/eagleflow/export/`` runs that real
+source on what :func:`sglang_config` and :func:`sglang_weights` produce.
+
+- The class is picked by ``architectures``: ``LlamaForCausalLMEagle3``. It reads the Llama layer
+  config at the top level (``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``,
+  ``head_dim``, ``intermediate_size``, ``hidden_act``, ``rms_norm_eps``, ``rope_parameters``,
+  ``max_position_embeddings``, ``num_hidden_layers``, ``vocab_size``, ``tie_word_embeddings``),
+  plus ``draft_vocab_size``, ``target_hidden_size``, ``norm_output``, ``fc_norm`` and, under
+  ``eagle_config``, ``eagle_aux_hidden_state_layer_ids`` (their count sizes ``fc``) and
+  ``norm_before_fc``. speculators nests the layer config under ``transformer_layer_config``.
+- ``load_weights`` maps ``q/k/v_proj`` onto ``qkv_proj``, ``gate/up_proj`` onto ``gate_up_proj``,
+  prefixes ``model.`` where needed, turns ``d2t`` into hot token ids (``d2t + arange``), ignores
+  ``t2d`` and **silently skips any other name it does not know**. The draft's embedding is
+  replaced by the target's at start (``set_embed``), so it is not exported.
+- The draft layer is SGLang's Llama decoder layer: a checkpoint whose layer is another
+  architecture (speculators' ``qwen3`` draft has q/k norms) would lose weights, so it is refused.
+- The aux layer ids SGLang captures follow the *target's* rule, not the draft's: eagleflow's id k
+  (the state entering layer k, as speculators counts) becomes k - 1 for Llama/Qwen targets, which
+  add one back, and stays k for DeepSeek-V2/V3 and Kimi-K2.5, which take ids as given unless the
+  first one is 1.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+SGLANG_DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
+SGLANG_DRAFT_LAYER_TYPE = "llama"
+
+# How a target model turns the draft config's aux ids into the layers whose input it captures.
+PLUS_ONE = "plus_one"  # llama.py, qwen2.py, qwen3.py: layers_to_capture = [k + 1 for k in ids]
+AS_GIVEN = "as_given_unless_first_is_1"  # deepseek_v2.py: ids as given, unless ids[0] == 1 (then + 1)
+# target architecture -> (SGLang model file, capture rule); the source test checks each rule.
+TARGET_CAPTURE_RULES: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama.py", PLUS_ONE),
+    "Qwen2ForCausalLM": ("qwen2.py", PLUS_ONE),
+    "Qwen3ForCausalLM": ("qwen3.py", PLUS_ONE),
+    "DeepseekV2ForCausalLM": ("deepseek_v2.py", AS_GIVEN),
+    "DeepseekV3ForCausalLM": ("deepseek_v2.py", AS_GIVEN),
+    # Kimi-K2.5 hands the ids to its language model, a DeepseekV3ForCausalLM (kimi_k25.py).
+    "KimiK25ForConditionalGeneration": ("kimi_k25.py", AS_GIVEN),
+}
+# The SGLang release from which LlamaForCausalLMEagle3 reads each setting a drafter may use (the
+# source test checks each against the wheels on both sides of the boundary). Older releases
+# ignore the setting and serve another function, so an export records what it needs.
+SINCE: dict[str, tuple[int, int, int]] = {
+    "base": (0, 5, 10),  # the oldest release eagleflow checks
+    "aux_layer_count": (0, 5, 13),  # fc sized by the number of aux ids (before: always 3)
+    "fc_norm": (0, 5, 13),
+    "norm_output": (0, 5, 13),
+    "norm_before_fc": (0, 5, 17),
+}
+# Checkpoint weights the SGLang folder leaves out, and why.
+NOT_EXPORTED = {
+    "embed_tokens.weight": "SGLang gives the draft the target's embedding (set_embed); speculators froze a copy of it",
+    "t2d": "SGLang ignores t2d; d2t alone gives the hot token ids",
+}
+# speculators' plain Llama layers after the first: their input norm is SGLang's hidden_norm.
+_LATER_INPUT_NORM = re.compile(r"^layers\.([1-9]\d*)\.input_layernorm\.weight$")
+# Layer-config keys copied to the top level of SGLang's config (LlamaConfig fields it reads).
+LAYER_KEYS = (
+    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "hidden_act", "rms_norm_eps", "max_position_embeddings", "num_hidden_layers", "rope_parameters",
+    "attention_bias", "mlp_bias",
+)
+
+
+class NotServable(ValueError):
+    """The checkpoint cannot be served by SGLang as it was trained; ``reason`` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def sglang_aux_layer_ids(aux_layer_ids: Sequence[int], target_architecture: str) -> list[int]:
+    """The ``eagle_aux_hidden_state_layer_ids`` that make SGLang capture the states entering layers ``aux_layer_ids``."""
+    if target_architecture not in TARGET_CAPTURE_RULES:
+        raise NotServable(
+            f"the target architecture {target_architecture} is not one whose SGLang capture rule eagleflow has "
+            f"checked ({', '.join(sorted(TARGET_CAPTURE_RULES))}); serve the speculators folder with vLLM"
+        )
+    ids = [int(k) for k in aux_layer_ids]
+    rule = TARGET_CAPTURE_RULES[target_architecture][1]
+    if rule == PLUS_ONE:
+        if 0 in ids:
+            raise NotServable(
+                f"aux layer id 0 (the embedding output) cannot be captured by SGLang for {target_architecture}: "
+                "it captures layer outputs only"
+            )
+        return [k - 1 for k in ids]
+    if ids and ids[0] == 1:
+        raise NotServable(
+            f"aux layer ids starting with 1 cannot be expressed for {target_architecture}: SGLang adds one to "
+            "every id when the first is 1 (deepseek_v2.py set_eagle3_layers_to_capture)"
+        )
+    return ids
+
+
+def captured_layer_ids(sglang_layer_ids: Sequence[int], target_architecture: str) -> list[int]:
+    """The layers whose input an SGLang target captures for a draft config's ids (its ``layers_to_capture``)."""
+    if target_architecture not in TARGET_CAPTURE_RULES:
+        raise NotServable(f"no SGLang capture rule is known for target architecture {target_architecture}")
+    ids = [int(k) for k in sglang_layer_ids]
+    if TARGET_CAPTURE_RULES[target_architecture][1] == PLUS_ONE or (ids and ids[0] == 1):
+        return [k + 1 for k in ids]
+    return ids
+
+
+def draft_window_size(layer_config: Mapping[str, Any]) -> int | None:
+    """The sliding window SGLang must apply (``--speculative-draft-window-size``), or None for full attention.
+
+    SGLang applies one window to every draft layer, so a mix of sliding and full layers is refused.
+    """
+    layer_types = list(layer_config.get("layer_types") or [])
+    sliding = [t == "sliding_attention" for t in layer_types]
+    if not any(sliding) or not layer_config.get("sliding_window"):
+        return None
+    if not all(sliding):
+        raise NotServable(f"draft layers mix sliding and full attention ({layer_types}); SGLang applies one window to all")
+    return int(layer_config["sliding_window"])
+
+
+def sglang_config(checkpoint_config: Mapping[str, Any], target_architecture: str, target_hidden_size: int) -> dict[str, Any]:
+    """SGLang's ``config.json`` for a speculators EAGLE-3 checkpoint config.
+
+    :raises NotServable: trained as SGLang would not compute it, or a layer SGLang cannot load.
+    """
+    if checkpoint_config.get("speculators_model_type") != "eagle3":
+        raise NotServable(f"not an EAGLE-3 checkpoint (speculators_model_type {checkpoint_config.get('speculators_model_type')!r})")
+    if checkpoint_config.get("norm_before_residual", False):
+        raise NotServable(
+            "trained with norm_before_residual True: SGLang's draft layer keeps the pre-norm target state as its "
+            "residual, so it would serve another function than the one trained (retrain with serve_with sglang, "
+            "or serve the speculators folder with vLLM)"
+        )
+    layer = dict(checkpoint_config["transformer_layer_config"])
+    if layer.get("model_type") != SGLANG_DRAFT_LAYER_TYPE:
+        raise NotServable(
+            f"the draft layer is a {layer.get('model_type')!r} layer; SGLang's {SGLANG_DRAFT_ARCHITECTURE} builds Llama "
+            "layers and would silently drop the weights it does not know"
+        )
+    config: dict[str, Any] = {key: layer[key] for key in LAYER_KEYS if key in layer}
+    eagle_config: dict[str, Any] = {
+        "eagle_aux_hidden_state_layer_ids": sglang_aux_layer_ids(
+            checkpoint_config["eagle_aux_hidden_state_layer_ids"], target_architecture
+        ),
+        "norm_before_fc": bool(checkpoint_config.get("norm_before_fc", False)),
+        "use_aux_hidden_state": True,
+    }
+    config.update(
+        architectures=[SGLANG_DRAFT_ARCHITECTURE],
+        model_type=SGLANG_DRAFT_LAYER_TYPE,
+        vocab_size=int(layer["vocab_size"]),  # the target's: SGLang sizes the embedding by it
+        draft_vocab_size=int(checkpoint_config["draft_vocab_size"]),
+        target_hidden_size=int(checkpoint_config.get("target_hidden_size") or target_hidden_size),
+        tie_word_embeddings=False,
+        norm_output=bool(checkpoint_config.get("norm_output", False)),
+        fc_norm=bool(checkpoint_config.get("fc_norm", False)),
+        eagle_config=eagle_config,
+        dtype=checkpoint_config.get("dtype") or checkpoint_config.get("torch_dtype") or "bfloat16",
+    )
+    return config
+
+
+def sglang_features(config: Mapping[str, Any]) -> list[str]:
+    """The :data:`SINCE` settings an exported ``config`` relies on."""
+    eagle = config.get("eagle_config") or {}
+    used = ["base"]
+    if len(eagle.get("eagle_aux_hidden_state_layer_ids") or []) != 3:
+        used.append("aux_layer_count")
+    used += [name for name in ("fc_norm", "norm_output") if config.get(name)]
+    if eagle.get("norm_before_fc"):
+        used.append("norm_before_fc")
+    return used
+
+
+def minimum_sglang(config: Mapping[str, Any]) -> str:
+    """The oldest SGLang that serves an exported ``config`` as trained, e.g. ``"0.5.17"``."""
+    return ".".join(str(n) for n in max(SINCE[name] for name in sglang_features(config)))
+
+
+def sglang_weights(tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """The checkpoint's tensors under the names SGLang's ``load_weights`` maps (all but :data:`NOT_EXPORTED`).
+
+    One addition: in the layers after the first, SGLang normalises the layer input with
+    ``hidden_norm`` (fusing the residual add) where speculators' plain Llama layer uses
+    ``input_layernorm``; the same weight also goes under SGLang's name, or SGLang would keep its
+    freshly initialised ``hidden_norm`` without a word. (The original name stays: SGLang builds
+    that parameter too, unused.)
+    """
+    out: dict[str, Any] = {}
+    for name, tensor in tensors.items():
+        if name in NOT_EXPORTED:
+            continue
+        out[name] = tensor
+        match = _LATER_INPUT_NORM.match(name)
+        if match:
+            out[f"layers.{match.group(1)}.hidden_norm.weight"] = tensor.clone() if hasattr(tensor, "clone") else tensor
+    return out

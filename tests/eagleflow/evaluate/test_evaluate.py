@@ -1,0 +1,100 @@
+"""evaluate: the exported drafter served by a real engine process, measured against the same engine without it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagleflow.data.prepare import write_training_dataset
+from eagleflow.engine.process import pid_alive
+from eagleflow.errors import UserError
+from eagleflow.evaluate.prompts import held_out_prompts, validation_start
+from eagleflow.evaluate.report import offline_estimate, percentile
+from eagleflow.results import find_result
+from training_data import TrainedRun
+
+
+def evaluate_argv(trained_run: TrainedRun, tiny_model: Path, drafter: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "eagleflow", "evaluate", "--dataset", str(trained_run.dataset), "--model", str(tiny_model),
+        "--drafter", str(drafter), "--train-dir", str(trained_run.out), "--out", str(out), "--eval-rows", "4",
+        "--eval-max-new-tokens", "24", "--eval-concurrency", "2", *extra,
+    ]
+
+
+def test_the_report_holds_accept_length_speedup_and_the_estimate(
+    trained_run: TrainedRun, tiny_model: Path, exported_drafters: dict[str, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "eval"
+    proc = subprocess.run(
+        evaluate_argv(trained_run, tiny_model, exported_drafters["trained"], out, "--server-extra-args=--threads,1"),
+        capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["prompts"] == 4 and report["rows"][0] >= validation_start(120, 0.9)  # rows training never saw
+    lengths = report["accept_length"]["per_prompt"]
+    assert len(lengths) == 4 and all(1.0 <= x <= report["num_steps"] + 1 for x in lengths)
+    assert report["accept_length"]["mean"] == pytest.approx(sum(lengths) / 4)
+    assert report["accept_length"]["p50"] == pytest.approx(percentile(lengths, 0.5))
+    assert 0.0 <= report["accept_rate"] <= 1.0 and report["accept_length"]["mean"] > 1.0
+    for kind in ("single_stream", "concurrent"):
+        speed = report["tokens_per_s"][kind]
+        assert speed["drafter"] > 0 and speed["baseline"] > 0
+        assert speed["speedup"] == pytest.approx(speed["drafter"] / speed["baseline"])
+    assert report["same_tokens_as_baseline"] > 0.5  # greedy with and without the drafter (bf16 here)
+    estimate = report["offline_estimate"]
+    val = [json.loads(line) for line in (trained_run.out / "metrics.jsonl").read_text().splitlines() if '"val"' in line][-1]
+    assert estimate["accept_length"] == pytest.approx(1 + sum(val[f"full_acc_{k}"] for k in range(report["num_steps"])))
+    assert report["engine"] == "reference" and report["versions"]["speculators"]
+    assert (out / "accept.png").read_bytes().startswith(b"\x89PNG") and (out / "accept.svg").read_text().lstrip().startswith("<?xml")
+    # One summary line in the log, the small result for XCom, and both engines gone.
+    assert any(line.startswith("evaluate: accept length ") and "offline estimate" in line for line in proc.stdout.splitlines())
+    result = find_result(proc.stdout.splitlines())
+    assert result["report"] == str(out / "report.json") and result["accept_length"] == report["accept_length"]["mean"]
+    for label in ("drafter", "baseline"):
+        server = json.loads((out / f"engine-{label}" / "server.json").read_text())
+        assert not pid_alive(int(server["pid"])), f"{label} engine {server['pid']} still running"
+    assert "--speculative-algorithm=EAGLE3" in (out / "engine-drafter" / "server.log").read_text()
+    baseline_argv = (out / "engine-baseline" / "server.log").read_text().split("starting:")[1].splitlines()[0]
+    assert "--speculative-algorithm" not in baseline_argv and "--speculative-draft-model-path" not in baseline_argv
+
+
+def test_an_engine_that_dies_fails_the_step_with_its_log(
+    trained_run: TrainedRun, tiny_model: Path, exported_drafters: dict[str, Path], tmp_path: Path
+) -> None:
+    proc = subprocess.run(
+        evaluate_argv(trained_run, tiny_model, exported_drafters["trained"], tmp_path / "eval", "--server-extra-args=--no-such-flag"),
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 2
+    assert "the evaluation engine died" in proc.stderr and "unrecognized arguments: --no-such-flag" in proc.stderr
+    assert not (tmp_path / "eval" / "report.json").exists()
+    server = json.loads((tmp_path / "eval" / "engine-drafter" / "server.json").read_text())
+    assert not pid_alive(int(server["pid"]))
+
+
+def test_held_out_prompts_come_from_the_validation_rows_and_stop_at_the_answer(tmp_path: Path) -> None:
+    ids = [[r, 10 + r, 20 + r, 30 + r] for r in range(10)]
+    masks = [[0, 0, 1, 1]] * 9 + [[1, 1, 1, 1]]
+    write_training_dataset(ids, masks, tmp_path / "dataset")
+    prompts = held_out_prompts(tmp_path / "dataset", 0.8, 5)
+    assert [(p.row, p.input_ids) for p in prompts] == [(8, [8, 18])]  # row 9 answers from its first token: no prompt
+    with pytest.raises(UserError, match="no held-out prompt"):
+        held_out_prompts(tmp_path / "dataset", 0.95, 5)
+
+
+def test_offline_estimate_takes_the_last_validation(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    records = [
+        {"kind": "val", "epoch": 0, "full_acc_0": 0.1, "full_acc_1": 0.0, "full_acc_2": 0.0},
+        {"kind": "train", "epoch": 1, "full_acc_0": 0.9},
+        {"kind": "val", "epoch": 1, "full_acc_0": 0.5, "full_acc_1": 0.25, "full_acc_2": 0.125},
+    ]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert offline_estimate(metrics, 2) == {"accept_length": 1.75, "from": "validation epoch 1 (full_acc_0..1)", "full_acc": [0.5, 0.25]}
+    assert offline_estimate(tmp_path / "none.jsonl", 3) is None

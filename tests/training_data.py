@@ -1,0 +1,146 @@
+"""Hidden-state training data of the tiny verifier, and a drafter trained on it: shared by the
+training, export, speculative-decoding and evaluation tests.
+
+The expensive artefacts are cached under ``.cache/test-data/`` keyed by what they depend on:
+the trained tiny verifier (the session's ``tiny_model``) and a dataset of its hidden states
+built the way the pipeline builds it (chat template masks, ``write_training_dataset``,
+``capture_hidden_states``, ``write_sample``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+DATA_CACHE = REPO / ".cache" / "test-data"
+AUX = [2, 4, 6]
+ROWS = 120
+DRAFT_VOCAB = 256
+DATA_RECIPE = 1  # bump when the dataset recipe below changes
+# Small and fast: the drafter learns the trained tiny verifier within two epochs at this lr.
+FAST = ["--total-seq-len", "256", "--num-workers", "0", "--draft-vocab-size", str(DRAFT_VOCAB), "--lr", "3e-3"]
+
+
+def build_dataset(model_dir: Path, out: Path, rows: int, seed: int) -> Path:
+    """Conversations -> chat-template masks -> §3.3 dataset -> captured hidden states."""
+    from transformers import AutoModelForCausalLM
+
+    from eagleflow.engine.capture import capture_hidden_states
+    from eagleflow.data.prepare import ChatTokenizer, write_training_dataset
+    from eagleflow.extract.sample_store import write_sample
+    from eagleflow.demo.synthetic_data import generate_conversations
+
+    chat = ChatTokenizer(model_dir)
+    encoded = [chat(c["messages"]) for c in generate_conversations(rows, seed=seed)]
+    ids, masks = [e[0][:256] for e in encoded], [e[1][:256] for e in encoded]
+    write_training_dataset(ids, masks, out)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    for row, row_ids in enumerate(ids):
+        write_sample(out / "hidden_states", row, capture_hidden_states(model, row_ids, AUX), torch.tensor(row_ids))
+    return out
+
+
+def cached_dataset(model_dir: Path, rows: int = ROWS, seed: int = 11) -> Path:
+    record = (model_dir / "eagleflow_tiny_model.json").read_bytes()
+    key = hashlib.sha256(record + json.dumps([DATA_RECIPE, rows, seed, AUX]).encode()).hexdigest()[:16]
+    final = DATA_CACHE / f"train-{key}" / "dataset"
+    if not (final.parent / "done").exists():
+        staging = DATA_CACHE / f".train-{key}.{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        build_dataset(model_dir, staging / "dataset", rows, seed)
+        (staging / "done").write_text("ok\n")
+        shutil.rmtree(final.parent, ignore_errors=True)
+        os.replace(staging, final.parent)
+    return final
+
+
+def copy_dataset(dataset: Path, dest: Path) -> Path:
+    """A private copy (the step writes vocabulary files into the dataset folder)."""
+    shutil.copytree(dataset, dest, symlinks=True)
+    return dest
+
+
+def train_argv(dataset: Path, verifier: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "eagleflow", "train", "--dataset", str(dataset), "--verifier", str(verifier),
+            "--out", str(out), "--aux-layer-ids", ",".join(map(str, AUX)), *FAST, *extra]
+
+
+@dataclass(frozen=True)
+class TrainedRun:
+    """``python -m eagleflow train`` run once: its dataset copy, its folder and what it printed."""
+
+    dataset: Path
+    out: Path
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def best_checkpoint(self) -> Path:
+        return Path(json.loads((self.out / "result.json").read_text())["best_checkpoint"])
+
+
+def train_once(dataset: Path, verifier: Path, folder: Path, epochs: int = 2) -> TrainedRun:
+    """Train a drafter on a private copy of ``dataset`` (the defaults: served with SGLang)."""
+    import subprocess
+
+    copy = copy_dataset(dataset, folder / "dataset")
+    out = folder / "train"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        train_argv(copy, verifier, out, "--epochs", str(epochs)), capture_output=True, text=True, timeout=900, env=env
+    )
+    return TrainedRun(copy, out, proc.returncode, proc.stdout, proc.stderr)
+
+
+def random_speculators_checkpoint(
+    verifier: Path,
+    out: Path,
+    norm_before_residual: bool,
+    aux_layer_ids: list[int],
+    draft_vocab: int,
+    num_layers: int = 2,
+    randomize: bool = True,
+    vocab_mapping: tuple[Any, Any] | None = None,
+) -> Path:
+    """speculators' EAGLE-3 draft for ``verifier``, saved as speculators saves a checkpoint.
+
+    ``randomize``: every weight random (a norm left at its initial ones would hide a mix-up);
+    otherwise speculators' own initialisation (an untrained drafter). ``vocab_mapping``:
+    ``(d2t, t2d)`` to use instead of a synthetic one.
+    """
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.train.cli import create_transformer_layer_config
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    torch.manual_seed(0)
+    vocab = json.loads((verifier / "config.json").read_text())["vocab_size"]
+    frequencies = {i: 1000 - i for i in range(0, 2 * draft_vocab, 2)}
+    d2t, t2d = vocab_mapping or build_vocab_mappings_from_distribution(
+        token_freq_dict=frequencies, draft_vocab_size=draft_vocab, target_vocab_size=vocab
+    )
+    layer = create_transformer_layer_config(
+        verifier_name_or_path=str(verifier), num_layers=num_layers, draft_arch="llama", hidden_act=None,
+        sliding_window=2048, full_attention_indices=[],
+    )
+    model = Eagle3DraftModel.from_training_args(
+        verifier_config=layer, t2d=t2d, d2t=d2t, verifier_name_or_path=str(verifier), target_layer_ids=aux_layer_ids,
+        draft_vocab_size=draft_vocab, norm_before_residual=norm_before_residual, norm_before_fc=True, norm_output=True,
+        ttt_steps=3, draft_attn_impl="sdpa",
+    )
+    with torch.no_grad():
+        for name, parameter in model.named_parameters() if randomize else ():
+            if "embed" not in name and "verifier" not in name:
+                shift = 1.0 if parameter.dim() == 1 else 0.0  # norms around 1, matrices around 0
+                parameter.copy_(torch.randn_like(parameter) * (1.0 if parameter.dim() == 1 else 0.1) + shift)
+    model.save_pretrained(out)
+    return out
