@@ -1,133 +1,346 @@
-"""Writes captured hidden states to ``<dump_dir>/<rid>.safetensors`` off the forward path.
+"""Writes captured hidden states to the hand-off folder off the forward path, within a byte budget.
 
 Used by both capture paths: the SGLang forward hook (inside the server's model-runner
-process) and eagleflow's reference engine. The caller hands over device tensors; this
-writer copies them to host memory (pinned, non-blocking where CUDA is used) and a
-background thread writes them, so the forward pass never waits on disk. The queue is
-bounded: when the disk falls behind, ``submit`` blocks rather than letting host memory grow
-without limit.
+process) and eagleflow's reference engine. What it guarantees the engine:
 
-A request that cannot give a complete dump gets ``<rid>.error.json`` instead, with the
-reason; the extractor reports it for that row rather than training on a short file.
+- **Bounded host memory.** Every request reserves its bytes (:func:`sample_file_bytes`) before
+  any host buffer is taken; reservations never exceed ``max_pending_bytes``. Pinned memory for
+  CUDA tensors is allocated only after the reservation.
+- **A forward pass never stalls on the disk.** When the budget stays full for ``wait_seconds``
+  the request gets a :data:`~sglang_patch.handoff.WRITER_BEHIND` error record instead (the
+  extractor sends it again later), so rank 0 never blocks long inside a pass while the other
+  tensor-parallel ranks wait in NCCL.
+- **Nothing non-finite is written.** The finiteness check runs where the tensor already is (on
+  the GPU before the copy, or in a writer thread for CPU tensors) and its verdict goes into the
+  file's metadata, so the extractor reads back only the header and the token ids.
+- **Atomic files, no per-file fsync.** Dumps are published by rename; the extractor makes the
+  final files durable once per shard.
+
+A request that cannot give a complete dump gets ``<rid>.error.json`` (:class:`ErrorRecord`);
+a status file says what is still queued (:mod:`sglang_patch.handoff`).
 """
 
 from __future__ import annotations
 
-import json
+import errno
 import os
 import queue
-import tempfile
+import shutil
+import socket
+import sys
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from sglang_patch.file_mode import published_file_mode
-from sglang_patch.sample_file import write_sample_file
+from sglang_patch.finite import all_finite_cpu, finite_on_device, nonfinite_report
+from sglang_patch.handoff import (
+    DISK_FULL,
+    NONFINITE,
+    STATUS_INTERVAL_S,
+    TOO_LARGE,
+    WRITE_FAILED,
+    WRITER_BEHIND,
+    ErrorRecord,
+    WriterStatus,
+    dump_path,
+    status_path,
+)
+from sglang_patch.sample_file import VALUES_FINITE, VALUES_KEY, SlotMajor, sample_file_bytes, write_sample_file
 
-DUMP_SUFFIX = ".safetensors"
-ERROR_SUFFIX = ".error.json"
+DEFAULT_WAIT_SECONDS = 2.0
+DEFAULT_WRITER_THREADS = 2
+_MEMORY_SHARE = 8  # default budget: this share of the host's memory ...
+_BUDGET_CAP = 32 << 30  # ... at most 32 GiB (pinned memory is locked memory)
+_BUDGET_FLOOR = 256 << 20
 
 
-def dump_path(dump_dir: str | os.PathLike[str], rid: str) -> Path:
-    """Where the dump of request ``rid`` appears."""
-    return Path(dump_dir) / f"{rid}{DUMP_SUFFIX}"
+def default_queue_budget() -> int:
+    """Bytes of captured-but-unwritten dumps an engine may hold: 1/8 of the host's memory, 256 MiB–32 GiB."""
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        memory = 8 << 30
+    return int(min(max(memory // _MEMORY_SHARE, _BUDGET_FLOOR), _BUDGET_CAP))
 
 
-def error_path(dump_dir: str | os.PathLike[str], rid: str) -> Path:
-    """Where the error record of request ``rid`` appears instead of a dump."""
-    return Path(dump_dir) / f"{rid}{ERROR_SUFFIX}"
+class PendingDump:
+    """One request's reserved host buffer, filled slot by slot, then handed to a writer thread.
+
+    :param slot_major: the buffer is ``[n_slots, seq_len, hidden]`` (filled per slot by
+        :meth:`put`); otherwise it is the caller's ``[seq_len, n_slots, hidden]`` tensor itself.
+    """
+
+    def __init__(self, writer: DumpWriter, rid: str, num_bytes: int, host: torch.Tensor, slot_major: bool, on_cuda: bool) -> None:
+        self.writer, self.rid, self.num_bytes = writer, rid, num_bytes
+        self.host, self.slot_major, self.on_cuda = host, slot_major, on_cuda
+        self._finite_flags: list[torch.Tensor] = []  # device verdicts, read after the copy's event
+        self._done = False
+
+    def put(self, slot: int, states: torch.Tensor, start: int = 0) -> None:
+        """Copy ``[tokens, hidden]`` states of ``slot`` (tokens ``start``…) into the host buffer."""
+        self.host[slot, start : start + states.shape[0]].copy_(states.detach(), non_blocking=self.on_cuda)
+        if states.is_cuda:
+            self._finite_flags.append(finite_on_device(states))
+
+    def commit(self, token_ids: torch.Tensor) -> None:
+        """Queue the buffer for writing (CUDA copies finish on the writer's side, after an event)."""
+        if self._done:
+            return
+        self._done = True
+        event = verdict = None
+        if self.on_cuda:
+            ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            ids.copy_(token_ids.detach(), non_blocking=True)
+            if self._finite_flags:
+                verdict = torch.empty(len(self._finite_flags), dtype=torch.bool, pin_memory=True)
+                verdict.copy_(torch.stack(self._finite_flags), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            ids = token_ids.detach().cpu()
+        self.writer._enqueue(_Job(self, ids, event, verdict))
+
+    def cancel(self, reason: str, kind: str, retryable: bool = False, **details: Any) -> None:
+        """Give the reservation back and record why this request has no dump."""
+        if self._done:
+            return
+        self._done = True
+        self.writer._release(self)
+        self.writer.submit_error(self.rid, reason, kind=kind, retryable=retryable, **details)
+
+
+@dataclass
+class _Job:
+    pending: PendingDump
+    token_ids: torch.Tensor
+    event: Any
+    verdict: torch.Tensor | None
 
 
 class DumpWriter:
-    """Background writer of per-request dumps and error records.
+    """Background writer of per-request dumps and error records; see the module docstring.
 
     :param dump_dir: folder the files appear in (created if missing).
-    :param max_pending: bound of the queue of captured-but-unwritten requests.
+    :param max_pending_bytes: budget of reserved, not yet written bytes (None: :func:`default_queue_budget`).
+    :param wait_seconds: how long a request may wait for budget before it gets "writer behind".
+    :param threads: writer threads (files are independent; more than one keeps a disk busy).
+    :param write_delay: TEST ONLY: seconds each dump write sleeps first (a slow disk, for real queues).
     """
 
-    def __init__(self, dump_dir: str | os.PathLike[str], max_pending: int = 16) -> None:
+    def __init__(
+        self,
+        dump_dir: str | os.PathLike[str],
+        max_pending_bytes: int | None = None,
+        wait_seconds: float = DEFAULT_WAIT_SECONDS,
+        threads: int = DEFAULT_WRITER_THREADS,
+        write_delay: float = 0.0,
+    ) -> None:
         self.dump_dir = Path(dump_dir)
         self.dump_dir.mkdir(parents=True, exist_ok=True)
-        self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue(maxsize=max_pending)
+        self.budget = int(max_pending_bytes or default_queue_budget())
+        self.wait_seconds = wait_seconds
+        self.write_delay = write_delay
+        self._cond = threading.Condition()
+        self._reserved: dict[str, int] = {}
+        self._status = WriterStatus(pid=os.getpid(), host=socket.gethostname(), started=time.time(), budget_bytes=self.budget)
+        self._unwritten_records: dict[str, int] = {}  # rid -> records queued, not yet on disk
         self._errors: list[str] = []
-        self._thread = threading.Thread(target=self._run, name="hs-dump-writer", daemon=True)
-        self._thread.start()
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._records: queue.Queue[ErrorRecord | None] = queue.Queue()
+        self._closed = False
+        self.status().write(self.dump_dir)  # at once: an extractor must not take a silent start for "no writer"
+        self._threads = [threading.Thread(target=self._write_loop, name=f"hs-dump-writer-{i}", daemon=True) for i in range(threads)]
+        self._threads.append(threading.Thread(target=self._record_loop, name="hs-dump-records", daemon=True))
+        for thread in self._threads:
+            thread.start()
 
-    def submit(self, rid: str, hidden_states: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """Queue ``[seq_len, n_slots, hidden]`` states and ``[seq_len]`` ids of request ``rid``."""
-        host_states = _to_host(hidden_states)
-        host_ids = _to_host(token_ids)
-        event = None
-        if hidden_states.is_cuda or token_ids.is_cuda:
-            event = torch.cuda.Event()
-            event.record()
-        self._queue.put((rid, (host_states, host_ids, event)))
+    # -- the capture's side --------------------------------------------------------------
 
-    def submit_error(self, rid: str, reason: str, **fields: Any) -> None:
-        """Queue an error record for ``rid`` (``reason`` plus any JSON-able fields)."""
-        self._queue.put((rid, {"rid": rid, "error": reason, **fields}))
+    def begin(
+        self, rid: str, seq_len: int, n_slots: int, hidden: int, dtype: torch.dtype, on_cuda: bool, deadline: float | None = None
+    ) -> PendingDump | None:
+        """Reserve budget and a slot-major host buffer for one request; None when it got an error record.
+
+        :param deadline: ``time.monotonic()`` after which not to wait for budget (a pass of many
+            requests waits ``wait_seconds`` in all, not per request).
+        """
+        num_bytes = sample_file_bytes(seq_len, n_slots, hidden)
+        if not self._reserve(rid, num_bytes, deadline):
+            return None
+        host = torch.empty((n_slots, seq_len, hidden), dtype=dtype, pin_memory=on_cuda)
+        return PendingDump(self, rid, num_bytes, host, slot_major=True, on_cuda=on_cuda)
+
+    def submit(self, rid: str, hidden_states: torch.Tensor, token_ids: torch.Tensor) -> bool:
+        """Queue ``[seq_len, n_slots, hidden]`` states and ``[seq_len]`` ids of request ``rid``.
+
+        A CPU tensor is taken as it is, not copied: the caller must not change it afterwards.
+        Returns False when the request got an error record instead (e.g. writer behind).
+        """
+        seq_len, n_slots, hidden = hidden_states.shape
+        num_bytes = sample_file_bytes(seq_len, n_slots, hidden)
+        if not self._reserve(rid, num_bytes):
+            return False
+        if hidden_states.is_cuda:
+            host = torch.empty(hidden_states.shape, dtype=hidden_states.dtype, pin_memory=True)
+            host.copy_(hidden_states.detach(), non_blocking=True)
+            pending = PendingDump(self, rid, num_bytes, host, slot_major=False, on_cuda=True)
+            pending._finite_flags.append(finite_on_device(hidden_states))
+        else:
+            pending = PendingDump(self, rid, num_bytes, hidden_states.detach(), slot_major=False, on_cuda=False)
+        pending.commit(token_ids)
+        return True
+
+    def submit_error(self, rid: str, reason: str, kind: str = WRITE_FAILED, retryable: bool = False, **details: Any) -> None:
+        """Queue an error record for ``rid`` (written by its own thread, never behind the dumps)."""
+        with self._cond:
+            self._unwritten_records[rid] = self._unwritten_records.get(rid, 0) + 1
+        self._records.put(ErrorRecord(rid, reason, kind=kind, retryable=retryable, details=details))
 
     def flush(self, timeout: float | None = None) -> None:
-        """Block until every queued item is on disk (``timeout`` in seconds, None = forever)."""
-        done = threading.Event()
-        self._queue.put(("", done))
-        if not done.wait(timeout):
-            raise TimeoutError(f"dump writer did not drain within {timeout}s")
+        """Block until every queued dump and record is on disk (``timeout`` in seconds, None = forever)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: not self._reserved and not self._unwritten_records, timeout):
+                raise TimeoutError(f"dump writer did not drain within {timeout}s")
 
     def close(self) -> None:
-        """Write what is queued, then stop the thread."""
-        self._queue.put(None)
-        self._thread.join()
+        """Write what is queued, then stop the threads and remove the status file."""
+        if self._closed:
+            return
+        self.flush()
+        self._closed = True
+        for _ in range(len(self._threads) - 1):
+            self._jobs.put(None)
+        self._records.put(None)
+        for thread in self._threads:
+            thread.join()
+        status_path(self.dump_dir).unlink(missing_ok=True)
 
     @property
     def write_errors(self) -> list[str]:
         """Messages of writes that failed (disk full, permissions); empty when all went well."""
         return list(self._errors)
 
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            rid, payload = item
+    def status(self) -> WriterStatus:
+        """A snapshot of what the writer holds (what its status file says)."""
+        with self._cond:
+            pending = sorted(set(self._reserved) | set(self._unwritten_records))
+            return WriterStatus(**{**self._status.__dict__, "pending": pending, "updated": time.time()})
+
+    # -- budget ----------------------------------------------------------------------------
+
+    def _reserve(self, rid: str, num_bytes: int, deadline: float | None = None) -> bool:
+        if num_bytes > self.budget:
+            self.submit_error(
+                rid,
+                f"one request needs {num_bytes / 1e9:.2f} GB of dump buffer, more than the whole budget of "
+                f"{self.budget / 1e9:.2f} GB: raise the dump queue budget (eagleflow Param dump_queue_gb)",
+                kind=TOO_LARGE, needed_bytes=num_bytes, budget_bytes=self.budget,
+            )
+            return False
+        wait = self.wait_seconds if deadline is None else max(0.0, min(self.wait_seconds, deadline - time.monotonic()))
+        with self._cond:
+            fits = self._cond.wait_for(lambda: self._status.pending_bytes + num_bytes <= self.budget, wait)
+            if not fits:
+                self._status.behind += 1
+                held = self._status.pending_bytes
+            else:
+                self._reserved[rid] = num_bytes
+                self._status.pending_bytes += num_bytes
+                self._status.peak_pending_bytes = max(self._status.peak_pending_bytes, self._status.pending_bytes)
+        if not fits:
+            self.submit_error(
+                rid,
+                f"writer behind: {held / 1e9:.2f} of {self.budget / 1e9:.2f} GB of dumps still queued after "
+                f"{self.wait_seconds:g}s (the disk is slower than the engine); send the request again later",
+                kind=WRITER_BEHIND, retryable=True, queued_bytes=held, budget_bytes=self.budget,
+            )
+        return fits
+
+    def _release(self, pending: PendingDump) -> None:
+        with self._cond:
+            if self._reserved.pop(pending.rid, None) is not None:
+                self._status.pending_bytes -= pending.num_bytes
+            self._cond.notify_all()
+
+    def _enqueue(self, job: _Job) -> None:
+        self._jobs.put(job)
+
+    # -- threads ---------------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            pending = job.pending
             try:
-                if isinstance(payload, threading.Event):
-                    payload.set()
-                elif isinstance(payload, dict):
-                    _write_json_atomic(error_path(self.dump_dir, rid), payload)
-                else:
-                    host_states, host_ids, event = payload
-                    if event is not None:
-                        event.synchronize()
-                    write_sample_file(dump_path(self.dump_dir, rid), host_states, host_ids)
+                self._write(job)
             except Exception as exc:  # a failed write must not kill the server's writer thread
-                message = f"{rid}: {type(exc).__name__}: {exc}"
-                self._errors.append(message)
+                self._record_failure(pending, exc)
+            finally:
+                pending.host = None  # type: ignore[assignment]  # the buffer goes back before the budget does
+                self._release(pending)
+
+    def _write(self, job: _Job) -> None:
+        pending = job.pending
+        if job.event is not None:
+            job.event.synchronize()
+        if self.write_delay:
+            time.sleep(self.write_delay)
+        if job.verdict is not None:
+            finite = bool(job.verdict.all())
+        else:
+            finite = all_finite_cpu(pending.host)
+        if not finite:
+            report = nonfinite_report(pending.host, slot_axis=0 if pending.slot_major else 1)
+            self.submit_error(pending.rid, report, kind=NONFINITE)
+            return
+        states = SlotMajor(pending.host) if pending.slot_major else pending.host
+        write_sample_file(dump_path(self.dump_dir, pending.rid), states, job.token_ids, {VALUES_KEY: VALUES_FINITE}, durable=False)
+        with self._cond:
+            self._status.written += 1
+            self._status.last_write = time.time()
+
+    def _record_failure(self, pending: PendingDump, exc: Exception) -> None:
+        message = f"{pending.rid}: {type(exc).__name__}: {exc}"
+        self._errors.append(message)
+        with self._cond:
+            self._status.failed += 1
+        print(f"eagleflow dump writer: write failed: {message}", file=sys.stderr, flush=True)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            free = shutil.disk_usage(self.dump_dir).free
+            self.submit_error(
+                pending.rid,
+                f"disk full: {self.dump_dir} has {free} bytes free, this dump needs {pending.num_bytes} bytes",
+                kind=DISK_FULL, folder=str(self.dump_dir), needed_bytes=pending.num_bytes, free_bytes=free,
+            )
+        else:
+            self.submit_error(pending.rid, f"write failed: {message}", kind=WRITE_FAILED)
+
+    def _record_loop(self) -> None:
+        last_status = 0.0
+        while True:
+            try:
+                record = self._records.get(timeout=STATUS_INTERVAL_S / 2)
+            except queue.Empty:
+                record = False  # type: ignore[assignment]
+            if record is None:
+                return
+            if record:
                 try:
-                    _write_json_atomic(error_path(self.dump_dir, rid), {"rid": rid, "error": f"write failed: {message}"})
+                    record.write(self.dump_dir)
+                except Exception as exc:  # disk full even for a small record: say so in the log
+                    print(f"eagleflow dump writer: cannot write error record for {record.rid}: {exc}", file=sys.stderr, flush=True)
+                finally:
+                    with self._cond:
+                        left = self._unwritten_records.pop(record.rid, 1) - 1
+                        if left:
+                            self._unwritten_records[record.rid] = left
+                        self._cond.notify_all()
+            if time.monotonic() - last_status >= STATUS_INTERVAL_S / 2:
+                last_status = time.monotonic()
+                try:
+                    self.status().write(self.dump_dir)
                 except Exception:
-                    pass
-
-
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.is_cuda:
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
-        host.copy_(tensor, non_blocking=True)
-        return host
-    return tensor.detach().clone()
-
-
-def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.chmod(tmp, published_file_mode())
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(data, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+                    pass  # a full disk: the records above say what matters

@@ -20,9 +20,15 @@ k runs, the tensors it was called with hold something else. Hence:
 Each request of an EXTEND pass (rid from ``forward_batch.rids``) gets
 ``<dump_dir>/<rid>.safetensors`` with ``hidden_states [seq_len, n_aux + 1, hidden]`` in the
 model dtype and ``token_ids [seq_len]``, written by :class:`sglang_patch.dump_writer.DumpWriter`
-(host copy, background thread, atomic files). Only tensor-parallel rank 0 writes; health-check
+(background threads, atomic files). Only tensor-parallel rank 0 writes; health-check
 requests and decode/idle passes are skipped; a request whose pass reuses a cached prefix
 (``extend_prefix_len > 0``) would give a short dump, so it gets ``<rid>.error.json`` instead.
+
+Memory: at the pass's first hooked layer each request reserves its bytes in the writer's
+budget and gets a host buffer (or, when the writer stays behind, an error record: the pass
+never waits more than the writer's ``wait_seconds`` in all). Each layer's state is then copied
+to the host at once, :data:`SUM_CHUNK_TOKENS` tokens at a time, so the GPU holds at most one
+chunk of ``hidden + residual`` for the capture, never the whole batch's slots until the last layer.
 
 The factory refuses an SGLang outside :data:`sglang_patch.hook_spec.SUPPORTED_RANGE`.
 """
@@ -33,9 +39,12 @@ import atexit
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from sglang_patch.handoff import CAPTURE_FAILED, PREFIX_REUSED
 from sglang_patch.hook_spec import DUMP_DIR_ENV, HOOK_NAME, UnsupportedSGLangVersion, check_supported_version
 from sglang_patch.layer_ids import validate_aux_layer_ids
 from sglang_patch.request_ids import is_captured
@@ -43,7 +52,11 @@ from sglang_patch.request_ids import is_captured
 if TYPE_CHECKING:  # torch is imported where it is used: importing this module stays cheap
     import torch
 
-    from sglang_patch.dump_writer import DumpWriter
+    from sglang_patch.dump_writer import DumpWriter, PendingDump
+
+# Tokens of one layer's hidden + residual computed (and copied to the host) at a time: the
+# capture's own GPU memory is at most this many tokens × hidden × 2 bytes (117 MB at 7168).
+SUM_CHUNK_TOKENS = 8192
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +83,9 @@ def capture_hook_factory(config: dict[str, Any] | None) -> HiddenStateCapture:
     Refuses an unsupported SGLang (the server then fails at start-up with the message,
     rather than producing wrong dumps for hours). Config keys: ``aux_layer_ids`` (list of
     ints), ``num_layers`` (the model's decoder-layer count), ``dump_dir`` (else the
-    ``SGLANG_HS_DUMP_DIR`` environment variable), optional ``max_pending`` (writer queue bound).
+    ``SGLANG_HS_DUMP_DIR`` environment variable), optional ``max_pending_bytes`` (the writer's
+    byte budget; default: from the host's memory) and ``wait_seconds`` (how long a pass may wait
+    for budget before its requests get "writer behind").
     """
     version = installed_sglang_version()
     check_supported_version(version)
@@ -86,7 +101,7 @@ def capture_hook_factory(config: dict[str, Any] | None) -> HiddenStateCapture:
         num_layers=int(config["num_layers"]),
         dump_dir=str(dump_dir),
         tp_rank=_sglang_tp_rank,
-        max_pending=int(config.get("max_pending", 16)),
+        writer_options={key: config[key] for key in ("max_pending_bytes", "wait_seconds") if config.get(key) is not None},
     )
     logger.info(
         "eagleflow capture hook loaded (sglang %s): aux layer ids %s + final %d -> %s",
@@ -106,7 +121,7 @@ class HiddenStateCapture:
     :param dump_dir: where ``<rid>.safetensors`` / ``<rid>.error.json`` appear.
     :param tp_rank: returns this process's tensor-parallel rank; only rank 0 captures.
     :param writer_factory: builds the writer for ``dump_dir`` (the real DumpWriter by default).
-    :param max_pending: bound of the writer's queue.
+    :param writer_options: keyword arguments for the writer (``max_pending_bytes``, ``wait_seconds``).
     """
 
     def __init__(
@@ -116,7 +131,7 @@ class HiddenStateCapture:
         dump_dir: str | os.PathLike[str],
         tp_rank: Callable[[], int],
         writer_factory: Callable[..., DumpWriter] | None = None,
-        max_pending: int = 16,
+        writer_options: dict[str, Any] | None = None,
     ) -> None:
         self.aux_layer_ids = validate_aux_layer_ids(aux_layer_ids, num_layers)
         self.num_layers = num_layers
@@ -124,7 +139,7 @@ class HiddenStateCapture:
         self.n_slots = len(self.aux_layer_ids) + 1
         self._tp_rank = tp_rank
         self._writer_factory = writer_factory
-        self._max_pending = max_pending
+        self._writer_options = dict(writer_options or {})
         # Which slots a layer's output fills: id k >= 1 is layer k-1's output; the final slot
         # is the last layer's output.
         self._slots_of_layer: dict[int, list[int]] = {}
@@ -139,7 +154,10 @@ class HiddenStateCapture:
         # State of the pass in progress.
         self._batch: Any = None
         self._pass_done = False  # True once self._batch's dumps/errors are handed over
-        self._slots: dict[int, torch.Tensor] = {}
+        self._requests: list[_Request] = []  # this pass's captured requests that hold a buffer
+        self._settled: set[str] = set()  # rids of this pass that already have a buffer or a record
+        self._filled: set[int] = set()  # slots copied so far in this pass
+        self._total_tokens = 0
         self._embedding: torch.Tensor | None = None
 
     # -- the hook -------------------------------------------------------------------------
@@ -183,22 +201,29 @@ class HiddenStateCapture:
             self._reset()
             return
         layer_id = int(module.layer_id)
+        hidden_states, residual = output[0], output[1]
         if batch is not self._batch:
-            self._start_pass(module, batch)
+            self._start_pass(module, batch, hidden_states)
         slots = self._slots_of_layer.get(layer_id)
         if slots is None:
             return  # a module this hook was not meant for (the patterns are exact, so: a second model)
-        hidden_states, residual = output[0], output[1]
         if getattr(hidden_states, "_sglang_needs_allreduce_fusion", False):
             # The MLP all-reduce is deferred into the next layer: this is a per-rank partial sum.
             raise RuntimeError(
                 f"layer {layer_id} output is a per-rank partial sum (flashinfer all-reduce fusion); "
                 "launch SGLang with --enforce-disable-flashinfer-allreduce-fusion"
             )
-        # A new tensor, computed now: the next layer's fused add+norm rewrites both in place.
-        state = hidden_states.detach() if residual is None else hidden_states.detach() + residual.detach()
-        for slot in slots:
-            self._slots[slot] = state
+        if int(hidden_states.shape[0]) != self._total_tokens:
+            raise RuntimeError(f"layer {layer_id} output has {int(hidden_states.shape[0])} rows, the pass {self._total_tokens} tokens")
+        # Copied now, chunk by chunk: the next layer's fused add+norm rewrites both tensors in place.
+        for begin in range(0, self._total_tokens, SUM_CHUNK_TOKENS):
+            end = min(begin + SUM_CHUNK_TOKENS, self._total_tokens)
+            part = hidden_states[begin:end].detach()
+            if residual is not None:
+                part = part + residual[begin:end].detach()
+            for slot in slots:
+                self._copy_out(slot, part, begin)
+        self._filled.update(slots)
         if layer_id == self.num_layers - 1:
             self._finish_pass(batch)
             self._reset()
@@ -206,30 +231,27 @@ class HiddenStateCapture:
             # must not start a second, incomplete pass.
             self._batch, self._pass_done = batch, True
 
-    def _start_pass(self, module: Any, batch: Any) -> None:
+    def _copy_out(self, slot: int, part: Any, begin: int) -> None:
+        """Copy the batch's tokens ``begin…`` of ``slot`` into each request's host buffer."""
+        end = begin + int(part.shape[0])
+        for request in self._requests:
+            lo, hi = max(begin, request.start), min(end, request.start + request.length)
+            if lo < hi:
+                request.dump.put(slot, part[lo - begin : hi - begin], start=lo - request.start)
+
+    def _start_pass(self, module: Any, batch: Any, hidden_states: Any) -> None:
+        """Name the pass's requests, check their lengths, reserve their buffers (or record why not)."""
+        self._reset()
         self._batch = batch
-        self._pass_done = False
-        self._slots = {}
         configured = getattr(getattr(module, "config", None), "num_hidden_layers", None)
         if configured is not None and int(configured) != self.num_layers:
             raise RuntimeError(
                 f"hook configured for num_layers={self.num_layers} but the model has "
                 f"num_hidden_layers={configured}: relaunch with the right layer count"
             )
-        if self._embedding_slots:
-            if self._embedding is None:
-                raise RuntimeError("layer id 0 requested but embed_tokens' output was not seen in this pass")
-            for slot in self._embedding_slots:
-                self._slots[slot] = self._embedding
-        self._embedding = None
-
-    def _finish_pass(self, batch: Any) -> None:
-        import torch
-
-        layer_ids = [*self.aux_layer_ids, self.num_layers]
-        missing = [layer_ids[s] for s in range(self.n_slots) if s not in self._slots]
-        if missing:
-            raise RuntimeError(f"no state captured for layer ids {missing}: the hook is not registered on their modules")
+        embedding, self._embedding = self._embedding, None
+        if self._embedding_slots and embedding is None:
+            raise RuntimeError("layer id 0 requested but embed_tokens' output was not seen in this pass")
         rids = list(batch.rids) if batch.rids is not None else None
         if rids is None:
             raise RuntimeError("forward_batch.rids is None: cannot name the dumps")
@@ -237,55 +259,71 @@ class HiddenStateCapture:
         prefix_lens = _int_list(batch.extend_prefix_lens_cpu, batch.extend_prefix_lens)
         if not (len(rids) == len(seq_lens) == len(prefix_lens)):
             raise RuntimeError(f"{len(rids)} rids but {len(seq_lens)} extend lengths and {len(prefix_lens)} prefix lengths")
-        total = sum(seq_lens)
-        rows = {s: int(t.shape[0]) for s, t in self._slots.items()}
-        if any(n != total for n in rows.values()) or int(batch.input_ids.shape[0]) != total:
+        self._total_tokens = total = sum(seq_lens)
+        if int(batch.input_ids.shape[0]) != total or int(hidden_states.shape[0]) != total:
             raise RuntimeError(
                 f"token count mismatch: extend lengths sum to {total}, input_ids has "
-                f"{int(batch.input_ids.shape[0])}, captured rows {sorted(set(rows.values()))}"
+                f"{int(batch.input_ids.shape[0])}, the layer output {int(hidden_states.shape[0])} rows"
             )
-        wanted = [i for i, rid in enumerate(rids) if is_captured(rid)]
-        if not wanted:
+        if not any(is_captured(rid) for rid in rids):
             return
+        from sglang_patch.sample_file import HIDDEN_STATES_DTYPE
+
         writer = self._get_writer()
-        slots = [self._slots[s] for s in range(self.n_slots)]
-        starts = [0]
-        for n in seq_lens:
-            starts.append(starts[-1] + n)
-        for i in wanted:
-            rid, start, length, prefix = str(rids[i]), starts[i], seq_lens[i], prefix_lens[i]
+        deadline = time.monotonic() + writer.wait_seconds  # the whole pass waits at most this long
+        start = 0
+        for rid, length, prefix in zip(map(str, rids), seq_lens, prefix_lens):
+            offset, start = start, start + length
+            if not is_captured(rid):
+                continue
+            self._settled.add(rid)
             if prefix > 0:
                 writer.submit_error(
                     rid,
                     f"extend pass reused a cached prefix of {prefix} tokens, so only {length} of "
                     f"{prefix + length} states were computed (radix cache or chunked prefill is on)",
-                    extend_prefix_len=prefix,
-                    extend_seq_len=length,
+                    kind=PREFIX_REUSED, extend_prefix_len=prefix, extend_seq_len=length,
                 )
                 continue
-            # Stacked per request, so the extra GPU memory is one request's [seq, slots, hidden] at a time.
-            states = torch.stack([slot[start : start + length] for slot in slots], dim=1)
-            writer.submit(rid, states, batch.input_ids[start : start + length])
+            dump = writer.begin(
+                rid, length, self.n_slots, int(hidden_states.shape[-1]), HIDDEN_STATES_DTYPE,
+                on_cuda=bool(hidden_states.is_cuda), deadline=deadline,
+            )
+            if dump is not None:
+                self._requests.append(_Request(rid, offset, length, dump))
+        if embedding is not None:
+            for slot in self._embedding_slots:
+                self._copy_out(slot, embedding, 0)
+            self._filled.update(self._embedding_slots)
+
+    def _finish_pass(self, batch: Any) -> None:
+        layer_ids = [*self.aux_layer_ids, self.num_layers]
+        missing = [layer_ids[s] for s in range(self.n_slots) if s not in self._filled]
+        if missing:
+            raise RuntimeError(f"no state captured for layer ids {missing}: the hook is not registered on their modules")
+        for request in self._requests:
+            request.dump.commit(batch.input_ids[request.start : request.start + request.length])
+        self._requests = []
 
     def _fail_batch(self, batch: Any, reason: str) -> None:
         """Give every wanted request of ``batch`` an error record, so no row waits for a dump."""
+        requests, settled = self._requests, self._settled
         self._reset()
         self._batch, self._pass_done = batch, batch is not None
-        rids = getattr(batch, "rids", None) if batch is not None else None
-        if not rids:
-            return
         try:
-            writer = self._get_writer()
-            for rid in rids:
-                if is_captured(rid):
-                    writer.submit_error(str(rid), reason)
+            for request in requests:
+                request.dump.cancel(reason, kind=CAPTURE_FAILED)
+            rids = getattr(batch, "rids", None) if batch is not None else None
+            for rid in rids or []:
+                if is_captured(rid) and str(rid) not in settled:
+                    self._get_writer().submit_error(str(rid), reason, kind=CAPTURE_FAILED)
         except Exception:
             logger.exception("eagleflow capture hook could not record the failure")
 
     def _reset(self) -> None:
         self._batch, self._pass_done = None, False
-        self._slots = {}
-        self._embedding = None
+        self._requests, self._settled, self._filled = [], set(), set()
+        self._total_tokens = 0
 
     def _get_writer(self) -> DumpWriter:
         with self._lock:
@@ -293,9 +331,19 @@ class HiddenStateCapture:
                 factory = self._writer_factory
                 if factory is None:
                     from sglang_patch.dump_writer import DumpWriter as factory
-                self._writer = factory(self.dump_dir, max_pending=self._max_pending)
+                self._writer = factory(self.dump_dir, **self._writer_options)
                 atexit.register(self.close)
             return self._writer
+
+
+@dataclass
+class _Request:
+    """One captured request of the pass in progress: its tokens in the batch and its buffer."""
+
+    rid: str
+    start: int
+    length: int
+    dump: PendingDump
 
 
 def _is_capture_pass(mode: Any) -> bool:

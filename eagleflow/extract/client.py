@@ -2,9 +2,12 @@
 
 Request ids come from :func:`sglang_patch.request_ids.row_request_id` (``row{N}-…``), so the
 engine's dump is named after the row's attempt. Answers are sorted into what the shard does
-next: a result, a retryable :class:`RowFailed` (5xx, timeout, a dropped connection to an
-engine that still answers), a final one (4xx, naming the row and the fields sent), or
-:class:`ServerGone` (the engine refuses connections after it was ready).
+next: a result; :class:`AnswerLost` (the connection dropped or the answer was cut off while the
+engine still answers: the request may have run, so its dump may still come); a retryable
+:class:`RowFailed` (5xx, timeout); a final one (4xx, naming the row and the fields sent);
+:class:`ServerGone` (the engine refuses connections after it was ready, or it hangs: accepts
+connections but answers nothing). :meth:`EngineClient.abort` is SGLang's ``/abort_request``:
+the shard calls it before it sends a row again, so no request runs twice.
 """
 
 from __future__ import annotations
@@ -25,11 +28,26 @@ class ServerGone(Exception):
 
 
 class RowFailed(Exception):
-    """One row could not be extracted; ``reason`` says why, ``retryable`` whether to try again."""
+    """One row could not be extracted; ``reason`` says why, ``retryable`` whether to try again.
 
-    def __init__(self, reason: str, retryable: bool = False) -> None:
+    ``counts`` is False for a retry that is not the row's fault (the engine's writer was
+    behind): it does not use up one of the row's ``--max-retries``.
+    """
+
+    def __init__(self, reason: str, retryable: bool = False, counts: bool = True) -> None:
         super().__init__(reason)
-        self.reason, self.retryable = reason, retryable
+        self.reason, self.retryable, self.counts = reason, retryable, counts
+
+
+class AnswerLost(Exception):
+    """The answer never arrived whole, but the engine still answers: the request may have run."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+HUNG_PROBE_SECONDS = 10.0  # an engine that does not answer /health within this is hung
 
 
 class EngineClient:
@@ -54,27 +72,42 @@ class EngineClient:
             self._local.session = self._requests.Session()
         return self._local.session
 
-    def reachable(self) -> bool:
-        """Whether the engine still accepts connections (any HTTP answer counts)."""
+    def reachable(self, timeout: float = 5.0) -> bool:
+        """Whether the engine still answers HTTP at all (any status counts, 503 too)."""
         try:
-            self._requests.get(f"{self.url}/health", timeout=5)
+            self._requests.get(f"{self.url}/health", timeout=timeout)
         except self._requests.RequestException:
             return False
         return True
 
-    def generate(self, row: int, input_ids: list[int]) -> tuple[str, dict[str, Any]]:
-        """Send one prefill-only request; return ``(rid, meta_info)`` or raise."""
-        rid = row_request_id(row)
+    def abort(self, rid: str) -> None:
+        """SGLang's ``POST /abort_request {"rid"}``: drop the request wherever it is (a no-op when done)."""
+        post = self._post or self._session().post
+        try:
+            post(f"{self.url}/abort_request", json={"rid": rid}, timeout=HUNG_PROBE_SECONDS)
+        except self._requests.RequestException:
+            pass  # a gone or hung engine is found out by the next request
+
+    def generate(self, row: int, input_ids: list[int], rid: str | None = None) -> tuple[str, dict[str, Any]]:
+        """Send one prefill-only request (rid: a new one for ``row`` by default); return ``(rid, meta_info)`` or raise."""
+        rid = rid or row_request_id(row)
         body = {"rid": rid, "input_ids": input_ids, "sampling_params": {"max_new_tokens": 0, "temperature": 0}}
         post = self._post or self._session().post
         try:
             response = post(f"{self.url}/generate", json=body, timeout=self.request_timeout)
-        except self._requests.ConnectionError as exc:
-            if self.reachable():
-                raise RowFailed(f"connection dropped ({exc}); the engine still answers", retryable=True) from exc
-            raise ServerGone(f"engine at {self.url} refuses connections (it was ready before): {exc}") from exc
+            if response.status_code < 400:
+                answer = response.json()
         except self._requests.Timeout as exc:
+            if not self.reachable(HUNG_PROBE_SECONDS):
+                raise ServerGone(
+                    f"engine at {self.url} hangs: it accepts connections but answered no /generate within "
+                    f"{self.request_timeout:.0f}s and no /health within {HUNG_PROBE_SECONDS:.0f}s (see the server log)"
+                ) from exc
             raise RowFailed(f"no answer within {self.request_timeout:.0f}s (--request-timeout)", retryable=True) from exc
+        except (self._requests.RequestException, ValueError) as exc:  # refused, reset, cut-off or garbled answer
+            if self.reachable():
+                raise AnswerLost(f"answer lost ({type(exc).__name__}: {exc}); the engine still answers") from exc
+            raise ServerGone(f"engine at {self.url} refuses connections (it was ready before): {exc}") from exc
         if response.status_code >= 500:
             raise RowFailed(f"engine answered {response.status_code}: {error_message(response)}", retryable=True)
         if response.status_code >= 400:
@@ -82,7 +115,6 @@ class EngineClient:
                 f"engine rejected the request for row {row} with {response.status_code}: {error_message(response)} "
                 "(request fields sent: rid, input_ids, sampling_params)"
             )
-        answer = response.json()
         if isinstance(answer, list):
             answer = answer[0]
         return rid, answer.get("meta_info", {})

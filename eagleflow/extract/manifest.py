@@ -14,19 +14,25 @@ from typing import Any
 
 from eagleflow.files import atomic_write_json
 
+# A shard's states. SUCCESS only when every row is complete and durable; INTERRUPTED when it was
+# stopped (SIGTERM, Ctrl-C) and FAILED when rows failed or the shard stopped on an error, both
+# with the reason in ``error``; RUNNING while an attempt works on it (or when it died unrecorded).
+RUNNING, SUCCESS, FAILED, INTERRUPTED = "running", "success", "failed", "interrupted"
+STATES = (RUNNING, SUCCESS, FAILED, INTERRUPTED)
+
 
 @dataclass
 class ShardManifest:
     """What happened to one shard: DESIGN.md §3.5's shard result plus per-row failures.
 
-    ``state`` is ``running``, ``success`` or ``failed``; ``failed`` lists ``{"row", "reason"}``;
-    ``error`` says why the whole shard stopped (e.g. the engine went away).
+    ``state`` is one of :data:`STATES`; ``failed`` lists ``{"row", "reason"}``; ``error`` says why
+    the shard is not ``success`` (rows failed, the engine went away, the disk is full, SIGTERM).
     """
 
     name: str
     start: int = 0
     end: int = 0
-    state: str = "running"
+    state: str = RUNNING
     done: int = 0
     skipped: int = 0
     failed: list[dict[str, Any]] = field(default_factory=list)

@@ -25,6 +25,8 @@ from sglang_patch.sample_file import (
     HIDDEN_STATES_KEY,
     TOKEN_IDS_DTYPE,
     TOKEN_IDS_KEY,
+    VALUES_FINITE,
+    VALUES_KEY,
     sample_file_name,
     write_sample_file,
 )
@@ -86,6 +88,7 @@ def validate(
     n_slots: int,
     hidden: int,
     check_values: bool = True,
+    trust_writer_verdict: bool = False,
 ) -> Validation:
     """Tell whether ``path`` holds a complete sample for ``expected_token_ids``.
 
@@ -96,14 +99,20 @@ def validate(
 
     ``check_values=False`` reads only the header and the token ids: enough for a file that
     was published by rename after a full check (a file that exists is complete, §3.2), and
-    it keeps a resumed shard from re-reading hundreds of GB.
+    it keeps a resumed shard from re-reading hundreds of GB. ``trust_writer_verdict`` does the
+    same for a file whose writer checked the values before writing and said so in its
+    metadata (:data:`~sglang_patch.sample_file.VALUES_KEY`); a file without that verdict is scanned.
     """
     path = Path(path)
     if not path.exists():
         return Validation(SampleState.MISSING, "no file")
     size = path.stat().st_size
     try:
-        tensors = load_sample(path) if check_values else _load_header_and_tokens(path)
+        metadata, tensors = _load_header_and_tokens(path)
+        if check_values and not (trust_writer_verdict and metadata.get(VALUES_KEY) == VALUES_FINITE):
+            tensors = load_sample(path)
+        else:
+            check_values = False
     except Exception as exc:  # safetensors raises several types for a truncated/garbled file
         return Validation(SampleState.CORRUPT, f"unreadable: {exc}", num_bytes=size)
 
@@ -165,11 +174,13 @@ class _HeaderOnly:
 _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64, "I32": torch.int32}
 
 
-def _load_header_and_tokens(path: Path) -> dict[str, Any]:
+def _load_header_and_tokens(path: Path) -> tuple[dict[str, str], dict[str, Any]]:
+    """The file's ``__metadata__`` and its tensors: token ids read, the states' header only."""
     from safetensors import safe_open
 
     out: dict[str, Any] = {}
     with safe_open(str(path), framework="pt") as handle:
+        metadata = dict(handle.metadata() or {})
         for key in handle.keys():
             if key == TOKEN_IDS_KEY:
                 out[key] = handle.get_tensor(key)
@@ -178,7 +189,7 @@ def _load_header_and_tokens(path: Path) -> dict[str, Any]:
                 dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype(), piece.get_dtype())
                 out[key] = _HeaderOnly(piece.get_shape(), dtype)
     # safe_open already refuses a file shorter than its header says (a truncated write).
-    return out
+    return metadata, out
 
 
 def publish_dump(dump: str | os.PathLike[str], target: str | os.PathLike[str]) -> Path:

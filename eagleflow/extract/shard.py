@@ -2,21 +2,29 @@
 
 For each row not already complete in the sample store, POST ``/generate`` (SGLang's native
 API: ``rid``, ``input_ids``, ``max_new_tokens`` 0) with ``concurrency`` requests in flight,
-wait for the engine's dump ``<dump_dir>/<rid>.safetensors``, check it (DESIGN.md §3.4) and
-move it to ``hidden_states/hs_{row}.safetensors`` by rename. A per-shard manifest records
-what was done, skipped and failed; a rerun redoes only what is not complete.
+wait for the engine's dump ``<dump_dir>/<rid>.safetensors`` (:mod:`~eagleflow.extract.dump_wait`),
+check it (DESIGN.md §3.4: its header, its token ids and the writer's finiteness verdict; the
+states are not read back) and move it to ``hidden_states/hs_{row}.safetensors`` by rename. The
+published files are fsynced in the background and the shard reports ``success`` only after
+that barrier. A per-shard manifest records what was done, skipped and failed; a rerun redoes
+only what is not complete.
 
-Failure policy: 5xx answers and timeouts are retried with backoff (bounded); a 4xx is not
-retried and its message names the row; a row that still fails is recorded and the shard
-carries on, then the step fails naming the rows. A server that is gone (connection refused
-after it was ready, or its pid died) stops the shard within seconds.
+Failure policy: 5xx answers and timeouts are retried with backoff (bounded), after
+``/abort_request`` of the first rid; a 4xx is not retried and its message names the row; "writer
+behind" is retried without using up a retry; a row that still fails is recorded and the shard
+carries on, then the step fails naming the rows. A late dump is waited for under its own rid,
+never sent again while the engine's writer holds it. An engine that is gone (connection
+refused after it was ready, its pid died) or hung (accepts, answers nothing), or a full disk,
+stops the shard within seconds. The manifest says ``success`` only when every row is
+complete; otherwise ``failed`` or ``interrupted`` (SIGTERM, Ctrl-C), with the reason.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import errno
 import os
+import shutil
 import signal
 import threading
 import time
@@ -30,14 +38,16 @@ from eagleflow.config import AuxLayerIds, add_model_arguments, model_from_args
 from eagleflow.data.verifier import config_int, resolve_aux_layer_ids
 from eagleflow.engine.process import pid_alive
 from eagleflow.errors import UserError
-from eagleflow.extract.client import EngineClient, RowFailed, ServerGone
-from eagleflow.extract.manifest import ShardManifest
+from eagleflow.extract.client import AnswerLost, EngineClient, RowFailed, ServerGone
+from eagleflow.extract.dump_wait import DiskFull, remove_dead_writer_statuses, wait_for_dump
+from eagleflow.extract.manifest import FAILED, INTERRUPTED, RUNNING, SUCCESS, ShardManifest
 from eagleflow.extract.sample_store import SampleState, publish_dump, sample_path, validate
+from eagleflow.files import DurabilityBarrier
 from eagleflow.layout import RunLayout, hidden_states_dir, shard_name
 from eagleflow.progress import Progress
 from eagleflow.results import emit_result
-from sglang_patch.dump_writer import dump_path, error_path
-from sglang_patch.request_ids import row_request_glob
+from sglang_patch.handoff import dump_path, error_path
+from sglang_patch.request_ids import row_request_glob, row_request_id
 
 MAX_LISTED_FAILURES = 20
 
@@ -56,7 +66,11 @@ class ExtractConfig(BaseModel):
     server_pid: int | None = Field(None, description="engine process id on this machine, watched so a dead engine stops the shard at once")
     request_timeout: float = Field(600.0, gt=0, description="seconds to wait for one /generate answer")
     max_retries: int = Field(3, ge=0, description="retries of a row after a 5xx answer or a timeout")
-    dump_wait: float = Field(60.0, ge=0, description="seconds to wait for a dump to appear after the answer")
+    dump_wait: float = Field(
+        60.0, ge=0,
+        description="seconds to wait for a dump after the answer when no live capture writer is in --dump-dir; "
+        "while the engine's writer holds the request the wait goes on (a line every this many seconds)",
+    )
     progress_every: int = Field(50, ge=1, description="print a progress line every this many rows")
     progress_interval: float = Field(30.0, gt=0, description="or every this many seconds")
 
@@ -95,12 +109,18 @@ class ShardExtractor:
         self.sleep = sleep
         self.report = ShardManifest(self.name, self.start, self.end)
         self._stop = threading.Event()
-        self._gone: str | None = None
+        self._stopped: tuple[str, str] | None = None  # (state, reason) of a shard-wide stop
+        self._stop_error: BaseException | None = None  # what _extract re-raises for it
         self._lock = threading.Lock()
+        self._durable = DurabilityBarrier()
 
     # --- the shard -------------------------------------------------------------------
     def run(self) -> ShardManifest:
-        """Extract every row of the shard that is not complete; write the manifest."""
+        """Extract every row of the shard that is not complete; write the manifest.
+
+        The manifest's state is ``success`` only when every row is complete and durable;
+        a stop of any kind leaves ``interrupted`` or ``failed`` with the reason, and re-raises.
+        """
         import datasets
 
         began = time.monotonic()
@@ -113,31 +133,53 @@ class ShardExtractor:
         if self.end > len(table):
             raise UserError(f"--rows {self.cfg.rows} is past the end of the dataset ({len(table)} rows)")
         rows = table.select(range(self.start, self.end)).with_format(None)["input_ids"]
-        self._remove_stale_dumps()
-        todo = self._skip_complete(rows)
-        print(
-            f"shard {self.name}: {len(rows)} rows, {self.report.skipped} already complete, {len(todo)} to extract "
-            f"from {self.cfg.server} with {self.cfg.concurrency} in flight",
-            flush=True,
-        )
-        self._write_manifest()
+        self._write_manifest()  # "running" from the start: a stale state of an earlier attempt would mislead
         watchdog = threading.Thread(target=self._watch_pid, daemon=True) if self.cfg.server_pid else None
-        if watchdog:
-            watchdog.start()
         try:
+            self._remove_stale_dumps()
+            todo = self._skip_complete(rows)
+            print(
+                f"shard {self.name}: {len(rows)} rows, {self.report.skipped} already complete, {len(todo)} to extract "
+                f"from {self.cfg.server} with {self.cfg.concurrency} in flight",
+                flush=True,
+            )
+            self._write_manifest()
+            if watchdog:
+                watchdog.start()
             self._extract(todo)
+            if not self.report.failed:
+                # The barrier: every file of the shard (this attempt's and earlier ones') is on disk.
+                self._durable.wait([sample_path(self.hidden_dir, row) for row in range(self.start, self.end)])
+        except KeyboardInterrupt as exc:
+            self._stop_shard(INTERRUPTED, f"interrupted ({exc or 'KeyboardInterrupt'}); finished rows are kept, a rerun resumes")
+            raise
+        except ServerGone as exc:
+            self._stop_shard(FAILED, exc.reason)
+            raise
+        except DiskFull as exc:
+            self._stop_shard(FAILED, exc.reason)
+            raise
+        except BaseException as exc:
+            self._stop_shard(FAILED, f"{type(exc).__name__}: {exc}")
+            raise
         finally:
             self._stop.set()
+            self._durable.close()
             self._remove_stale_dumps()
             self.report.seconds = round(time.monotonic() - began, 3)
-            if self._gone:
-                self.report.state, self.report.error = "failed", self._gone
-            elif self.report.failed:
-                self.report.state = "failed"
-            elif self.report.state == "running":
-                self.report.state = "success"
+            self.report.state, self.report.error = self._final_state()
             self._write_manifest()
         return self.report
+
+    def _final_state(self) -> tuple[str, str]:
+        if self._stopped:
+            return self._stopped
+        if self.report.failed:
+            return FAILED, f"{len(self.report.failed)} row(s) failed"
+        missing = (self.end - self.start) - self.report.done - self.report.skipped
+        if missing:
+            return FAILED, f"{missing} row(s) neither extracted nor failed"
+        return SUCCESS, ""
 
     def _skip_complete(self, rows: list[list[int]]) -> list[tuple[int, list[int]]]:
         todo = []
@@ -172,18 +214,18 @@ class ShardExtractor:
 
             for _ in range(self.cfg.concurrency):
                 submit_next()
-            while pending:
+            while pending and not self._stopped:
                 finished, _ = wait(list(pending), timeout=1.0, return_when=FIRST_COMPLETED)
-                if self._gone:
-                    break
                 for future in finished:
                     row = pending.pop(future)
                     try:
                         n_tokens, n_bytes = future.result()
-                    except ServerGone as exc:
-                        self._server_gone(exc.reason)
+                    except (ServerGone, DiskFull) as exc:
+                        self._stop_shard(FAILED, exc.reason, exc)
                         break
                     except RowFailed as exc:
+                        if self._stopped:
+                            break  # "shard stopped": the row is not at fault
                         self._row_failed(row, exc.reason)
                     else:
                         self.report.done += 1
@@ -196,100 +238,110 @@ class ShardExtractor:
                     if progress.advance(extra=rates):
                         self._write_manifest()
                     submit_next()
-                if self._gone:
-                    break
-            finished_normally = not self._gone
+            finished_normally = not self._stopped
         finally:
             # In-flight requests are abandoned, not awaited: a gone server or a SIGTERM must
             # not hold the shard for another --request-timeout.
             if not finished_normally:
                 self._stop.set()
             pool.shutdown(wait=finished_normally, cancel_futures=True)
-        if self._gone:
-            raise ServerGone(self._gone)
+        if self._stopped and self._stop_error is not None:
+            raise self._stop_error
 
     def _extract_row(self, row: int, ids: list[int]) -> tuple[int, int]:
-        """One row, with retries of retryable failures; returns ``(tokens, bytes)``."""
+        """One row, with retries of retryable failures; returns ``(tokens, bytes)``.
+
+        Before a row is sent again, its previous rid is aborted (SGLang's ``/abort_request``), so
+        the engine never works on one row twice.
+        """
         delay = 1.0
-        for attempt in range(self.cfg.max_retries + 1):
+        attempt = 0
+        while True:
             if self._stop.is_set():
                 raise RowFailed("shard stopped")
+            rid = row_request_id(row)
             try:
-                return self._extract_once(row, ids)
+                return self._extract_once(row, ids, rid)
             except RowFailed as exc:
-                if not exc.retryable or attempt == self.cfg.max_retries:
+                attempt += int(exc.counts)
+                if not exc.retryable or attempt > self.cfg.max_retries:
                     if exc.retryable:
-                        raise RowFailed(f"{exc.reason} (after {attempt + 1} attempts)") from exc
+                        raise RowFailed(f"{exc.reason} (after {attempt} attempts)") from exc
                     raise
+                self.client.abort(rid)
                 print(f"row {row}: {exc.reason}; retrying in {delay:.0f}s", flush=True)
                 self._stop.wait(delay)
                 delay = min(delay * 2, 30.0)
-        raise AssertionError("unreachable")
 
-    def _extract_once(self, row: int, ids: list[int]) -> tuple[int, int]:
-        rid, meta = self.client.generate(row, ids)
+    def _extract_once(self, row: int, ids: list[int], rid: str) -> tuple[int, int]:
         try:
+            try:
+                _, meta = self.client.generate(row, ids, rid=rid)
+            except AnswerLost as exc:
+                # The engine may have run it: its dump would still come. Wait for it under this rid.
+                print(f"row {row}: {exc.reason}; waiting for its dump", flush=True)
+                meta = {}
+            answered_at = time.time()
             cached = int(meta.get("cached_tokens", 0) or 0)
             if cached:
                 raise RowFailed(f"engine reused {cached} cached prefix tokens (radix cache on?); states would be short")
             prompt_tokens = meta.get("prompt_tokens")
             if prompt_tokens is not None and int(prompt_tokens) != len(ids):
                 raise RowFailed(f"engine counted {prompt_tokens} prompt tokens, the row has {len(ids)}")
-            dump = self._wait_for_dump(rid)
-            check = validate(dump, ids, self.n_slots, self.hidden_size)
+            dump = wait_for_dump(self.cfg.dump_dir, rid, answered_at, self.cfg.dump_wait, self._stop, _say, self.sleep)
+            check = validate(dump, ids, self.n_slots, self.hidden_size, trust_writer_verdict=True)
             if not check.ok:
                 raise RowFailed(f"dump {dump.name} is not usable: {check.reason}")
-            publish_dump(dump, sample_path(self.hidden_dir, row))
+            target = sample_path(self.hidden_dir, row)
+            try:
+                publish_dump(dump, target)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise DiskFull(
+                        f"disk full: {target.parent} has {shutil.disk_usage(target.parent).free} bytes free, "
+                        f"row {row} needs {check.num_bytes} bytes",
+                        str(target.parent), check.num_bytes,
+                    ) from exc
+                raise
+            self._durable.add(target)
             return len(ids), check.num_bytes
         finally:
             dump_path(self.cfg.dump_dir, rid).unlink(missing_ok=True)
             error_path(self.cfg.dump_dir, rid).unlink(missing_ok=True)
-
-    def _wait_for_dump(self, rid: str) -> Path:
-        """The hook writes off the forward path, so the dump may land just after the answer."""
-        dump, error = dump_path(self.cfg.dump_dir, rid), error_path(self.cfg.dump_dir, rid)
-        deadline = time.monotonic() + self.cfg.dump_wait
-        delay = 0.01
-        while True:
-            if error.exists():
-                raise RowFailed(f"engine reported: {json.loads(error.read_text()).get('error', 'unknown error')}")
-            if dump.exists():
-                return dump
-            if time.monotonic() >= deadline or self._stop.is_set():
-                raise RowFailed(
-                    f"no dump {dump.name} in {self.cfg.dump_dir} within {self.cfg.dump_wait:.0f}s of the answer "
-                    "(is the capture hook on, and is --dump-dir the engine's dump folder?)",
-                    retryable=True,
-                )
-            self.sleep(delay)
-            delay = min(delay * 2, 0.5)
 
     # --- bookkeeping -----------------------------------------------------------------
     def _row_failed(self, row: int, reason: str) -> None:
         print(f"row {row}: FAILED: {reason}", flush=True)
         self.report.failed.append({"row": row, "reason": reason})
 
-    def _server_gone(self, reason: str) -> None:
+    def _stop_shard(self, state: str, reason: str, error: BaseException | None = None) -> None:
+        """Stop every row of the shard; the first reason given is the one recorded."""
         with self._lock:
-            if not self._gone:
-                self._gone = reason
-                print(f"shard {self.name}: stopping: {reason}", flush=True)
+            if not self._stopped:
+                self._stopped, self._stop_error = (state, reason), error
+                print(f"shard {self.name}: stopping ({state}): {reason}", flush=True)
         self._stop.set()
 
     def _watch_pid(self) -> None:
         while not self._stop.wait(1.0):
             if not pid_alive(self.cfg.server_pid or 0):
-                self._server_gone(f"engine process {self.cfg.server_pid} is gone (see the server log)")
+                reason = f"engine process {self.cfg.server_pid} is gone (see the server log)"
+                self._stop_shard(FAILED, reason, ServerGone(reason))
                 return
 
     def _remove_stale_dumps(self) -> None:
-        """Dumps of this shard's rows left by a killed attempt: nobody will collect them."""
+        """Dumps of this shard's rows left by a killed attempt or an aborted rid: nobody will collect them."""
         for row in range(self.start, self.end):
             for stale in self.cfg.dump_dir.glob(row_request_glob(row)):
                 stale.unlink(missing_ok=True)
+        remove_dead_writer_statuses(self.cfg.dump_dir)
 
     def _write_manifest(self) -> None:
         self.report.write(self.manifest_path)
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -302,8 +354,8 @@ def main(args: argparse.Namespace) -> int:
     extractor = ShardExtractor(cfg)
     try:
         report = extractor.run()
-    except ServerGone as exc:
-        print(f"error: shard {extractor.name} stopped: {exc.reason}", flush=True)
+    except (ServerGone, DiskFull) as exc:
+        print(f"error: shard {extractor.name} stopped: {exc.reason}; finished rows are kept, a retry resumes", flush=True)
         os._exit(1)  # worker threads may still sit in a dead connection; the manifest is written
     except KeyboardInterrupt:
         print(f"shard {extractor.name} interrupted; finished rows are kept, a rerun resumes", flush=True)

@@ -371,7 +371,7 @@ def test_launch_reuses_the_running_engine_and_starts_a_new_one_after_stop(params
 def test_setup_readiness_generate_teardown_with_the_reference_engine(params, process_groups: list[int]) -> None:
     """Issue 3 Done-when: setup -> readiness through a >= 10 s warmup -> /generate -> teardown, no process left."""
     from eagleflow.extract.sample_store import load_sample
-    from sglang_patch.dump_writer import dump_path
+    from eagleflow.extract.dump_wait import wait_for_dump
 
     params["server_extra_args"] = ["--threads", "1", "--warmup-seconds", "10"]
     context = make_context(params)
@@ -421,7 +421,7 @@ def test_setup_readiness_generate_teardown_with_the_reference_engine(params, pro
     assert response.status_code == 200, response.text
     meta = response.json()["meta_info"]
     assert (meta["id"], meta["prompt_tokens"], meta["cached_tokens"]) == ("roundtrip-1", 5, 0)
-    sample = load_sample(dump_path(server["dump_dir"], "roundtrip-1"))
+    sample = load_sample(wait_for_dump(Path(server["dump_dir"]), "roundtrip-1", time.time(), 30.0, threading.Event(), print))
     assert sample["token_ids"].tolist() == [5, 6, 7, 8, 9]
     assert tuple(sample["hidden_states"].shape) == (5, 4, 64)  # aux [2, 4, 5] + final, hidden 64
 

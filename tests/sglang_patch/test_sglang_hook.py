@@ -6,6 +6,7 @@ import fnmatch
 import json
 import logging
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from safetensors.torch import load_file
 import sglang_fakes as fakes
 from sglang_patch import hook as capture_hook
 from sglang_patch import hook_spec
-from sglang_patch.dump_writer import dump_path, error_path
+from sglang_patch.handoff import dump_path, error_path
 
 NUM_LAYERS = 6
 
@@ -140,8 +141,8 @@ def test_prefix_reuse_gives_an_error_file_not_a_short_dump(tmp_path: Path, fake_
     drain(model)
     assert not dump_path(tmp_path, "row0-a").exists()
     record = json.loads(error_path(tmp_path, "row0-a").read_text())
-    assert record["rid"] == "row0-a"
-    assert record["extend_prefix_len"] == 11 and record["extend_seq_len"] == 2
+    assert record["rid"] == "row0-a" and record["kind"] == "prefix_reused" and not record["retryable"]
+    assert record["details"] == {"extend_prefix_len": 11, "extend_seq_len": 2}
     assert "prefix" in record["error"]
     assert load_file(dump_path(tmp_path, "row1-b"))["token_ids"].tolist() == [1, 2, 3]  # its neighbour is fine
 
@@ -263,3 +264,47 @@ def test_final_layer_id_as_aux_equals_the_final_slot(tmp_path: Path, fake_sglang
     drain(model)
     states = load_file(dump_path(tmp_path, "r"))["hidden_states"]
     assert torch.equal(states[:, 0], states[:, 1])
+
+
+def test_layer_states_are_copied_out_in_chunks_at_once_so_no_batch_tensor_is_held(tmp_path: Path, fake_sglang, monkeypatch) -> None:
+    """Chunks smaller than a request and straddling two: the dumps are still exact, and between
+    layers the hook holds no tensor of the batch (the GPU copy of the capture is one chunk at a time)."""
+    monkeypatch.setattr(capture_hook, "SUM_CHUNK_TOKENS", 3)
+    aux = [1, 3]
+    model, _ = hooked_model(tmp_path, aux)
+    capture = captured_hook(model)
+    held: list[list[str]] = []
+    layers = model.model.layers
+    layers[2].register_forward_hook(lambda *_: held.append([k for k, v in vars(capture).items() if isinstance(v, torch.Tensor)]))
+    requests = {"row0-a": [5, 6, 7, 8, 9], "row1-b": [1, 2], "row2-c": [11, 12, 13, 14, 15, 16, 17]}
+    fakes.run(model, fakes.extend_batch(requests))
+    drain(model)
+    assert held == [[]]
+    expected = expected_slots(model, aux).to(torch.bfloat16)
+    start = 0
+    for rid, ids in requests.items():
+        assert torch.equal(load_file(dump_path(tmp_path, rid))["hidden_states"], expected[start : start + len(ids)])
+        start += len(ids)
+
+
+def test_a_writer_behind_its_budget_costs_a_pass_one_bounded_wait_not_one_per_request(tmp_path: Path, fake_sglang) -> None:
+    from sglang_patch.dump_writer import DumpWriter
+    from sglang_patch.sample_file import sample_file_bytes
+
+    one = sample_file_bytes(4, 2, 16)
+    model = fakes.build_model("deepseek", NUM_LAYERS)
+    capture = capture_hook.HiddenStateCapture(
+        [2], NUM_LAYERS, tmp_path, tp_rank=lambda: 0,
+        writer_factory=lambda d: DumpWriter(d, max_pending_bytes=2 * one, wait_seconds=0.5, threads=1, write_delay=2.0),
+    )
+    for name in ("model.layers.1", "model.layers.5"):
+        model.get_submodule(name).register_forward_hook(capture)
+    fakes.run(model, fakes.extend_batch({"row0-a": [1, 2, 3, 4], "row1-b": [5, 6, 7, 8]}))  # fills the budget
+    started = time.monotonic()
+    fakes.run(model, fakes.extend_batch({f"row{i}-c": [1, 2, 3, 4] for i in range(2, 7)}))
+    assert time.monotonic() - started < 0.5 + 0.4, "five requests waited once, not five times"
+    capture.close()
+    for i in range(2, 7):
+        record = json.loads(error_path(tmp_path, f"row{i}-c").read_text())
+        assert record["kind"] == "writer_behind" and record["retryable"]
+    assert dump_path(tmp_path, "row0-a").exists() and dump_path(tmp_path, "row1-b").exists()

@@ -32,7 +32,7 @@ from sglang_wheels import Wheel, cli_flags, find_class, find_function, get_wheel
 from eagleflow.engine import sglang_command
 from sglang_patch import hook as capture_hook
 from sglang_patch import hook_spec, request_ids
-from sglang_patch.dump_writer import dump_path
+from sglang_patch.handoff import dump_path
 
 pytestmark = pytest.mark.sglang_source
 

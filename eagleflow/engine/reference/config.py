@@ -51,10 +51,23 @@ class ReferenceEngineConfig(BaseModel):
     speculative_draft_window_size: int | None = Field(
         None, ge=1, description="sliding window of the draft's attention (the drafter's, from the export)"
     )
+    dump_queue_bytes: int | None = Field(
+        None, ge=1,
+        description="bytes of captured, not yet written dumps the engine may hold; past that, for 2s, a request "
+        "gets a 'writer behind' error record instead of waiting (default: 1/8 of this host's memory, at most 32 GiB)",
+    )
     fail_row: list[int] = Field(
         default_factory=list,
         description="TEST ONLY: comma list of rows whose requests (rid row{N}-…) answer 500, once across restarts "
         "(a marker <dump_dir>/.fail-row-N.injected records that the failure was injected)",
+    )
+    nan_row: list[int] = Field(
+        default_factory=list,
+        description="TEST ONLY: comma list of rows whose captured states get a NaN, once across restarts "
+        "(marker <dump_dir>/.nan-row-N.injected)",
+    )
+    test_write_delay: float = Field(
+        0.0, ge=0, description="TEST ONLY: each dump write first sleeps this many seconds (a disk slower than the engine)"
     )
 
     @model_validator(mode="after")
@@ -70,7 +83,7 @@ class ReferenceEngineConfig(BaseModel):
             )
         return self
 
-    @field_validator("fail_row")
+    @field_validator("fail_row", "nan_row")
     @classmethod
     def _rows_not_negative(cls, rows: list[int]) -> list[int]:
         bad = [r for r in rows if r < 0]
@@ -79,6 +92,6 @@ class ReferenceEngineConfig(BaseModel):
         return rows
 
 
-def fail_row_marker(dump_dir: str | os.PathLike[str], row: int) -> Path:
-    """The marker that records that ``--fail-row row`` has injected its one failure."""
-    return Path(dump_dir) / f".fail-row-{row}.injected"
+def fault_marker(dump_dir: str | os.PathLike[str], fault: str, row: int) -> Path:
+    """The marker recording that ``--{fault}-row row`` injected its one fault (``fault``: fail, nan)."""
+    return Path(dump_dir) / f".{fault}-row-{row}.injected"

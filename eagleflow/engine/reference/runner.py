@@ -2,24 +2,29 @@
 
 With ``--dump-dir``, every prefill of a request whose rid is captured
 (:func:`sglang_patch.request_ids.is_captured`: all but SGLang's health checks) is recorded by
-hooks (:mod:`eagleflow.engine.capture`) and written by the same
-:class:`sglang_patch.dump_writer.DumpWriter` as the SGLang hook, to
-``<dump_dir>/<rid>.safetensors``, before the HTTP answer is sent. With
+hooks (:mod:`eagleflow.engine.capture`) and handed to the same
+:class:`sglang_patch.dump_writer.DumpWriter` as the SGLang hook, which writes
+``<dump_dir>/<rid>.safetensors`` in the background. As in SGLang the answer does not wait for
+the disk: the dump may land after it (the extractor waits for it), and a writer that stays
+behind its byte budget gives the request a "writer behind" error record instead of stalling the
+engine. ``abort`` is SGLang's ``/abort_request``: a request not yet run is dropped. With
 ``--speculative-algorithm EAGLE3``, greedy requests decode with the exported drafter
 (:mod:`eagleflow.engine.reference.speculative`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagleflow.engine.reference.config import ReferenceEngineConfig, fail_row_marker
+from eagleflow.engine.reference.config import ReferenceEngineConfig, fault_marker
 from eagleflow.engine.reference.protocol import (
     GREEDY_BELOW_TEMPERATURE,
     READY_LINE,
@@ -74,7 +79,11 @@ class ReferenceEngine:
         self.eos_token_ids = _eos_token_ids(model)
         # Only the last position's logits are needed; older/remote modelling code may lack the knob.
         self._logits_kwargs = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-        self.writer = DumpWriter(config.dump_dir) if config.dump_dir is not None else None
+        self.writer = (
+            DumpWriter(config.dump_dir, max_pending_bytes=config.dump_queue_bytes, write_delay=config.test_write_delay)
+            if config.dump_dir is not None
+            else None
+        )
         self.speculative = speculative_decoder(model, config) if config.speculative_algorithm else None
         self.ready = threading.Event()
         self.shutting_down = False
@@ -82,9 +91,10 @@ class ReferenceEngine:
         self._forward_lock = threading.Lock()  # one forward at a time; requests queue on it
         # Rows still to fail in this process: a marker left by an earlier process means its one
         # injected failure already happened.
-        self.fail_rows_pending = {
-            r for r in config.fail_row if config.dump_dir is None or not fail_row_marker(config.dump_dir, r).exists()
-        }
+        self.fail_rows_pending = {r for r in config.fail_row if not self._fault_injected("fail", r)}
+        self.nan_rows_pending = {r for r in config.nan_row if not self._fault_injected("nan", r)}
+        self._aborted: set[str] = set()  # rids aborted before their forward ran
+        self._waiting: set[str] = set()  # rids queued for the forward lock
         self._stats_lock = threading.Lock()
         self._requests = 0
         self._failed = 0
@@ -223,11 +233,50 @@ class ReferenceEngine:
         row = row_of_request_id(rid)
         if row is None or row not in self.fail_rows_pending:
             return
+        self._record_fault("fail", row, rid)
+        raise RequestError(500, f"injected failure for row {row} (--fail-row)")
+
+    def _fault_injected(self, fault: str, row: int) -> bool:
+        """Whether an earlier process already injected this one-off fault (its marker is in the dump folder)."""
+        return self.config.dump_dir is not None and fault_marker(self.config.dump_dir, fault, row).exists()
+
+    def _record_fault(self, fault: str, row: int, rid: str) -> None:
         if self.config.dump_dir is not None:
-            marker = fail_row_marker(self.config.dump_dir, row)
+            marker = fault_marker(self.config.dump_dir, fault, row)
             if not marker.exists():
                 atomic_write_text(marker, f"{rid}\n")
-        raise RequestError(500, f"injected failure for row {row} (--fail-row)")
+
+    def _maybe_inject_nan(self, rid: str, states: torch.Tensor) -> None:
+        row = row_of_request_id(rid)
+        if row is None or row not in self.nan_rows_pending:
+            return
+        self.nan_rows_pending.discard(row)
+        self._record_fault("nan", row, rid)
+        states[0, 0, 0] = float("nan")
+        print(f"TEST fault injection: NaN in the states of {rid} (--nan-row)", flush=True)
+
+    def abort(self, rid: str) -> None:
+        """SGLang's ``/abort_request``: a request still waiting for the forward lock is dropped."""
+        with self._stats_lock:
+            if rid in self._waiting:
+                self._aborted.add(rid)
+
+    @contextlib.contextmanager
+    def _forward_turn(self, rid: str) -> Iterator[bool]:
+        """Hold the forward lock for ``rid``; yields True when it was aborted while it waited."""
+        with self._stats_lock:
+            self._waiting.add(rid)
+        try:
+            self._forward_lock.acquire()
+        finally:
+            with self._stats_lock:
+                self._waiting.discard(rid)
+                aborted = rid in self._aborted
+                self._aborted.discard(rid)
+        try:
+            yield aborted
+        finally:
+            self._forward_lock.release()
 
     def _run(self, request: GenerateRequest, dump: bool = True) -> tuple[list[int], dict[str, Any], dict[str, Any]]:
         """Prefill (captured unless a health check, ``dump=False`` or no dump folder), then up to
@@ -250,11 +299,15 @@ class ReferenceEngine:
         ids = torch.tensor([request.input_ids], dtype=torch.long, device=self.device)
         output_ids: list[int] = []
         finish_reason: dict[str, Any] = {"type": "length", "length": max_new_tokens}
-        with self._forward_lock, torch.inference_mode():
+        with self._forward_turn(request.rid) as aborted, torch.inference_mode():
+            if aborted:
+                return [], {"type": "abort", "message": f"request {request.rid} aborted by /abort_request"}, {}
             if capture:
                 with HiddenStateCapture(self.model, self.aux_layer_ids) as hooks:
                     out = self.model(input_ids=ids, use_cache=max_new_tokens > 1, **self._logits_kwargs)
                 states = hooks.stacked()
+                self._maybe_inject_nan(request.rid, states)
+                # Hands the tensor over (no copy); waits at most 2s for budget, else "writer behind".
                 self.writer.submit(request.rid, states, torch.tensor(request.input_ids, dtype=torch.int64))
             else:
                 out = self.model(input_ids=ids, use_cache=max_new_tokens > 1, **self._logits_kwargs)
@@ -271,9 +324,6 @@ class ReferenceEngine:
                         use_cache=True,
                         **self._logits_kwargs,
                     )
-        if capture:
-            # The client checks the dump right after our answer: it must be on disk by then.
-            self.writer.flush()
         return output_ids, finish_reason, {}
 
     def _decode(self, output_ids: list[int]) -> str:

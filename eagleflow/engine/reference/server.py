@@ -44,6 +44,16 @@ def create_app(engine: ReferenceEngine) -> Any:
         except RequestError as exc:
             return JSONResponse(exc.body, status_code=exc.status)
 
+    async def abort_request(request: Request) -> Response:
+        # SGLang's /abort_request: {"rid"}; 200 whether or not the request was still there.
+        try:
+            body = json.loads(await request.body())
+        except ValueError as exc:
+            return JSONResponse(invalid_json_body(exc), status_code=400)
+        if isinstance(body, dict) and isinstance(body.get("rid"), str):
+            engine.abort(body["rid"])
+        return Response(status_code=200)
+
     async def health(request: Request) -> Response:
         healthy = await run_in_threadpool(engine.health)
         return Response(status_code=200 if healthy else 503)
@@ -54,6 +64,7 @@ def create_app(engine: ReferenceEngine) -> Any:
     return Starlette(
         routes=[
             Route("/generate", generate, methods=["POST", "PUT"]),
+            Route("/abort_request", abort_request, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
             Route("/health_generate", health, methods=["GET"]),
             Route("/model_info", model_info, methods=["GET"]),

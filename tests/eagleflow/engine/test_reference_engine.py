@@ -27,11 +27,12 @@ import torch
 from eagleflow.engine.capture import HiddenStateCapture, capture_hidden_states
 from eagleflow.config import model_from_args
 from eagleflow.errors import UserError
-from eagleflow.engine.reference.config import ReferenceEngineConfig, fail_row_marker
+from eagleflow.engine.reference.config import ReferenceEngineConfig, fault_marker
 from eagleflow.engine.reference.protocol import READY_LINE
 from eagleflow.engine.reference.server import serve
 from eagleflow.extract.sample_store import load_sample, validate
-from sglang_patch.dump_writer import dump_path, error_path
+from eagleflow.extract.dump_wait import wait_for_dump
+from sglang_patch.handoff import dump_path, error_path
 
 AUX = [2, 4, 6]
 N_LAYERS, HIDDEN, VOCAB = 8, 64, 1024
@@ -194,6 +195,11 @@ def independent_states(model, input_ids: list[int]) -> tuple[torch.Tensor, torch
     return torch.stack([*layer_inputs, pre_norm_last], dim=1).to(torch.bfloat16), post_norm_last
 
 
+def landed(dump_dir: Path, rid: str) -> Path:
+    """The dump of ``rid`` once the engine's writer published it (the answer does not wait for the disk)."""
+    return wait_for_dump(dump_dir, rid, time.time(), 30.0, threading.Event(), print)
+
+
 def assert_bf16_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual.float(), expected.float(), rtol=1.6e-2, atol=1e-2)
 
@@ -236,8 +242,8 @@ def test_dump_equals_independent_transformers_states(ready: Engine, model) -> No
     assert meta["completion_tokens"] == 0 and answer.json()["output_ids"] == []
     assert meta["finish_reason"] == {"type": "length", "length": 0}
 
-    # On disk when the answer arrives, with the §3.2 format.
-    dump = dump_path(ready.dump_dir, rid)
+    # Published by the writer right after the answer, with the §3.2 format.
+    dump = landed(ready.dump_dir, rid)
     assert validate(dump, input_ids, n_slots=len(AUX) + 1, hidden=HIDDEN).ok
     states = load_sample(dump)["hidden_states"]
 
@@ -263,7 +269,7 @@ def test_one_greedy_token_matches_the_model(ready: Engine, model) -> None:
         expected = int(model(torch.tensor([input_ids])).logits[0, -1].argmax())
     assert body["output_ids"] == [expected] and body["meta_info"]["completion_tokens"] == 1
     assert body["meta_info"]["finish_reason"]["type"] in {"length", "stop"}
-    assert validate(dump_path(ready.dump_dir, "row2-x"), input_ids, 4, HIDDEN).ok  # prompt states only
+    assert validate(landed(ready.dump_dir, "row2-x"), input_ids, 4, HIDDEN).ok  # prompt states only
 
 
 def test_text_is_tokenized_with_the_models_tokenizer(ready: Engine, model_dir: Path) -> None:
@@ -275,7 +281,7 @@ def test_text_is_tokenized_with_the_models_tokenizer(ready: Engine, model_dir: P
     answer = ready.post({"rid": "text-1", "text": "two plus two is four", "sampling_params": {"max_new_tokens": 0}})
     assert answer.status_code == 200, answer.text
     assert answer.json()["meta_info"]["prompt_tokens"] == len(expected_ids)
-    assert validate(dump_path(ready.dump_dir, "text-1"), expected_ids, 4, HIDDEN).ok
+    assert validate(landed(ready.dump_dir, "text-1"), expected_ids, 4, HIDDEN).ok
 
 
 def test_vllm_prompt_token_ids_gets_sglangs_400(ready: Engine) -> None:
@@ -334,14 +340,14 @@ def test_eight_concurrent_requests_each_get_their_own_states(ready: Engine, mode
     for row, answer in answers.items():
         assert answer.status_code == 200, answer.text
         assert answer.json()["meta_info"]["id"] == f"row{row}-c"
-        dump = dump_path(ready.dump_dir, f"row{row}-c")
+        dump = landed(ready.dump_dir, f"row{row}-c")
         assert validate(dump, rows[row], 4, HIDDEN).ok
         assert_bf16_close(load_sample(dump)["hidden_states"], capture_hidden_states(model, rows[row], AUX))
 
 
 def test_fail_row_fails_once_across_restarts_and_sigterm_exits_0(ready: Engine, model_dir: Path) -> None:
     body = {"input_ids": random_ids(7, 9), "sampling_params": {"max_new_tokens": 0}}
-    marker = fail_row_marker(ready.dump_dir, FAIL_ROW)
+    marker = fault_marker(ready.dump_dir, "fail", FAIL_ROW)
     assert not marker.exists()
     for attempt in ("a", "b"):  # while this engine lives, every attempt for the row fails
         answer = ready.post({**body, "rid": f"row{FAIL_ROW}-{attempt}"})
@@ -357,7 +363,7 @@ def test_fail_row_fails_once_across_restarts_and_sigterm_exits_0(ready: Engine, 
         restarted.wait_ready()
         answer = restarted.post({**body, "rid": f"row{FAIL_ROW}-c"})
         assert answer.status_code == 200, answer.text
-        assert validate(dump_path(ready.dump_dir, f"row{FAIL_ROW}-c"), body["input_ids"], 4, HIDDEN).ok
+        assert validate(landed(ready.dump_dir, f"row{FAIL_ROW}-c"), body["input_ids"], 4, HIDDEN).ok
         assert restarted.post({**body, "rid": "row8-a"}).status_code == 500
     finally:
         code = restarted.stop(timeout=30)

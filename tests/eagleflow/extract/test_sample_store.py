@@ -123,19 +123,19 @@ def test_header_only_check_skips_the_value_scan(tmp_path: Path) -> None:
 
 
 def test_write_killed_midway_leaves_no_sample_file(tmp_path: Path) -> None:
-    """SIGKILL the writer while safetensors is writing: no hs_*.safetensors may appear."""
+    """SIGKILL the writer halfway through a file (header and token ids written, states not): no hs_* appears."""
     script = textwrap.dedent(
         f"""
-        import sys, torch, safetensors.torch as st
-        real_save = st.save_file
-        def slow_save(tensors, filename, metadata=None):
-            real_save(tensors, filename, metadata)
-            with open(filename, "rb+") as handle:  # the bytes are there, not yet renamed
-                handle.seek(0, 2)
-            print("WRITING", flush=True)
-            import time; time.sleep(60)
+        import time, torch
         import sglang_patch.sample_file as sf
-        sf.save_file = slow_save
+        real_write, calls = sf._write_all, []
+        def write_then_stall(fd, data):
+            real_write(fd, data)
+            calls.append(len(data))
+            if len(calls) == 2:  # header and token ids are in the temp file, the states not yet
+                print("WRITING", flush=True)
+                time.sleep(60)
+        sf._write_all = write_then_stall
         from eagleflow.extract.sample_store import write_sample
         write_sample({str(tmp_path)!r}, 5, torch.zeros(64, 4, 256), torch.arange(64))
         """

@@ -112,9 +112,9 @@ class CountingClient(EngineClient):
 
     generated = 0
 
-    def generate(self, row: int, input_ids: list[int]) -> tuple[str, dict[str, Any]]:
+    def generate(self, row: int, input_ids: list[int], rid: str | None = None) -> tuple[str, dict[str, Any]]:
         self.generated += 1
-        return super().generate(row, input_ids)
+        return super().generate(row, input_ids, rid)
 
 
 def test_failed_row_is_recorded_the_shard_carries_on_and_the_cli_names_it(dataset, engine, random_tiny_model) -> None:
@@ -199,6 +199,8 @@ class FakeEngine:
         self.calls = 0
 
     def __call__(self, url: str, json: dict, timeout: float) -> FakeResponse:
+        if not url.endswith("/generate"):
+            return FakeResponse(200, {})  # /abort_request: nothing is still running here
         action = self.script[min(self.calls, len(self.script) - 1)]
         self.calls += 1
         rid, ids = json["rid"], json["input_ids"]
@@ -208,7 +210,7 @@ class FakeEngine:
         if action == "cached":
             meta["cached_tokens"] = 2
         elif action == "error-file":
-            self.writer.submit_error(rid, "extend_prefix_len=3 > 0: prefix reuse would give a short dump")
+            self.writer.submit_error(rid, "extend_prefix_len=3 > 0: prefix reuse would give a short dump", kind="prefix_reused")
         elif action == "nan":
             states = torch.zeros(len(ids), len(AUX) + 1, HIDDEN)
             states[0, 0, 0] = float("nan")
@@ -227,7 +229,7 @@ class FakeEngine:
         (["cached"], 1, "reused 2 cached prefix tokens"),
         (["error-file"], 1, "engine reported: extend_prefix_len=3 > 0"),
         (["nan"], 1, "NaN"),
-        (["none"], 3, "no dump"),
+        (["none"], 3, "dump writer does not hold"),
     ],
 )
 def test_dump_checks_and_retries(tmp_path: Path, random_tiny_model: Path, script: list[str], calls: int, reason: str | None) -> None:

@@ -1,0 +1,133 @@
+"""Waiting for one request's dump in the hand-off folder: late, lost, writer behind, disk full.
+
+The engine answers when its forward pass is done; its writer publishes the dump later, when
+the disk gets to it (on a slow disk, long after the answer). For request ``rid``:
+
+- ``<rid>.safetensors`` appears: done;
+- ``<rid>.error.json`` appears: a :class:`RowFailed` (retryable as its kind says; "writer
+  behind" does not use up a retry), or :class:`DiskFull`, which stops the shard: every row
+  would fail the same way;
+- neither yet: keep waiting on the **same** rid while a live writer holds it (its status file
+  lists it), however long that takes; a slow disk is no reason to send the row again and write
+  it twice. The row is sent again only when a live writer's status, taken after the answer,
+  does not hold it (the engine restarted, or the request never reached the capture), and the
+  shard aborts the old rid before it does;
+- no live writer at all after ``--dump-wait``: the capture is not writing to this folder.
+
+The status files are :mod:`sglang_patch.handoff`'s; this module only reads them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from eagleflow.engine.process import pid_alive
+from eagleflow.extract.client import RowFailed
+from sglang_patch.handoff import (
+    DISK_FULL,
+    WRITER_BEHIND,
+    ErrorRecord,
+    WriterStatus,
+    dump_path,
+    error_path,
+    read_writer_statuses,
+    status_path,
+)
+
+CLOCK_MARGIN_S = 1.0  # a remote engine's clock may differ from ours by this much
+POLL_MAX_S = 0.05  # a dump is noticed at most this long after it appears
+
+
+class DiskFull(Exception):
+    """The engine's writer (or our publishing) ran out of space; ``reason`` names the folder and bytes."""
+
+    def __init__(self, reason: str, folder: str = "", needed_bytes: int | None = None, free_bytes: int | None = None) -> None:
+        super().__init__(reason)
+        self.reason, self.folder, self.needed_bytes, self.free_bytes = reason, folder, needed_bytes, free_bytes
+
+
+def wait_for_dump(
+    dump_dir: Path,
+    rid: str,
+    answered_at: float,
+    dump_wait: float,
+    stop: threading.Event,
+    say: Callable[[str], None],
+    sleep: Callable[[float], None] = time.sleep,
+) -> Path:
+    """Return the dump of ``rid`` once it is published; raise :class:`RowFailed` or :class:`DiskFull`.
+
+    :param answered_at: ``time.time()`` when the answer came (or was lost).
+    :param dump_wait: seconds without any live writer before giving up, and between "still
+        queued" lines.
+    :param stop: set when the shard stops (then this raises at once).
+    """
+    dump, error = dump_path(dump_dir, rid), error_path(dump_dir, rid)
+    delay = 0.002
+    next_note = answered_at + dump_wait
+    while True:
+        statuses = read_writer_statuses(dump_dir)  # before the files: a rid leaves a status only once its file exists
+        if error.exists():
+            raise_for_record(ErrorRecord.read(error))
+        if dump.exists():
+            return dump
+        if stop.is_set():
+            raise RowFailed("shard stopped")
+        now = time.time()
+        live = [s for s in statuses if s.fresh or _alive_here(s)]
+        holders = [s for s in live if rid in s.pending]
+        if not holders:
+            if any(s.fresh and s.updated > answered_at + CLOCK_MARGIN_S for s in live):
+                raise RowFailed(
+                    f"the engine's dump writer does not hold {rid} (the engine restarted, or the request never "
+                    "reached the capture); sending the row again",
+                    retryable=True,
+                )
+            if not live and now > answered_at + dump_wait:
+                raise RowFailed(
+                    f"no dump {dump.name} in {dump_dir} within {dump_wait:.0f}s of the answer and no live capture "
+                    "writer there (is the capture hook on, and is --dump-dir the engine's dump folder?)",
+                    retryable=True,
+                )
+        elif now >= next_note:
+            next_note = now + dump_wait
+            say(_queued_note(rid, holders[0], now - answered_at))
+        sleep(delay)
+        delay = min(delay * 2, POLL_MAX_S)
+
+
+def raise_for_record(record: ErrorRecord) -> None:
+    """Turn the engine's error record into what the shard does about it."""
+    reason = f"engine reported: {record.error}"
+    if record.kind == DISK_FULL:
+        details = record.details
+        raise DiskFull(reason, str(details.get("folder", "")), details.get("needed_bytes"), details.get("free_bytes"))
+    if record.kind == WRITER_BEHIND:
+        raise RowFailed(reason, retryable=True, counts=False)
+    raise RowFailed(reason, retryable=record.retryable)
+
+
+def remove_dead_writer_statuses(dump_dir: Path) -> None:
+    """Status files of writers on this host whose process is gone (an engine killed with SIGKILL)."""
+    for status in read_writer_statuses(dump_dir):
+        if status.host == socket.gethostname() and not pid_alive(status.pid):
+            status_path(dump_dir, status.pid, status.host).unlink(missing_ok=True)
+
+
+def _alive_here(status: WriterStatus) -> bool:
+    """A stale status of a writer whose process still runs here: its disk hangs, it is not gone."""
+    return status.host == socket.gethostname() and status.pid != os.getpid() and pid_alive(status.pid)
+
+
+def _queued_note(rid: str, status: WriterStatus, waited: float) -> str:
+    age = time.time() - status.updated
+    stuck = f"; its status is {age:.0f}s old (disk hung?)" if not status.fresh else ""
+    return (
+        f"{rid}: dump still queued in the engine's writer after {waited:.0f}s ({len(status.pending)} requests, "
+        f"{status.pending_bytes / 1e9:.2f} of {status.budget_bytes / 1e9:.2f} GB held{stuck}); waiting, not resending"
+    )

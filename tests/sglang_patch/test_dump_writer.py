@@ -1,0 +1,148 @@
+"""The dump writer: byte budget, "writer behind" instead of a stall, verdicts, disk full, status file.
+
+Real threads and real files; the slow disk is the writer's own ``write_delay`` (it sleeps before
+each file, so the queue really fills), the full disk a real tmpfs mount.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from sglang_patch.dump_writer import DumpWriter, default_queue_budget
+from sglang_patch.handoff import DISK_FULL, NONFINITE, TOO_LARGE, WRITER_BEHIND, ErrorRecord, dump_path, error_path, read_writer_statuses
+from sglang_patch.sample_file import VALUES_FINITE, VALUES_KEY, sample_file_bytes
+
+SEQ, SLOTS, HIDDEN = 32, 4, 64
+ONE = sample_file_bytes(SEQ, SLOTS, HIDDEN)
+
+
+def states(seed: int = 0, seq: int = SEQ) -> torch.Tensor:
+    return torch.randn(seq, SLOTS, HIDDEN, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def outcome(dump_dir: Path, rid: str) -> str:
+    """"dump", the error record's kind, or "none"."""
+    if dump_path(dump_dir, rid).exists():
+        return "dump"
+    if error_path(dump_dir, rid).exists():
+        return ErrorRecord.read(error_path(dump_dir, rid)).kind
+    return "none"
+
+
+def test_a_slow_disk_gets_writer_behind_records_not_a_stalled_caller_and_stays_in_budget(tmp_path: Path) -> None:
+    writer = DumpWriter(tmp_path, max_pending_bytes=2 * ONE + ONE // 2, wait_seconds=0.3, threads=1, write_delay=0.6)
+    waits, held = [], []
+    for i in range(6):
+        started = time.monotonic()
+        writer.submit(f"row{i}-a", states(i), torch.arange(SEQ))
+        waits.append(time.monotonic() - started)
+        held.append(writer.status())
+    assert max(waits) < 0.3 + 0.25, waits  # never longer than the bound (plus scheduling slack)
+    statuses = read_writer_statuses(tmp_path)
+    assert len(statuses) == 1 and statuses[0].fresh and statuses[0].pending  # the status file says what is queued
+    writer.close()
+    kinds = [outcome(tmp_path, f"row{i}-a") for i in range(6)]
+    assert kinds.count("dump") >= 2 and WRITER_BEHIND in kinds and "none" not in kinds, kinds
+    assert all(s.pending_bytes <= writer.budget for s in held) and writer.status().peak_pending_bytes <= writer.budget
+    behind = ErrorRecord.read(error_path(tmp_path, f"row{kinds.index(WRITER_BEHIND)}-a"))
+    assert behind.retryable and "writer behind" in behind.error and behind.details["budget_bytes"] == writer.budget
+    for i, kind in enumerate(kinds):
+        if kind == "dump":
+            assert torch.equal(load_file(dump_path(tmp_path, f"row{i}-a"))["hidden_states"], states(i))
+    assert not read_writer_statuses(tmp_path), "close removes the status file"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no temp file left"
+
+
+def test_a_request_larger_than_the_whole_budget_is_refused_at_once_naming_the_param(tmp_path: Path) -> None:
+    writer = DumpWriter(tmp_path, max_pending_bytes=ONE - 1, wait_seconds=5)
+    started = time.monotonic()
+    assert writer.submit("row0-a", states(), torch.arange(SEQ)) is False
+    assert time.monotonic() - started < 1
+    writer.close()
+    record = ErrorRecord.read(error_path(tmp_path, "row0-a"))
+    assert record.kind == TOO_LARGE and not record.retryable and "dump_queue_gb" in record.error
+
+
+def test_non_finite_states_are_never_written_and_finite_ones_carry_the_verdict(tmp_path: Path) -> None:
+    writer = DumpWriter(tmp_path)
+    bad = states(1)
+    bad[3, 2, 5] = float("nan")
+    bad[4, 2, 6] = float("-inf")
+    writer.submit("row1-a", bad, torch.arange(SEQ))
+    writer.submit("row2-a", states(2), torch.arange(SEQ))
+    writer.close()
+    assert outcome(tmp_path, "row1-a") == NONFINITE
+    assert "1 NaN, 1 Inf in slots [2]" in ErrorRecord.read(error_path(tmp_path, "row1-a")).error
+    with safe_open(str(dump_path(tmp_path, "row2-a")), "pt") as handle:
+        assert handle.metadata() == {VALUES_KEY: VALUES_FINITE}
+
+
+def test_slot_major_buffers_write_the_same_file_as_token_major_states(tmp_path: Path) -> None:
+    writer = DumpWriter(tmp_path)
+    x = states(3)
+    pending = writer.begin("row3-a", SEQ, SLOTS, HIDDEN, torch.bfloat16, on_cuda=False)
+    assert pending is not None
+    for slot in range(SLOTS):  # filled the way the hook fills it: per slot, in two token chunks
+        pending.put(slot, x[:20, slot], start=0)
+        pending.put(slot, x[20:, slot], start=20)
+    pending.commit(torch.arange(SEQ))
+    writer.submit("row4-a", x.clone(), torch.arange(SEQ))
+    writer.close()
+    assert dump_path(tmp_path, "row3-a").read_bytes() == dump_path(tmp_path, "row4-a").read_bytes()
+
+
+def test_default_budget_is_sized_from_the_hosts_memory() -> None:
+    import os
+
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert default_queue_budget() == min(max(memory // 8, 256 << 20), 32 << 30)
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of ``size`` mounted at ``path`` (root only); skips where mounting is refused."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root and CAP_SYS_ADMIN): {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_disk_full_gives_a_record_naming_folder_and_bytes_and_leaves_no_partial_file(tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path / "small", "1m") as folder:
+        writer = DumpWriter(folder)
+        big = states(5, seq=2048)  # 2048 × 4 × 64 × 2 B = 1 MiB of states: more than is free
+        writer.submit("row5-a", big, torch.arange(2048))
+        writer.submit("row6-a", states(6), torch.arange(SEQ))  # a small one still fits afterwards
+        writer.close()
+        record = ErrorRecord.read(error_path(folder, "row5-a"))
+        assert record.kind == DISK_FULL and str(folder) in record.error
+        assert record.details["needed_bytes"] == sample_file_bytes(2048, SLOTS, HIDDEN) and record.details["free_bytes"] < record.details["needed_bytes"]
+        assert writer.write_errors and "No space left" in writer.write_errors[0]
+        assert outcome(folder, "row6-a") == "dump"
+        assert sorted(p.name for p in folder.iterdir()) == ["row5-a.error.json", "row6-a.safetensors"]
+
+
+def test_flush_waits_for_queued_dumps_and_records(tmp_path: Path) -> None:
+    writer = DumpWriter(tmp_path, write_delay=0.3)
+    writer.submit("row7-a", states(7), torch.arange(SEQ))
+    writer.submit_error("row8-a", "boom")
+    done = threading.Event()
+    threading.Thread(target=lambda: (writer.flush(10), done.set()), daemon=True).start()
+    assert not done.wait(0.1)
+    assert done.wait(5)
+    assert outcome(tmp_path, "row7-a") == "dump" and outcome(tmp_path, "row8-a") == "write_failed"
+    writer.close()
