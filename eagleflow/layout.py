@@ -23,9 +23,21 @@ from pathlib import Path
 
 from eagleflow.errors import UserError
 
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# A run's folder name: one plain path component, so a run never reaches outside the output root.
+RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+_RUN_NAME = re.compile(RUN_NAME_PATTERN)
 # speculators reads row i's states from <dataset>/hidden_states/hs_{i}.safetensors.
 HIDDEN_STATES_DIR = "hidden_states"
+
+
+def check_run_name(run_name: str) -> str:
+    """``run_name`` if it is one plain folder name (:data:`RUN_NAME_PATTERN`), else ValueError saying so."""
+    if not _RUN_NAME.match(run_name):
+        raise ValueError(
+            f"run name {run_name!r} must be 1-128 letters, digits, '.', '_' or '-' and start with a letter or digit "
+            "(one folder under the output root, never a path out of it)"
+        )
+    return run_name
 
 
 def hidden_states_dir(dataset: str | Path) -> Path:
@@ -60,10 +72,10 @@ class RunLayout:
     @classmethod
     def of(cls, output_root: str | Path, run_name: str) -> RunLayout:
         """Layout of ``run_name`` under ``output_root``; the name must be a plain folder name."""
-        if not _RUN_NAME.match(run_name):
-            raise UserError(
-                f"run name {run_name!r} must be 1-128 letters, digits, '.', '_' or '-' and start with a letter or digit"
-            )
+        try:
+            check_run_name(run_name)
+        except ValueError as exc:
+            raise UserError(str(exc)) from exc
         return cls(Path(output_root).absolute() / run_name)
 
     @property

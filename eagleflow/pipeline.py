@@ -21,11 +21,11 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, create_model, model_validator
+from pydantic import BaseModel, Field, create_model, field_validator, model_validator
 
 from eagleflow.config import AuxLayerIds, build_model
 from eagleflow.evaluate.config import EvaluateConfig
-from eagleflow.layout import RunLayout
+from eagleflow.layout import RUN_NAME_PATTERN, RunLayout, check_run_name
 from eagleflow.train.config import TrainConfig
 
 # Training knobs offered in the Params form; their types, defaults and help are TrainConfig's.
@@ -82,6 +82,7 @@ class PipelineConfig(BaseModel):
     )
     run_name: str | None = Field(
         None,
+        json_schema_extra={"pattern": RUN_NAME_PATTERN},  # Airflow's form refuses a bad name before the run exists
         title="Run name",
         description="Sub-folder of the output root. Reusing a name resumes that run's work; empty: derived from the DAG run id.",
     )
@@ -101,6 +102,14 @@ class PipelineConfig(BaseModel):
     )
     shard_size: int = Field(2000, ge=1, title="Shard size", description="Rows per extraction shard (one mapped task each).")
     concurrency: int = Field(8, ge=1, le=256, title="Requests in flight", description="Concurrent /generate requests per shard.")
+    dump_queue_gb: float | None = Field(
+        None,
+        gt=0,
+        title="Dump queue budget (GB)",
+        description="Host memory the engine may hold in captured, not yet written hidden states (pinned on a GPU). "
+        "When the disk falls this far behind, a request gets 'writer behind' and the extractor sends it again later, "
+        "instead of the forward pass waiting for the disk. Empty: 1/8 of the engine host's memory, at most 32 GiB.",
+    )
     server_port: int = Field(
         30000, ge=0, le=65535, title="Server port", description="Port of the launched engine; 0 picks a free port."
     )
@@ -128,6 +137,11 @@ class PipelineConfig(BaseModel):
     # evaluate_config().
     step_params: dict[str, Any] = Field(default_factory=dict)
 
+    @field_validator("run_name")
+    @classmethod
+    def _plain_run_name(cls, run_name: str | None) -> str | None:
+        return None if run_name is None else check_run_name(run_name)
+
     @model_validator(mode="after")
     def _remote_needs_dump_dir(self) -> PipelineConfig:
         if self.server_url and not self.server_dump_dir:
@@ -152,6 +166,11 @@ class PipelineConfig(BaseModel):
         if cfg.run_name is None:
             cfg = cfg.model_copy(update={"run_name": run_name_from_run_id(run_id)})
         return cfg
+
+    @property
+    def dump_queue_bytes(self) -> int | None:
+        """The ``dump_queue_gb`` Param in bytes (None: the engine sizes it from its host's memory)."""
+        return None if self.dump_queue_gb is None else int(self.dump_queue_gb * 1e9)
 
     @property
     def layout(self) -> RunLayout:

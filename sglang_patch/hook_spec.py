@@ -103,12 +103,20 @@ def target_module_names(aux_layer_ids: Sequence[int], num_layers: int) -> list[s
 
 
 def forward_hooks_spec(
-    aux_layer_ids: Sequence[int], num_layers: int, dump_dir: str | os.PathLike[str] | None = None
+    aux_layer_ids: Sequence[int],
+    num_layers: int,
+    dump_dir: str | os.PathLike[str] | None = None,
+    max_pending_bytes: int | None = None,
 ) -> list[dict[str, Any]]:
-    """The ``--forward-hooks`` value (a JSON list) that switches the capture on."""
+    """The ``--forward-hooks`` value (a JSON list) that switches the capture on.
+
+    ``max_pending_bytes`` is the dump writer's byte budget (default: sized from the server host's memory).
+    """
     config: dict[str, Any] = {"aux_layer_ids": validate_aux_layer_ids(aux_layer_ids, num_layers), "num_layers": num_layers}
     if dump_dir is not None:
         config["dump_dir"] = str(dump_dir)
+    if max_pending_bytes is not None:
+        config["max_pending_bytes"] = int(max_pending_bytes)
     return [
         {
             "name": HOOK_NAME,
@@ -120,7 +128,10 @@ def forward_hooks_spec(
 
 
 def forward_hooks_argument(
-    aux_layer_ids: Sequence[int], num_layers: int, dump_dir: str | os.PathLike[str] | None = None
+    aux_layer_ids: Sequence[int],
+    num_layers: int,
+    dump_dir: str | os.PathLike[str] | None = None,
+    max_pending_bytes: int | None = None,
 ) -> str:
     """:func:`forward_hooks_spec` as the one argv element SGLang's ``json_list_type`` parses."""
-    return json.dumps(forward_hooks_spec(aux_layer_ids, num_layers, dump_dir), separators=(",", ":"))
+    return json.dumps(forward_hooks_spec(aux_layer_ids, num_layers, dump_dir, max_pending_bytes), separators=(",", ":"))

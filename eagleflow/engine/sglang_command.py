@@ -94,6 +94,11 @@ class SGLangServerConfig(BaseModel):
     num_layers: int | None = Field(
         None, description="decoder layers of the model; default: num_hidden_layers (or text_config's) from <model_path>/config.json"
     )
+    dump_queue_bytes: int | None = Field(
+        None, ge=1,
+        description="bytes of captured, not yet written dumps the hook may hold (pinned host memory); "
+        "default: 1/8 of the server host's memory, at most 32 GiB",
+    )
     tp_size: int = Field(8, description="tensor-parallel size (--tp-size); the reference node has 8 GPUs")
     host: str = Field("127.0.0.1", description="address the server binds")
     port: int = Field(30000, description="port the server binds")
@@ -157,7 +162,7 @@ def build_command(
         raise UserError(str(hook_spec.UnsupportedSGLangVersion(version)))
     num_layers = cfg.num_layers or read_num_layers(cfg.model_path)
     try:
-        hooks_json = hook_spec.forward_hooks_argument(cfg.aux_layer_ids, num_layers, cfg.dump_dir)
+        hooks_json = hook_spec.forward_hooks_argument(cfg.aux_layer_ids, num_layers, cfg.dump_dir, cfg.dump_queue_bytes)
     except ValueError as exc:
         raise UserError(f"--aux-layer-ids: {exc}") from exc
     extra = [str(arg) for arg in cfg.extra_args]
