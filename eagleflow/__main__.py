@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from eagleflow.errors import UserError
+
+# Set by the operator that starts a step: the step then gets SIGTERM when the Airflow task
+# process dies, even by SIGKILL (it runs in its own session, out of the task's process group).
+PARENT_PID_ENV = "EAGLEFLOW_PARENT_PID"
 
 # step name -> (module, one-line help)
 STEPS: dict[str, tuple[str, str]] = {
@@ -52,6 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().parse_args(argv)  # prints usage / the unknown-step error and exits 2
         return 2
     name, rest = argv[0], argv[1:]
+    if os.environ.get(PARENT_PID_ENV, "").isdigit():
+        import signal
+
+        from eagleflow.engine.process import die_with_parent
+
+        die_with_parent(signal.SIGTERM, int(os.environ[PARENT_PID_ENV]))
     module = importlib.import_module(STEPS[name][0])
     parser = argparse.ArgumentParser(prog=f"python -m eagleflow {name}", description=STEPS[name][1])
     module.add_arguments(parser)

@@ -167,6 +167,11 @@ class TrainLayout:
         return self.root / "verifier-head"
 
     @property
+    def lock(self) -> Path:
+        """Held (flock) by the one trainer working in this folder; says which process that is."""
+        return self.root / ".train.lock"
+
+    @property
     def speculators_logs(self) -> Path:
         return self.root / "logs"
 

@@ -88,7 +88,10 @@ class EagleflowStepOperator(BaseOperator):
         self.log.info("Running: %s", subprocess.list2cmdline(command))
         tail: deque[str] = deque(maxlen=ERROR_TAIL_LINES)
         results: list[str] = []
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        from eagleflow.__main__ import PARENT_PID_ENV
+
+        # The step dies with this task process even when it is killed without on_kill.
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid())}
         self._process = subprocess.Popen(
             command,
             stdout=subprocess.PIPE,

@@ -17,7 +17,9 @@ process) and eagleflow's reference engine. What it guarantees the engine:
   final files durable once per shard.
 
 A request that cannot give a complete dump gets ``<rid>.error.json`` (:class:`ErrorRecord`);
-a status file says what is still queued (:mod:`sglang_patch.handoff`).
+a status file says what is still queued (:mod:`sglang_patch.handoff`). The writer keeps a small
+reserve file beside them and gives it up when the disk is full, so that the "disk full" record
+itself still fits.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from sglang_patch.handoff import (
     ErrorRecord,
     WriterStatus,
     dump_path,
+    reserve_path,
     status_path,
 )
 from sglang_patch.sample_file import VALUES_FINITE, VALUES_KEY, SlotMajor, sample_file_bytes, write_sample_file
@@ -56,6 +59,7 @@ DEFAULT_WRITER_THREADS = 2
 _MEMORY_SHARE = 8  # default budget: this share of the host's memory ...
 _BUDGET_CAP = 32 << 30  # ... at most 32 GiB (pinned memory is locked memory)
 _BUDGET_FLOOR = 256 << 20
+RECORD_RESERVE_BYTES = 256 << 10  # kept free for the records that say the disk is full
 
 
 def default_queue_budget() -> int:
@@ -152,6 +156,7 @@ class DumpWriter:
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._records: queue.Queue[ErrorRecord | None] = queue.Queue()
         self._closed = False
+        self._reserve_space()
         self.status().write(self.dump_dir)  # at once: an extractor must not take a silent start for "no writer"
         self._threads = [threading.Thread(target=self._write_loop, name=f"hs-dump-writer-{i}", daemon=True) for i in range(threads)]
         self._threads.append(threading.Thread(target=self._record_loop, name="hs-dump-records", daemon=True))
@@ -218,6 +223,7 @@ class DumpWriter:
         for thread in self._threads:
             thread.join()
         status_path(self.dump_dir).unlink(missing_ok=True)
+        reserve_path(self.dump_dir).unlink(missing_ok=True)
 
     @property
     def write_errors(self) -> list[str]:
@@ -286,8 +292,6 @@ class DumpWriter:
         pending = job.pending
         if job.event is not None:
             job.event.synchronize()
-        if self.write_delay:
-            time.sleep(self.write_delay)
         if job.verdict is not None:
             finite = bool(job.verdict.all())
         else:
@@ -296,11 +300,26 @@ class DumpWriter:
             report = nonfinite_report(pending.host, slot_axis=0 if pending.slot_major else 1)
             self.submit_error(pending.rid, report, kind=NONFINITE)
             return
+        free = shutil.disk_usage(self.dump_dir).free
+        if free < pending.num_bytes + RECORD_RESERVE_BYTES:  # never eat into the room the records need
+            self._disk_full(pending, free)
+            return
+        if self.write_delay:
+            time.sleep(self.write_delay)
         states = SlotMajor(pending.host) if pending.slot_major else pending.host
         write_sample_file(dump_path(self.dump_dir, pending.rid), states, job.token_ids, {VALUES_KEY: VALUES_FINITE}, durable=False)
         with self._cond:
             self._status.written += 1
             self._status.last_write = time.time()
+
+    def _disk_full(self, pending: PendingDump, free: int) -> None:
+        """Record that ``pending`` does not fit; the reserve goes first, so the record does."""
+        reserve_path(self.dump_dir).unlink(missing_ok=True)
+        self.submit_error(
+            pending.rid,
+            f"disk full: {self.dump_dir} has {free} bytes free, this dump needs {pending.num_bytes} bytes",
+            kind=DISK_FULL, folder=str(self.dump_dir), needed_bytes=pending.num_bytes, free_bytes=free,
+        )
 
     def _record_failure(self, pending: PendingDump, exc: Exception) -> None:
         message = f"{pending.rid}: {type(exc).__name__}: {exc}"
@@ -309,14 +328,26 @@ class DumpWriter:
             self._status.failed += 1
         print(f"eagleflow dump writer: write failed: {message}", file=sys.stderr, flush=True)
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            free = shutil.disk_usage(self.dump_dir).free
-            self.submit_error(
-                pending.rid,
-                f"disk full: {self.dump_dir} has {free} bytes free, this dump needs {pending.num_bytes} bytes",
-                kind=DISK_FULL, folder=str(self.dump_dir), needed_bytes=pending.num_bytes, free_bytes=free,
-            )
+            self._disk_full(pending, shutil.disk_usage(self.dump_dir).free)  # another writer took the room first
         else:
             self.submit_error(pending.rid, f"write failed: {message}", kind=WRITE_FAILED)
+
+    def _reserve_space(self) -> None:
+        try:
+            with open(reserve_path(self.dump_dir), "wb") as handle:
+                handle.write(b"\0" * RECORD_RESERVE_BYTES)
+        except OSError:
+            reserve_path(self.dump_dir).unlink(missing_ok=True)  # no room even for that: records may fail
+
+    def _write_record(self, record: ErrorRecord) -> None:
+        """Write ``record``; on a full disk give up the reserve (if still there) and try once more."""
+        try:
+            record.write(self.dump_dir)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not reserve_path(self.dump_dir).exists():
+                raise
+            reserve_path(self.dump_dir).unlink(missing_ok=True)
+            record.write(self.dump_dir)
 
     def _record_loop(self) -> None:
         last_status = 0.0
@@ -329,7 +360,7 @@ class DumpWriter:
                 return
             if record:
                 try:
-                    record.write(self.dump_dir)
+                    self._write_record(record)
                 except Exception as exc:  # disk full even for a small record: say so in the log
                     print(f"eagleflow dump writer: cannot write error record for {record.rid}: {exc}", file=sys.stderr, flush=True)
                 finally:

@@ -114,6 +114,11 @@ def status_path(dump_dir: str | os.PathLike[str], pid: int | None = None, host: 
     return Path(dump_dir) / f"{STATUS_PREFIX}{host or socket.gethostname()}-{pid or os.getpid()}.json"
 
 
+def reserve_path(dump_dir: str | os.PathLike[str]) -> Path:
+    """A small file a writer keeps so that, when the disk fills up, it can still say so (see DumpWriter)."""
+    return Path(dump_dir) / f"{STATUS_PREFIX}{socket.gethostname()}-{os.getpid()}.reserve"
+
+
 def read_writer_statuses(dump_dir: str | os.PathLike[str]) -> list[WriterStatus]:
     """Every writer status in ``dump_dir`` (stale ones included: callers check ``fresh``)."""
     statuses = []

@@ -235,6 +235,26 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
+def die_with_parent(signum: int, parent_pid: int | None = None) -> None:
+    """Have the kernel send ``signum`` to this process when its parent dies (Linux ``PR_SET_PDEATHSIG``).
+
+    A step runs in its own session, so a killed task's process group does not reach it; this
+    does. When the parent is already gone (``parent_pid`` given and no longer our parent), the
+    signal is sent at once. A no-op off Linux.
+    """
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signum))  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os.kill(os.getpid(), signum)  # it died before the prctl took effect
+
+
 def group_alive(pgid: int) -> bool:
     """True while a non-zombie process of group ``pgid`` exists."""
     try:

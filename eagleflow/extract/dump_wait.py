@@ -12,7 +12,9 @@ the disk gets to it (on a slow disk, long after the answer). For request ``rid``
   it twice. The row is sent again only when a live writer's status, taken after the answer,
   does not hold it (the engine restarted, or the request never reached the capture), and the
   shard aborts the old rid before it does;
-- no live writer at all after ``--dump-wait``: the capture is not writing to this folder.
+- no live writer at all after ``--dump-wait``: the capture is not writing to this folder;
+- the writer holds it but cannot even rewrite its status, and the folder has no room for the
+  dump: :class:`DiskFull` (the writer's own record did not fit either).
 
 The status files are :mod:`sglang_patch.handoff`'s; this module only reads them.
 """
@@ -20,6 +22,7 @@ The status files are :mod:`sglang_patch.handoff`'s; this module only reads them.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import threading
 import time
@@ -28,6 +31,7 @@ from pathlib import Path
 
 from eagleflow.engine.process import pid_alive
 from eagleflow.extract.client import RowFailed
+from eagleflow.progress import format_bytes
 from sglang_patch.handoff import (
     DISK_FULL,
     WRITER_BEHIND,
@@ -59,10 +63,12 @@ def wait_for_dump(
     stop: threading.Event,
     say: Callable[[str], None],
     sleep: Callable[[float], None] = time.sleep,
+    needed_bytes: int = 0,
 ) -> Path:
     """Return the dump of ``rid`` once it is published; raise :class:`RowFailed` or :class:`DiskFull`.
 
     :param answered_at: ``time.time()`` when the answer came (or was lost).
+    :param needed_bytes: the dump's size, for telling a full disk from a slow one.
     :param dump_wait: seconds without any live writer before giving up, and between "still
         queued" lines.
     :param stop: set when the shard stops (then this raises at once).
@@ -96,6 +102,13 @@ def wait_for_dump(
                 )
         elif now >= next_note:
             next_note = now + dump_wait
+            free = shutil.disk_usage(dump_dir).free
+            if not any(s.fresh for s in holders) and free < needed_bytes:
+                raise DiskFull(
+                    f"disk full: {dump_dir} has {free} bytes free, the dump of {rid} needs {needed_bytes} bytes "
+                    "(the engine's writer cannot even update its status there)",
+                    str(dump_dir), needed_bytes, free,
+                )
             say(_queued_note(rid, holders[0], now - answered_at))
         sleep(delay)
         delay = min(delay * 2, POLL_MAX_S)
@@ -129,5 +142,5 @@ def _queued_note(rid: str, status: WriterStatus, waited: float) -> str:
     stuck = f"; its status is {age:.0f}s old (disk hung?)" if not status.fresh else ""
     return (
         f"{rid}: dump still queued in the engine's writer after {waited:.0f}s ({len(status.pending)} requests, "
-        f"{status.pending_bytes / 1e9:.2f} of {status.budget_bytes / 1e9:.2f} GB held{stuck}); waiting, not resending"
+        f"{format_bytes(status.pending_bytes)} of {format_bytes(status.budget_bytes)} held{stuck}); waiting, not resending"
     )

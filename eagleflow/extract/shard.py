@@ -26,6 +26,7 @@ import errno
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -40,7 +41,7 @@ from eagleflow.engine.process import pid_alive
 from eagleflow.errors import UserError
 from eagleflow.extract.client import AnswerLost, EngineClient, RowFailed, ServerGone
 from eagleflow.extract.dump_wait import DiskFull, remove_dead_writer_statuses, wait_for_dump
-from eagleflow.extract.manifest import FAILED, INTERRUPTED, RUNNING, SUCCESS, ShardManifest
+from eagleflow.extract.manifest import FAILED, INTERRUPTED, SUCCESS, ShardManifest
 from eagleflow.extract.sample_store import SampleState, publish_dump, sample_path, validate
 from eagleflow.files import DurabilityBarrier
 from eagleflow.layout import RunLayout, hidden_states_dir, shard_name
@@ -48,6 +49,7 @@ from eagleflow.progress import Progress
 from eagleflow.results import emit_result
 from sglang_patch.handoff import dump_path, error_path
 from sglang_patch.request_ids import row_request_glob, row_request_id
+from sglang_patch.sample_file import sample_file_bytes
 
 MAX_LISTED_FAILURES = 20
 
@@ -163,12 +165,20 @@ class ShardExtractor:
             self._stop_shard(FAILED, f"{type(exc).__name__}: {exc}")
             raise
         finally:
-            self._stop.set()
+            in_flight = sys.exc_info()[1]
+            with self._lock:
+                self._stop.set()
             self._durable.close()
             self._remove_stale_dumps()
             self.report.seconds = round(time.monotonic() - began, 3)
             self.report.state, self.report.error = self._final_state()
-            self._write_manifest()
+            try:
+                self._write_manifest()
+            except OSError as exc:
+                if in_flight is None:
+                    raise
+                # An error is in flight (e.g. the full disk that stopped the shard): it is the one to report.
+                print(f"shard {self.name}: cannot write {self.manifest_path}: {exc}", flush=True)
         return self.report
 
     def _final_state(self) -> tuple[str, str]:
@@ -288,13 +298,17 @@ class ShardExtractor:
             prompt_tokens = meta.get("prompt_tokens")
             if prompt_tokens is not None and int(prompt_tokens) != len(ids):
                 raise RowFailed(f"engine counted {prompt_tokens} prompt tokens, the row has {len(ids)}")
-            dump = wait_for_dump(self.cfg.dump_dir, rid, answered_at, self.cfg.dump_wait, self._stop, _say, self.sleep)
+            needed = sample_file_bytes(len(ids), self.n_slots, self.hidden_size)
+            dump = wait_for_dump(self.cfg.dump_dir, rid, answered_at, self.cfg.dump_wait, self._stop, _say, self.sleep, needed)
             check = validate(dump, ids, self.n_slots, self.hidden_size, trust_writer_verdict=True)
             if not check.ok:
                 raise RowFailed(f"dump {dump.name} is not usable: {check.reason}")
             target = sample_path(self.hidden_dir, row)
             try:
-                publish_dump(dump, target)
+                with self._lock:  # a stopped shard publishes nothing more: its manifest has been counted
+                    if self._stop.is_set():
+                        raise RowFailed("shard stopped")
+                    publish_dump(dump, target)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise DiskFull(
@@ -320,7 +334,7 @@ class ShardExtractor:
             if not self._stopped:
                 self._stopped, self._stop_error = (state, reason), error
                 print(f"shard {self.name}: stopping ({state}): {reason}", flush=True)
-        self._stop.set()
+            self._stop.set()
 
     def _watch_pid(self) -> None:
         while not self._stop.wait(1.0):

@@ -4,11 +4,17 @@ The child is ``python -m eagleflow.train.speculators_entry …`` on CPU or one G
 ``torchrun --nproc-per-node G -m eagleflow.train.speculators_entry …`` on several; its output
 goes line by line to stdout and ``train.log``; SIGTERM/SIGINT are forwarded to its process
 group (speculators then saves an ``interrupted`` checkpoint and stops).
+
+The whole tree dies with the step: the child gets SIGKILL from the kernel when the step dies
+(``PR_SET_PDEATHSIG``; by then nobody would record its result, and a trainer left behind would
+hold the GPUs and the folder), torchrun's workers the same when torchrun dies (they run in
+sessions of their own, out of reach of any process-group signal), data-loader workers notice
+their parent's death themselves. The child inherits the folder's lock
+(:class:`~eagleflow.train.lock.TrainFolderLock`), so no second trainer starts while any of it runs.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -17,10 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from eagleflow.engine.process import die_with_parent
 from eagleflow.errors import UserError
 from eagleflow.export.targets import serving_target
 from eagleflow.layout import TrainLayout
 from eagleflow.train.config import TrainConfig
+from eagleflow.train.lock import TrainFolderLock
 
 
 class TrainingFailed(Exception):
@@ -138,27 +146,21 @@ def child_env(device: Device) -> dict[str, str]:
     return env
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it when this process dies, even by SIGKILL."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass  # not Linux: the operator's process-group kill still reaches us
-
-
-def run_child(command: list[str], env: dict[str, str], log: TrainLog) -> tuple[int, int | None]:
+def run_child(command: list[str], env: dict[str, str], log: TrainLog, lock: TrainFolderLock) -> tuple[int, int | None]:
     """Run the child, stream its output, forward SIGTERM/SIGINT; return (exit code, signal forwarded)."""
     log.say("command: " + " ".join(command))
+    step_pid = os.getpid()
     process = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         env=env,
-        process_group=0,  # its own group, so a forwarded signal reaches torchrun's workers too
-        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        process_group=0,  # its own group, so a forwarded signal reaches its data-loader workers too
+        pass_fds=(lock.fd,),  # the lock stays held while the child runs, even if this process is killed
+        preexec_fn=lambda: die_with_parent(signal.SIGKILL, step_pid),
     )
+    lock.record_trainer(process.pid)
     forwarded: list[int] = []
 
     def forward(signum: int, _frame: Any) -> None:

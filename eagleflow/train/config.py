@@ -76,6 +76,9 @@ class TrainConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where to train; auto: cuda when available")
     gpus: int | None = Field(None, ge=1, description="GPUs to train on (torchrun when more than one); default: all")
     restart: bool = Field(False, description="start from scratch; the old run moves to OUT/previous/<time>/")
+    lock_wait: float = Field(
+        30.0, ge=0, description="seconds to wait for another trainer working in --out to exit before refusing (one trainer per folder)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

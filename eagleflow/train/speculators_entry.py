@@ -4,7 +4,9 @@
 (or the same module under ``torchrun``). It is what ``python -m eagleflow train`` starts as its
 child; it can also run in-process through :func:`run`.
 
-Three things happen before speculators' ``cli.main(TrainConfig.resolve(argv))``:
+First the installed speculators is checked against the versions whose internals these patches
+were written for (:mod:`eagleflow.train.speculators_compat`); then three things happen before
+speculators' ``cli.main(TrainConfig.resolve(argv))``:
 
 * Without CUDA, the three device look-ups speculators makes are pointed at the CPU
   (:func:`apply_cpu_shims`); with CUDA nothing is changed.
@@ -23,13 +25,16 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from eagleflow.engine.process import die_with_parent
 from eagleflow.files import atomic_write_json
 from eagleflow.train.recorder import MetricsRecorder
+from eagleflow.train.speculators_compat import check_speculators
 
 METRICS_LOGGER = "speculators.metrics"
 
@@ -146,6 +151,7 @@ def run(argv: Sequence[str], metrics_path: Path, summary_path: Path | None = Non
     """Train with speculators' own entry point on ``argv`` (its flags), capturing metrics."""
     import torch
 
+    check_speculators()
     if not torch.cuda.is_available():
         apply_cpu_shims()
     restore = install(Path(metrics_path), summary_path)
@@ -159,6 +165,7 @@ def run(argv: Sequence[str], metrics_path: Path, summary_path: Path | None = Non
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    parent = os.getppid()
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
         print("usage: python -m eagleflow.train.speculators_entry --metrics PATH [--summary PATH] -- <speculators flags>", file=sys.stderr)
@@ -168,6 +175,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--metrics", type=Path, required=True, help="metrics.jsonl to append records to")
     parser.add_argument("--summary", type=Path, help="JSON file for the drafter's parameter counts")
     ours = parser.parse_args(argv[:split])
+    # Under torchrun each worker runs in a session of its own: if torchrun dies (even by SIGKILL),
+    # the kernel kills the worker too, so no trainer is left holding the GPUs.
+    die_with_parent(signal.SIGKILL, parent)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     run(argv[split + 1 :], ours.metrics, ours.summary)

@@ -28,7 +28,9 @@ from eagleflow.layout import TrainLayout, hidden_states_dir
 from eagleflow.results import emit_result
 from eagleflow.train.child import TrainingFailed, TrainLog, child_command, child_env, resolve_device, run_child, speculators_flags
 from eagleflow.train.config import TrainConfig
+from eagleflow.train.lock import TrainFolderLock
 from eagleflow.train.resume import best_checkpoint, epoch_dirs, prepare_checkpoints
+from eagleflow.train.speculators_compat import check_speculators
 from sglang_patch.sample_file import HIDDEN_STATES_KEY
 
 
@@ -132,6 +134,9 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
     )
     paths = TrainLayout(cfg.out)
     paths.root.mkdir(parents=True, exist_ok=True)
+    check_speculators(check_names=False)  # fail before any work; the child checks the patched names
+    lock = TrainFolderLock(paths.lock, cfg.lock_wait)
+    lock.acquire()  # before the folder is touched: resume moves checkpoints aside
     log = TrainLog(paths.log)
     try:
         log.say(f"train {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: dataset {cfg.dataset}, verifier {cfg.verifier}")
@@ -159,7 +164,7 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
             target = serving_target(cfg.serve_with)
             log.say(f"serving with {target.name}: norm_before_residual {target.norm_before_residual} ({target.why})")
             flags = speculators_flags(cfg, verifier, device, paths)
-            returncode, forwarded = run_child(child_command(device, paths, flags), child_env(device), log)
+            returncode, forwarded = run_child(child_command(device, paths, flags), child_env(device), log, lock)
             if forwarded is not None:
                 name = signal.Signals(forwarded).name
                 raise TrainingFailed(f"training stopped by {name}; rerun the step to resume", 128 + forwarded)
@@ -189,6 +194,7 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
         return result
     finally:
         log.close()
+        lock.release()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -23,21 +23,12 @@ from safetensors.torch import load_file, save_file
 
 from eagleflow.config import model_to_argv
 from eagleflow.data.prepare import write_training_dataset
-from eagleflow.engine.process import Readiness, ServerInfo, check_ready, free_port, pid_alive, start_server, stop_server
-from eagleflow.engine.reference.config import ReferenceEngineConfig
+from eagleflow.engine.process import ServerInfo, stop_server
 from eagleflow.extract.client import EngineClient
 from eagleflow.extract.sample_store import sample_path, validate, write_sample
-from eagleflow.extract.shard import ExtractConfig, ShardExtractor
+from eagleflow.extract.shard import ShardExtractor
+from extract_engines import AUX, HIDDEN, ROWS, config, launch_engine, make_rows
 from sglang_patch.dump_writer import DumpWriter
-
-AUX = [2, 4, 5]
-HIDDEN = 64
-ROWS = 24
-
-
-def make_rows(n: int, seed: int = 0) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(5, 1000, (int(torch.randint(8, 40, (1,), generator=generator)),), generator=generator).tolist() for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -48,33 +39,12 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[i
     return path, rows
 
 
-def launch_engine(model: Path, dump_dir: Path, log: Path, *extra: str) -> ServerInfo:
-    port = free_port()
-    engine = ReferenceEngineConfig(model=model, dump_dir=dump_dir, aux_layers=AUX, port=port, warmup_seconds=0)
-    argv = [sys.executable, "-m", "eagleflow", "serve-reference", *model_to_argv(engine), *extra]
-    info = start_server(argv, {}, log, log.with_suffix(".json"), f"http://127.0.0.1:{port}", dump_dir)
-    deadline = time.monotonic() + 120
-    while check_ready(info).state is not Readiness.READY:
-        assert time.monotonic() < deadline and pid_alive(info.pid), log.read_text()[-3000:]
-        time.sleep(0.3)
-    return info
-
-
 @pytest.fixture(scope="module")
 def engine(random_tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerInfo]:
     folder = tmp_path_factory.mktemp("engine")
     info = launch_engine(random_tiny_model, folder / "dumps", folder / "server.log", "--fail-row", "5")
     yield info
     stop_server(info.pid, grace=10)
-
-
-def config(dataset: Path, server: ServerInfo, model: Path, rows: str, **overrides: Any) -> ExtractConfig:
-    values: dict[str, Any] = dict(
-        dataset=dataset, server=server.url, dump_dir=Path(server.dump_dir), rows=rows, model=model,
-        aux_layer_ids=AUX, concurrency=4, max_retries=1, progress_every=5,
-    )
-    values.update(overrides)
-    return ExtractConfig(**values)
 
 
 def test_shard_extracts_every_row_then_a_rerun_skips_them_without_reading_them(dataset, engine, random_tiny_model, capsys) -> None:

@@ -115,38 +115,107 @@ def test_two_epochs_learn_and_record_every_step(trained_run: TrainedRun, tiny_mo
     assert json.loads((out / "train-config.json").read_text())["serve_with"] == "sglang"
 
 
-def test_sigterm_during_epoch_two_then_rerun_resumes(trained_data: Path, tiny_model: Path, tmp_path: Path) -> None:
+def start_like_the_operator(argv: list[str]) -> subprocess.Popen[str]:
+    """The step in a session of its own, as EagleflowStepOperator starts it."""
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def wait_for_training(proc: subprocess.Popen[str], metrics: Path, epoch: int, after: float) -> None:
+    """Until ``metrics`` holds a train record of ``epoch`` written after ``after`` (time.time())."""
+    deadline = time.monotonic() + 600
+    while not any(r["kind"] == "train" and r["epoch"] == epoch and r["time"] > after for r in read_metrics(metrics)):
+        assert proc.poll() is None, proc.stdout.read()[-3000:] if proc.stdout else ""
+        assert time.monotonic() < deadline, f"epoch {epoch + 1} never started"
+        time.sleep(0.05)
+
+
+def trainer_pid(out: Path) -> int:
+    """The speculators child named in the folder's lock (what a refused second trainer prints)."""
+    from eagleflow.train.lock import TrainFolderLock
+
+    deadline = time.monotonic() + 120
+    while not (pid := TrainFolderLock(TrainLayout(out).lock, 0).holder().get("trainer_pid")):
+        assert time.monotonic() < deadline, "the step never named its speculators process"
+        time.sleep(0.05)
+    return int(pid)
+
+
+def assert_gone(pid: int, within: float) -> None:
+    from eagleflow.engine.process import pid_alive
+
+    deadline = time.monotonic() + within
+    while pid_alive(pid):
+        assert time.monotonic() < deadline, f"trainer {pid} still alive {within:.0f}s after its step was killed"
+        time.sleep(0.1)
+
+
+def test_killed_twice_mid_epoch_leaves_no_trainer_behind_refuses_a_second_trainer_and_the_third_run_resumes(
+    trained_data: Path, tiny_model: Path, tmp_path: Path
+) -> None:
     dataset = copy_dataset(trained_data, tmp_path / "dataset")
     out = tmp_path / "train"
-    argv = train_argv(dataset, tiny_model, out, "--epochs", "2")
-    first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    argv = train_argv(dataset, tiny_model, out, "--epochs", "2", "--lock-wait", "1")
+
+    # 1. Killed hard during epoch 2: SIGKILL to the step alone, as when its task process dies
+    #    without on_kill. The kernel kills its speculators child at once: no trainer is left behind.
+    first = start_like_the_operator(argv)
     try:
-        deadline = time.monotonic() + 600
-        while not any(r["kind"] == "train" and r["epoch"] == 1 for r in read_metrics(out / "metrics.jsonl")):
-            assert first.poll() is None, first.stdout.read()[-3000:]
-            assert time.monotonic() < deadline, "epoch 2 never started"
-            time.sleep(0.05)
-        first.send_signal(signal.SIGTERM)  # what Airflow's on_kill sends; forwarded to the child group
-        output, _ = first.communicate(timeout=300)
+        child = trainer_pid(out)
+        # Meanwhile a second trainer on the same folder (an Airflow retry, a run by hand) is refused,
+        # naming the processes that hold it, and touches nothing.
+        refused = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
+        assert f"another trainer holds {out}: pid {first.pid}" in refused.stderr
+        assert f"its speculators process {child} (running)" in refused.stderr
+        wait_for_training(first, out / "metrics.jsonl", epoch=1, after=0)
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(timeout=30)
+        assert_gone(child, within=15)
     finally:
         if first.poll() is None:
             first.kill()
-    assert first.returncode == 128 + signal.SIGTERM, output[-3000:]
-    assert "training stopped by SIGTERM" in output
+    epoch0 = {p.name: p.stat().st_mtime_ns for p in (out / "checkpoints" / "0").iterdir()}
     assert (out / "checkpoints" / "0" / "training_state.json").exists()
-    assert not (out / "checkpoints" / "1").exists(), "killed during epoch 2: no epoch-2 checkpoint yet"
+    assert not (out / "checkpoints" / "1" / "training_state.json").exists(), "killed during epoch 2"
     steps_per_epoch = json.loads((out / "checkpoints" / "0" / "training_state.json").read_text())["global_step"]
 
-    second = subprocess.run(argv, capture_output=True, text=True, timeout=900)
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    # 2. Killed again during epoch 2, this time the way on_kill does it: SIGTERM to the step's process group.
+    restarted = time.time()
+    second = start_like_the_operator(argv)
+    try:
+        child = trainer_pid(out)
+        wait_for_training(second, out / "metrics.jsonl", epoch=1, after=restarted)
+        os.killpg(second.pid, signal.SIGTERM)
+        output, _ = second.communicate(timeout=300)
+    finally:
+        if second.poll() is None:
+            second.kill()
+    assert second.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert "training stopped by SIGTERM" in output
+    assert_gone(child, within=15)
+    assert not (out / "checkpoints" / "1" / "training_state.json").exists()
+
+    # 3. The third run resumes from epoch 1's checkpoint and finishes; nothing finished is redone.
+    third = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
     log = (out / "train.log").read_text()
-    assert f"resuming from checkpoint {out / 'checkpoints' / '0'} (epoch 1 of 2 finished" in log
+    assert log.count(f"resuming from checkpoint {out / 'checkpoints' / '0'} (epoch 1 of 2 finished") == 2
     assert "Resuming training on epoch 1" in log  # speculators' own word for it
     assert_checkpoint_set(out / "checkpoints", 2)
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "checkpoints" / "0").iterdir()} == epoch0
     assert not (out / "checkpoints" / "interrupted").exists(), "the stale interrupt checkpoint moved aside"
     train, _ = assert_records(out / "metrics.jsonl", 2)
     assert sum(r["epoch"] == 0 for r in train) == steps_per_epoch, "epoch 1's records kept, once"
     assert train[-1]["epoch"] == 1 and train[steps_per_epoch]["epoch"] == 1
+
+
+def test_an_unknown_speculators_version_is_refused_by_name_before_anything_is_patched() -> None:
+    from eagleflow.train.speculators_compat import KNOWN_VERSIONS, PATCHED_NAMES, check_speculators, installed_version
+
+    assert check_speculators() == installed_version() in KNOWN_VERSIONS  # and every patched name exists in it
+    assert "speculators.train.trainer" in PATCHED_NAMES
+    with pytest.raises(UserError, match=r"speculators 0\.7\.0 is not a version eagleflow knows \(it knows 0\.8\.1\)"):
+        check_speculators("0.7.0")
 
 
 # ---------------------------------------------------------------------------------------------
