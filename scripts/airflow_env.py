@@ -181,19 +181,30 @@ class AirflowProcesses:
 
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        for name, args in COMPONENTS.items():
-            process = subprocess.Popen(
-                airflow_command(*args),
-                env=self.env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-            self.processes[name] = process
-            thread = threading.Thread(target=self._copy_output, args=(name, process.stdout), daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        for name in COMPONENTS:
+            self.start_component(name)
+
+    def start_component(self, name: str) -> None:
+        """Start one component (again), its output appended to its log."""
+        process = subprocess.Popen(
+            airflow_command(*COMPONENTS[name]),
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self.processes[name] = process
+        thread = threading.Thread(target=self._copy_output, args=(name, process.stdout), daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def kill_component(self, name: str, sig: int = signal.SIGKILL) -> int:
+        """Send ``sig`` to one component and everything in its process group (a crash); return its pid."""
+        process = self.processes[name]
+        _signal_group(process.pid, sig)
+        process.wait(timeout=60)
+        return process.pid
 
     def _copy_output(self, name: str, stream: IO[bytes]) -> None:
         with open(self.log_path(name), "ab") as log:

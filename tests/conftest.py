@@ -119,6 +119,28 @@ def health() -> Iterator[HealthServer]:
 
 
 @pytest.fixture()
+def small_tmpfs(tmp_path: Path) -> Iterator[object]:
+    """``mount(size) -> folder``: a real tmpfs of ``size`` (e.g. ``"2m"``) under ``tmp_path``, unmounted
+    afterwards. Needs root; where mounting is refused the test is skipped, saying why."""
+    import subprocess
+
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        path = tmp_path / f"tmpfs-{len(mounted)}"
+        path.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root and CAP_SYS_ADMIN): {done.stderr.strip()}")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.fixture()
 def process_groups() -> Iterator[list[int]]:
     """Process groups (= engine pids, session leaders) a test started; SIGKILLed and reaped afterwards."""
     import contextlib

@@ -30,15 +30,13 @@ import sys
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from pathlib import Path
 from typing import Any, Callable
 
-from pydantic import BaseModel, Field, field_validator
-
-from eagleflow.config import AuxLayerIds, add_model_arguments, model_from_args
+from eagleflow.config import add_model_arguments, model_from_args
 from eagleflow.data.verifier import config_int, resolve_aux_layer_ids
 from eagleflow.engine.process import pid_alive
 from eagleflow.errors import UserError
+from eagleflow.extract.config import ExtractConfig, parse_rows
 from eagleflow.extract.client import AnswerLost, EngineClient, RowFailed, ServerGone
 from eagleflow.extract.dump_wait import DiskFull, remove_dead_writer_statuses, wait_for_dump
 from eagleflow.extract.manifest import FAILED, INTERRUPTED, SUCCESS, ShardManifest
@@ -52,47 +50,7 @@ from sglang_patch.request_ids import row_request_glob, row_request_id
 from sglang_patch.sample_file import sample_file_bytes
 
 MAX_LISTED_FAILURES = 20
-
-
-class ExtractConfig(BaseModel):
-    """Flags of ``python -m eagleflow extract``."""
-
-    dataset: Path = Field(description="training dataset folder (prepare-dataset output)")
-    server: str = Field(description="engine base URL, e.g. http://127.0.0.1:30000")
-    dump_dir: Path = Field(description="folder where the engine writes <rid>.safetensors")
-    rows: str = Field(description="START:END, end exclusive")
-    model: Path = Field(description="verifier model folder (hidden size)")
-    aux_layer_ids: AuxLayerIds = Field(description="captured layer ids; the files hold one more slot, the final state")
-    manifest: Path | None = Field(None, description="shard manifest path; default: the run folder's shards/rows_S-E.json beside --dataset")
-    concurrency: int = Field(8, ge=1, le=256, description="requests kept in flight")
-    server_pid: int | None = Field(None, description="engine process id on this machine, watched so a dead engine stops the shard at once")
-    request_timeout: float = Field(600.0, gt=0, description="seconds to wait for one /generate answer")
-    max_retries: int = Field(3, ge=0, description="retries of a row after a 5xx answer or a timeout")
-    dump_wait: float = Field(
-        60.0, ge=0,
-        description="seconds to wait for a dump after the answer when no live capture writer is in --dump-dir; "
-        "while the engine's writer holds the request the wait goes on (a line every this many seconds)",
-    )
-    progress_every: int = Field(50, ge=1, description="print a progress line every this many rows")
-    progress_interval: float = Field(30.0, gt=0, description="or every this many seconds")
-
-    @field_validator("rows")
-    @classmethod
-    def _rows_range(cls, value: str) -> str:
-        parse_rows(value)
-        return value
-
-
-def parse_rows(text: str) -> tuple[int, int]:
-    """``"0:2000"`` -> ``(0, 2000)``; end exclusive, start < end."""
-    try:
-        start_text, end_text = text.split(":")
-        start, end = int(start_text), int(end_text)
-    except ValueError as exc:
-        raise ValueError(f"expected START:END, got {text!r}") from exc
-    if not 0 <= start < end:
-        raise ValueError(f"expected 0 <= START < END, got {text!r}")
-    return start, end
+MIN_ROWS_AWAITING_DUMPS = 4  # beside the requests in flight, rows whose dump is being written
 
 
 class ShardExtractor:
@@ -115,6 +73,7 @@ class ShardExtractor:
         self._stop_error: BaseException | None = None  # what _extract re-raises for it
         self._lock = threading.Lock()
         self._durable = DurabilityBarrier()
+        self._in_flight = threading.Semaphore(cfg.concurrency)  # requests the engine works on at once
 
     # --- the shard -------------------------------------------------------------------
     def run(self) -> ShardManifest:
@@ -214,7 +173,10 @@ class ShardExtractor:
         tokens = 0
         pending: dict[Future, int] = {}
         queue = iter(todo)
-        pool = ThreadPoolExecutor(self.cfg.concurrency, thread_name_prefix="extract")
+        # More rows in progress than requests in flight: a row whose answer came back waits for its
+        # dump while the next row's request already runs, so the engine's writer is never idle.
+        rows_in_progress = self.cfg.concurrency + max(self.cfg.concurrency, MIN_ROWS_AWAITING_DUMPS)
+        pool = ThreadPoolExecutor(rows_in_progress, thread_name_prefix="extract")
         finished_normally = False
         try:
             def submit_next() -> None:
@@ -222,7 +184,7 @@ class ShardExtractor:
                 if item is not None and not self._stop.is_set():
                     pending[pool.submit(self._extract_row, *item)] = item[0]
 
-            for _ in range(self.cfg.concurrency):
+            for _ in range(rows_in_progress):
                 submit_next()
             while pending and not self._stopped:
                 finished, _ = wait(list(pending), timeout=1.0, return_when=FIRST_COMPLETED)
@@ -286,7 +248,8 @@ class ShardExtractor:
     def _extract_once(self, row: int, ids: list[int], rid: str) -> tuple[int, int]:
         try:
             try:
-                _, meta = self.client.generate(row, ids, rid=rid)
+                with self._in_flight:
+                    _, meta = self.client.generate(row, ids, rid=rid)
             except AnswerLost as exc:
                 # The engine may have run it: its dump would still come. Wait for it under this rid.
                 print(f"row {row}: {exc.reason}; waiting for its dump", flush=True)

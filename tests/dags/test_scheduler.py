@@ -57,9 +57,9 @@ def _conf(model: Path, conversations: Path, output_root: Path, run_name: str) ->
     }
 
 
-def _make_conversations(model: Path, out: Path) -> None:
+def _make_conversations(model: Path, out: Path, rows: int = ROWS) -> None:
     subprocess.run(
-        [sys.executable, "-m", "eagleflow", "make-dataset", "--tokenizer", str(model), "--out", str(out), "--rows", str(ROWS)],
+        [sys.executable, "-m", "eagleflow", "make-dataset", "--tokenizer", str(model), "--out", str(out), "--rows", str(rows)],
         check=True,
         capture_output=True,
         text=True,
@@ -175,7 +175,7 @@ def test_failed_shard_cleared_through_the_api_reruns_alone(
     print(f"scheduler test: first pass {first_pass:.0f}s, total {time.monotonic() - started:.0f}s")
 
 
-def _check_every_row_readable(dataset: Path, model: Path) -> None:
+def _check_every_row_readable(dataset: Path, model: Path, num_rows: int = ROWS) -> None:
     """Every row's file passes ``validate`` and speculators' ArrowDataset loads it."""
     from datasets import load_from_disk
     from speculators.train.data import ArrowDataset
@@ -186,17 +186,64 @@ def _check_every_row_readable(dataset: Path, model: Path) -> None:
     hidden = config_int(str(model), "hidden_size")
     slots = len(resolve_aux_layer_ids(model, None)) + 1
     rows = load_from_disk(str(dataset))
-    assert len(rows) == ROWS
+    assert len(rows) == num_rows
     assert validate_dataset(dataset, slots, hidden) == []
 
     reader = ArrowDataset(max_len=MAX_LEN, datapath=str(dataset), on_missing="raise")
-    assert len(reader) == ROWS
-    for row in range(ROWS):
+    assert len(reader) == num_rows
+    for row in range(num_rows):
         item = reader[row]
         expected = [int(t) for t in rows[row]["input_ids"]]
         assert item["input_ids"].tolist() == expected
         assert item["hidden_states"].shape[-1] == hidden * (slots - 1), item["hidden_states"].shape
         assert os.path.getsize(sample_path(dataset / "hidden_states", row)) > 0
+
+
+def test_scheduler_killed_mid_extraction_and_restarted_finishes_the_run_without_redoing_a_row(
+    airflow_stack: Any, random_tiny_model: Path, tmp_path: Path
+) -> None:
+    """The scheduler crashes (SIGKILL to it and its LocalExecutor workers) while a shard extracts,
+    and comes back: the interrupted shard says so, the new scheduler resets and reruns it, it skips
+    the rows already done, and the run succeeds."""
+    from eagleflow.extract.manifest import ShardManifest
+    from eagleflow.layout import RunLayout
+
+    rows, shard_size = 12, 6
+    conversations = tmp_path / "conversations.jsonl"
+    _make_conversations(random_tiny_model, conversations, rows)
+    run_id = run_name = "scheduler-restart"
+    layout = RunLayout.of(tmp_path / "runs", run_name)
+    # A disk slower than the engine (each dump waits 1.5 s) keeps a shard busy long enough to be interrupted.
+    conf = {**_conf(random_tiny_model, conversations, tmp_path / "runs", run_name), "shard_size": shard_size,
+            "server_extra_args": ["--warmup-seconds", "3", "--test-write-delay", "1.5"]}
+    airflow_stack.request("PATCH", f"/dags/{DAG_ID}", json={"is_paused": False})
+    airflow_stack.request("POST", f"/dags/{DAG_ID}/dagRuns", json={"dag_run_id": run_id, "logical_date": None, "conf": conf})
+
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not (layout.hidden_states.is_dir() and any(layout.hidden_states.glob("hs_*.safetensors"))):
+        running = airflow_stack.request("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}")["state"] in ("queued", "running")
+        assert running and time.monotonic() < deadline and not airflow_stack.processes.dead(), airflow_stack.describe(run_id)
+        time.sleep(0.5)
+    airflow_stack.processes.kill_component("scheduler")
+    killed_at = time.monotonic()
+    # The shard's step lived in a session of its own; it died with its task process (the kernel's
+    # parent-death signal) and its manifest says what happened.
+    while not any(ShardManifest.read(p).state == "interrupted" for p in layout.shards.glob("*.json")):
+        assert time.monotonic() < killed_at + 60, [ShardManifest.read(p) for p in layout.shards.glob("*.json")]
+        time.sleep(0.5)
+    before = _file_identities(layout.hidden_states)
+    # A restart a little later than the old scheduler's heartbeat threshold (30 s): the new one then
+    # finds its tasks orphaned at start-up and resets them.
+    time.sleep(max(0.0, killed_at + 35 - time.monotonic()))
+    airflow_stack.processes.start_component("scheduler")
+
+    assert airflow_stack.wait_for_run(run_id, RUN_TIMEOUT) == "success", airflow_stack.describe(run_id)
+    tis = airflow_stack.task_instances(run_id)
+    assert max(tis[("extract_shard", i)]["try_number"] for i in range(rows // shard_size)) >= 2, airflow_stack.describe(run_id)
+    after = _file_identities(layout.hidden_states)
+    assert {name: after[name] for name in before} == before, "a finished row was rewritten"
+    assert len(after) == rows
+    _check_every_row_readable(layout.dataset, random_tiny_model, rows)
 
 
 def test_bad_aux_layer_ids_are_refused_at_trigger_or_by_the_first_tasks(

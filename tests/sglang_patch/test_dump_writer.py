@@ -6,15 +6,11 @@ each file, so the queue really fills), the full disk a real tmpfs mount.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -109,47 +105,34 @@ def test_default_budget_is_sized_from_the_hosts_memory() -> None:
     assert default_queue_budget() == min(max(memory // 8, 256 << 20), 32 << 30)
 
 
-@contextlib.contextmanager
-def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
-    """A real tmpfs of ``size`` mounted at ``path`` (root only); skips where mounting is refused."""
-    path.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root and CAP_SYS_ADMIN): {mounted.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
+def test_disk_full_gives_a_record_naming_folder_and_bytes_and_leaves_no_partial_file(small_tmpfs) -> None:
+    folder = small_tmpfs("1m")
+    writer = DumpWriter(folder)
+    big = states(5, seq=2048)  # 2048 × 4 × 64 × 2 B = 1 MiB of states: more than is free
+    writer.submit("row5-a", big, torch.arange(2048))
+    writer.submit("row6-a", states(6), torch.arange(SEQ))  # a small one still fits afterwards
+    writer.close()
+    record = ErrorRecord.read(error_path(folder, "row5-a"))
+    assert record.kind == DISK_FULL and str(folder) in record.error
+    assert record.details["needed_bytes"] == sample_file_bytes(2048, SLOTS, HIDDEN) and record.details["free_bytes"] < record.details["needed_bytes"]
+    assert outcome(folder, "row6-a") == "dump"
+    assert sorted(p.name for p in folder.iterdir()) == ["row5-a.error.json", "row6-a.safetensors"]
 
 
-def test_disk_full_gives_a_record_naming_folder_and_bytes_and_leaves_no_partial_file(tmp_path: Path) -> None:
-    with small_tmpfs(tmp_path / "small", "1m") as folder:
-        writer = DumpWriter(folder)
-        big = states(5, seq=2048)  # 2048 × 4 × 64 × 2 B = 1 MiB of states: more than is free
-        writer.submit("row5-a", big, torch.arange(2048))
-        writer.submit("row6-a", states(6), torch.arange(SEQ))  # a small one still fits afterwards
-        writer.close()
-        record = ErrorRecord.read(error_path(folder, "row5-a"))
-        assert record.kind == DISK_FULL and str(folder) in record.error
-        assert record.details["needed_bytes"] == sample_file_bytes(2048, SLOTS, HIDDEN) and record.details["free_bytes"] < record.details["needed_bytes"]
-        assert outcome(folder, "row6-a") == "dump"
-        assert sorted(p.name for p in folder.iterdir()) == ["row5-a.error.json", "row6-a.safetensors"]
-
-
-def test_a_disk_that_fills_up_during_the_write_still_gets_its_record(tmp_path: Path) -> None:
+def test_a_disk_that_fills_up_during_the_write_still_gets_its_record(small_tmpfs) -> None:
     """Free space checked, then the disk fills while the (slow) write is under way: ENOSPC midway.
     The partial file goes, the writer gives up its reserve, and the record still fits."""
-    with small_tmpfs(tmp_path / "small", "1m") as folder:
-        writer = DumpWriter(folder, write_delay=1.0)
-        writer.submit("row7-a", states(7, seq=512), torch.arange(512))  # 256 KiB: fits when checked
-        time.sleep(0.3)  # the writer has checked the free space and sleeps before writing
-        free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
-        (folder / "filler").write_bytes(b"\0" * free)
-        writer.close()
-        record = ErrorRecord.read(error_path(folder, "row7-a"))
-        assert record.kind == DISK_FULL and record.details["needed_bytes"] == sample_file_bytes(512, SLOTS, HIDDEN)
-        assert writer.write_errors and "No space left" in writer.write_errors[0]
-        assert sorted(p.name for p in folder.iterdir()) == ["filler", "row7-a.error.json"], "no partial file"
+    folder = small_tmpfs("1m")
+    writer = DumpWriter(folder, write_delay=1.0)
+    writer.submit("row7-a", states(7, seq=512), torch.arange(512))  # 256 KiB: fits when checked
+    time.sleep(0.3)  # the writer has checked the free space and sleeps before writing
+    free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
+    (folder / "filler").write_bytes(b"\0" * free)
+    writer.close()
+    record = ErrorRecord.read(error_path(folder, "row7-a"))
+    assert record.kind == DISK_FULL and record.details["needed_bytes"] == sample_file_bytes(512, SLOTS, HIDDEN)
+    assert writer.write_errors and "No space left" in writer.write_errors[0]
+    assert sorted(p.name for p in folder.iterdir()) == ["filler", "row7-a.error.json"], "no partial file"
 
 
 def test_flush_waits_for_queued_dumps_and_records(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import torch
 from eagleflow.config import model_to_argv
 from eagleflow.engine.process import Readiness, ServerInfo, check_ready, free_port, pid_alive, start_server
 from eagleflow.engine.reference.config import ReferenceEngineConfig
-from eagleflow.extract.shard import ExtractConfig
+from eagleflow.extract.config import ExtractConfig
 
 AUX = [2, 4, 5]
 HIDDEN = 64

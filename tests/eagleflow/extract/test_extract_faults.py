@@ -7,7 +7,6 @@ and that the retry completes.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -216,52 +215,39 @@ def test_a_hung_engine_stops_the_shard_naming_it_and_the_rerun_after_it_recovers
     assert {name: ident for name, ident in identities(dataset).items() if name in kept} == kept
 
 
-@contextlib.contextmanager
-def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
-    """A real tmpfs of ``size`` at ``path`` (root only); skips, saying why, where mounting is refused."""
-    path.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root and CAP_SYS_ADMIN): {mounted.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
 def test_disk_full_mid_shard_fails_naming_folder_and_bytes_leaves_no_partial_file_and_the_retry_completes(
-    tmp_path: Path, random_tiny_model: Path
+    tmp_path: Path, random_tiny_model: Path, small_tmpfs
 ) -> None:
     rows = make_rows(20, seed=5)
-    with small_tmpfs(tmp_path / "disk", "2m") as disk:
-        dataset = new_dataset(disk, rows)
-        server = launch_engine(random_tiny_model, disk / "dumps", tmp_path / "server.log")
-        try:
-            # Fill the disk so that about six rows fit beside what the engine's writer keeps free for its records.
-            filler = disk / "filler"
-            free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
-            filler.write_bytes(b"\0" * max(free - RECORD_RESERVE_BYTES - 6 * sample_file_bytes(40, SLOTS, HIDDEN), 0))
-            cfg = config(dataset, server, random_tiny_model, "0:20", concurrency=2, server_pid=server.pid)
-            with pytest.raises(DiskFull) as info:
-                ShardExtractor(cfg).run()
-            assert str(disk / "dumps") in info.value.reason and "bytes free" in info.value.reason
-            manifest = ShardManifest.read(dataset.parent / "shards" / "rows_0-20.json")
-            assert manifest.state == "failed" and "disk full" in manifest.error and str(disk / "dumps") in manifest.error
-            assert "needs" in manifest.error and "bytes" in manifest.error
-            hidden = dataset / "hidden_states"
-            kept = identities(dataset)
-            assert 1 <= len(kept) < 20
-            assert sorted(p.name for p in hidden.iterdir()) == sorted(kept), "no partial or temp file"
-            for name in kept:
-                row = int(name[3:].split(".")[0])
-                assert validate(hidden / name, rows[row], SLOTS, HIDDEN).ok
+    disk = small_tmpfs("2m")
+    dataset = new_dataset(disk, rows)
+    server = launch_engine(random_tiny_model, disk / "dumps", tmp_path / "server.log")
+    try:
+        # Fill the disk so that about six rows fit beside what the engine's writer keeps free for its records.
+        filler = disk / "filler"
+        free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+        filler.write_bytes(b"\0" * max(free - RECORD_RESERVE_BYTES - 6 * sample_file_bytes(40, SLOTS, HIDDEN), 0))
+        cfg = config(dataset, server, random_tiny_model, "0:20", concurrency=2, server_pid=server.pid)
+        with pytest.raises(DiskFull) as info:
+            ShardExtractor(cfg).run()
+        assert str(disk / "dumps") in info.value.reason and "bytes free" in info.value.reason
+        manifest = ShardManifest.read(dataset.parent / "shards" / "rows_0-20.json")
+        assert manifest.state == "failed" and "disk full" in manifest.error and str(disk / "dumps") in manifest.error
+        assert "needs" in manifest.error and "bytes" in manifest.error
+        hidden = dataset / "hidden_states"
+        kept = identities(dataset)
+        assert 1 <= len(kept) < 20
+        assert sorted(p.name for p in hidden.iterdir()) == sorted(kept), "no partial or temp file"
+        for name in kept:
+            row = int(name[3:].split(".")[0])
+            assert validate(hidden / name, rows[row], SLOTS, HIDDEN).ok
 
-            filler.unlink()  # the user frees space; the retry completes without redoing anything
-            again = ShardExtractor(cfg).run()
-        finally:
-            stop_server(server.pid, grace=10)
-        assert (again.state, again.skipped, again.done) == ("success", len(kept), 20 - len(kept))
-        assert {name: ident for name, ident in identities(dataset).items() if name in kept} == kept
+        filler.unlink()  # the user frees space; the retry completes without redoing anything
+        again = ShardExtractor(cfg).run()
+    finally:
+        stop_server(server.pid, grace=10)
+    assert (again.state, again.skipped, again.done) == ("success", len(kept), 20 - len(kept))
+    assert {name: ident for name, ident in identities(dataset).items() if name in kept} == kept
 
 
 def test_a_gone_engine_is_recorded_as_failed_with_the_reason(tmp_path: Path, random_tiny_model: Path) -> None:

@@ -218,16 +218,24 @@ def test_dump_checks_and_retries(tmp_path: Path, random_tiny_model: Path, script
         assert not list((tmp_path / "dumps").glob("row0-*"))  # bad dumps are not left behind
 
 
-def test_corrupt_existing_file_is_redone(tmp_path: Path, random_tiny_model: Path) -> None:
-    write_training_dataset([[3, 4, 5]], [[1, 1, 1]], tmp_path / "dataset")
+@pytest.mark.parametrize("damage", ["wrong tokens", "truncated"])
+def test_a_damaged_file_is_redone_and_its_neighbour_is_not(tmp_path: Path, random_tiny_model: Path, damage: str) -> None:
+    write_training_dataset([[3, 4, 5], [6, 7, 8, 9]], [[1, 1, 1], [1, 1, 1, 1]], tmp_path / "dataset")
     hidden = tmp_path / "dataset" / "hidden_states"
-    write_sample(hidden, 0, torch.zeros(3, len(AUX) + 1, HIDDEN), torch.tensor([3, 4, 6]))  # wrong tokens
+    if damage == "wrong tokens":
+        write_sample(hidden, 0, torch.zeros(3, len(AUX) + 1, HIDDEN), torch.tensor([3, 4, 6]))
+    else:  # a file cut short on disk (a crash before the data reached it, a copy that stopped)
+        path = write_sample(hidden, 0, torch.zeros(3, len(AUX) + 1, HIDDEN), torch.tensor([3, 4, 5]))
+        os.truncate(path, path.stat().st_size - 100)
+    neighbour = write_sample(hidden, 1, torch.ones(4, len(AUX) + 1, HIDDEN), torch.tensor([6, 7, 8, 9]))
+    before = (neighbour.stat().st_ino, neighbour.stat().st_mtime_ns)
     fake = FakeEngine(tmp_path / "dumps", ["ok"])
     server = ServerInfo("http://engine.invalid", None, "", "", str(tmp_path / "dumps"))
-    cfg = config(tmp_path / "dataset", server, random_tiny_model, "0:1")
+    cfg = config(tmp_path / "dataset", server, random_tiny_model, "0:2")
     report = ShardExtractor(cfg, client=EngineClient(cfg.server, cfg.request_timeout, post=fake)).run()
-    assert report.done == 1 and report.skipped == 0
+    assert (report.done, report.skipped, report.state, fake.calls) == (1, 1, "success", 1)
     assert validate(sample_path(hidden, 0), [3, 4, 5], len(AUX) + 1, HIDDEN).ok
+    assert (neighbour.stat().st_ino, neighbour.stat().st_mtime_ns) == before
 
 
 def test_rows_past_the_dataset_end_is_a_user_error(dataset, random_tiny_model: Path) -> None:

@@ -1,0 +1,50 @@
+"""Flags of ``python -m eagleflow extract`` (one shard of rows), declared once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, Field, field_validator
+
+from eagleflow.config import AuxLayerIds
+
+
+class ExtractConfig(BaseModel):
+    """Flags of ``python -m eagleflow extract``."""
+
+    dataset: Path = Field(description="training dataset folder (prepare-dataset output)")
+    server: str = Field(description="engine base URL, e.g. http://127.0.0.1:30000")
+    dump_dir: Path = Field(description="folder where the engine writes <rid>.safetensors")
+    rows: str = Field(description="START:END, end exclusive")
+    model: Path = Field(description="verifier model folder (hidden size)")
+    aux_layer_ids: AuxLayerIds = Field(description="captured layer ids; the files hold one more slot, the final state")
+    manifest: Path | None = Field(None, description="shard manifest path; default: the run folder's shards/rows_S-E.json beside --dataset")
+    concurrency: int = Field(8, ge=1, le=256, description="requests kept in flight")
+    server_pid: int | None = Field(None, description="engine process id on this machine, watched so a dead engine stops the shard at once")
+    request_timeout: float = Field(600.0, gt=0, description="seconds to wait for one /generate answer")
+    max_retries: int = Field(3, ge=0, description="retries of a row after a 5xx answer or a timeout")
+    dump_wait: float = Field(
+        60.0, ge=0,
+        description="seconds to wait for a dump after the answer when no live capture writer is in --dump-dir; "
+        "while the engine's writer holds the request the wait goes on (a line every this many seconds)",
+    )
+    progress_every: int = Field(50, ge=1, description="print a progress line every this many rows")
+    progress_interval: float = Field(30.0, gt=0, description="or every this many seconds")
+
+    @field_validator("rows")
+    @classmethod
+    def _rows_range(cls, value: str) -> str:
+        parse_rows(value)
+        return value
+
+
+def parse_rows(text: str) -> tuple[int, int]:
+    """``"0:2000"`` -> ``(0, 2000)``; end exclusive, start < end."""
+    try:
+        start_text, end_text = text.split(":")
+        start, end = int(start_text), int(end_text)
+    except ValueError as exc:
+        raise ValueError(f"expected START:END, got {text!r}") from exc
+    if not 0 <= start < end:
+        raise ValueError(f"expected 0 <= START < END, got {text!r}")
+    return start, end
