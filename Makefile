@@ -33,8 +33,9 @@ demo: venv
 airflow: venv
 	scripts/airflow-standalone.sh
 
+## every benchmark, one table of figures, goals and pass/fail (about five minutes on 2 cores)
 bench: venv
-	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
+	$(PY) benchmarks/bench.py
 
 clean:
 	rm -rf .cache .airflow .airflow-demo runs

@@ -44,7 +44,8 @@ from sglang_patch.handoff import (
 )
 
 CLOCK_MARGIN_S = 1.0  # a remote engine's clock may differ from ours by this much
-POLL_MAX_S = 0.05  # a dump is noticed at most this long after it appears
+POLL_MAX_S = 0.02  # a dump is noticed at most this long after it appears
+STATUS_POLL_S = 0.5  # the writers rewrite their statuses about this often
 
 
 class DiskFull(Exception):
@@ -76,42 +77,57 @@ def wait_for_dump(
     dump, error = dump_path(dump_dir, rid), error_path(dump_dir, rid)
     delay = 0.002
     next_note = answered_at + dump_wait
+    next_status = 0.0
     while True:
-        statuses = read_writer_statuses(dump_dir)  # before the files: a rid leaves a status only once its file exists
+        # Two stats per poll; the writers' statuses (a listing and a JSON each) only twice a second.
+        statuses = None
+        if time.monotonic() >= next_status:
+            next_status = time.monotonic() + STATUS_POLL_S
+            statuses = read_writer_statuses(dump_dir)  # before the files: a rid leaves a status only once its file exists
         if error.exists():
             raise_for_record(ErrorRecord.read(error))
         if dump.exists():
             return dump
         if stop.is_set():
             raise RowFailed("shard stopped")
-        now = time.time()
-        live = [s for s in statuses if s.fresh or _alive_here(s)]
-        holders = [s for s in live if rid in s.pending]
-        if not holders:
-            if any(s.fresh and s.updated > answered_at + CLOCK_MARGIN_S for s in live):
-                raise RowFailed(
-                    f"the engine's dump writer does not hold {rid} (the engine restarted, or the request never "
-                    "reached the capture); sending the row again",
-                    retryable=True,
-                )
-            if not live and now > answered_at + dump_wait:
-                raise RowFailed(
-                    f"no dump {dump.name} in {dump_dir} within {dump_wait:.0f}s of the answer and no live capture "
-                    "writer there (is the capture hook on, and is --dump-dir the engine's dump folder?)",
-                    retryable=True,
-                )
-        elif now >= next_note:
-            next_note = now + dump_wait
-            free = shutil.disk_usage(dump_dir).free
-            if not any(s.fresh for s in holders) and free < needed_bytes:
-                raise DiskFull(
-                    f"disk full: {dump_dir} has {free} bytes free, the dump of {rid} needs {needed_bytes} bytes "
-                    "(the engine's writer cannot even update its status there)",
-                    str(dump_dir), needed_bytes, free,
-                )
-            say(_queued_note(rid, holders[0], now - answered_at))
+        if statuses is not None:
+            next_note = _judge(statuses, dump_dir, rid, answered_at, dump_wait, next_note, needed_bytes, say)
         sleep(delay)
         delay = min(delay * 2, POLL_MAX_S)
+
+
+def _judge(
+    statuses: list[WriterStatus], dump_dir: Path, rid: str, answered_at: float, dump_wait: float,
+    next_note: float, needed_bytes: int, say: Callable[[str], None],
+) -> float:
+    """Neither file exists yet: decide from the writers' statuses whether to keep waiting; return the next note's time."""
+    now = time.time()
+    live = [s for s in statuses if s.fresh or _alive_here(s)]
+    holders = [s for s in live if rid in s.pending]
+    if not holders:
+        if any(s.fresh and s.updated > answered_at + CLOCK_MARGIN_S for s in live):
+            raise RowFailed(
+                f"the engine's dump writer does not hold {rid} (the engine restarted, or the request never "
+                "reached the capture); sending the row again",
+                retryable=True,
+            )
+        if not live and now > answered_at + dump_wait:
+            raise RowFailed(
+                f"no dump {dump_path(dump_dir, rid).name} in {dump_dir} within {dump_wait:.0f}s of the answer and no "
+                "live capture writer there (is the capture hook on, and is --dump-dir the engine's dump folder?)",
+                retryable=True,
+            )
+    elif now >= next_note:
+        free = shutil.disk_usage(dump_dir).free
+        if not any(s.fresh for s in holders) and free < needed_bytes:
+            raise DiskFull(
+                f"disk full: {dump_dir} has {free} bytes free, the dump of {rid} needs {needed_bytes} bytes "
+                "(the engine's writer cannot even update its status there)",
+                str(dump_dir), needed_bytes, free,
+            )
+        say(_queued_note(rid, holders[0], now - answered_at))
+        return now + dump_wait
+    return next_note
 
 
 def raise_for_record(record: ErrorRecord) -> None:
