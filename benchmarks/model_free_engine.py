@@ -63,8 +63,11 @@ def main() -> int:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
-    server.daemon_threads = True
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 256  # socketserver's 5 would refuse connections at concurrency 32
+        daemon_threads = True
+
+    server = Server(("127.0.0.1", args.port), Handler)
     print("model-free engine ready", flush=True)
     try:
         server.serve_forever()

@@ -203,9 +203,10 @@ def test_scheduler_killed_mid_extraction_and_restarted_finishes_the_run_without_
     airflow_stack: Any, random_tiny_model: Path, tmp_path: Path
 ) -> None:
     """The scheduler crashes (SIGKILL to it and its LocalExecutor workers) while a shard extracts,
-    and comes back: the interrupted shard says so, the new scheduler resets and reruns it, it skips
-    the rows already done, and the run succeeds."""
-    from eagleflow.extract.manifest import ShardManifest
+    and comes back. Airflow keeps each task process in a process group of its own, so the running
+    shard's task and step outlive the crash and finish their rows, but nobody is left to report it:
+    the new scheduler resets the orphaned task at start-up and runs it again, the rerun finds every
+    finished row complete and skips it, and the run succeeds."""
     from eagleflow.layout import RunLayout
 
     rows, shard_size = 12, 6
@@ -213,7 +214,7 @@ def test_scheduler_killed_mid_extraction_and_restarted_finishes_the_run_without_
     _make_conversations(random_tiny_model, conversations, rows)
     run_id = run_name = "scheduler-restart"
     layout = RunLayout.of(tmp_path / "runs", run_name)
-    # A disk slower than the engine (each dump waits 1.5 s) keeps a shard busy long enough to be interrupted.
+    # A disk slower than the engine (each dump waits 1.5 s) keeps a shard busy when the scheduler dies.
     conf = {**_conf(random_tiny_model, conversations, tmp_path / "runs", run_name), "shard_size": shard_size,
             "server_extra_args": ["--warmup-seconds", "3", "--test-write-delay", "1.5"]}
     airflow_stack.request("PATCH", f"/dags/{DAG_ID}", json={"is_paused": False})
@@ -224,24 +225,22 @@ def test_scheduler_killed_mid_extraction_and_restarted_finishes_the_run_without_
         running = airflow_stack.request("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}")["state"] in ("queued", "running")
         assert running and time.monotonic() < deadline and not airflow_stack.processes.dead(), airflow_stack.describe(run_id)
         time.sleep(0.5)
+    running_shards = {key for key, ti in airflow_stack.task_instances(run_id).items() if key[0] == "extract_shard" and ti["state"] == "running"}
+    assert running_shards, airflow_stack.describe(run_id)
     airflow_stack.processes.kill_component("scheduler")
     killed_at = time.monotonic()
-    # The shard's step lived in a session of its own; it died with its task process (the kernel's
-    # parent-death signal) and its manifest says what happened.
-    while not any(ShardManifest.read(p).state == "interrupted" for p in layout.shards.glob("*.json")):
-        assert time.monotonic() < killed_at + 60, [ShardManifest.read(p) for p in layout.shards.glob("*.json")]
-        time.sleep(0.5)
-    before = _file_identities(layout.hidden_states)
     # A restart a little later than the old scheduler's heartbeat threshold (30 s): the new one then
-    # finds its tasks orphaned at start-up and resets them.
+    # finds its tasks orphaned at start-up and resets them. What was published by then is finished work.
     time.sleep(max(0.0, killed_at + 35 - time.monotonic()))
+    before = _file_identities(layout.hidden_states)
     airflow_stack.processes.start_component("scheduler")
 
     assert airflow_stack.wait_for_run(run_id, RUN_TIMEOUT) == "success", airflow_stack.describe(run_id)
     tis = airflow_stack.task_instances(run_id)
-    assert max(tis[("extract_shard", i)]["try_number"] for i in range(rows // shard_size)) >= 2, airflow_stack.describe(run_id)
+    for key in running_shards:
+        assert tis[key]["try_number"] >= 2, airflow_stack.describe(run_id)  # reset by the new scheduler and run again
     after = _file_identities(layout.hidden_states)
-    assert {name: after[name] for name in before} == before, "a finished row was rewritten"
+    assert before and {name: after[name] for name in before} == before, "a finished row was rewritten"
     assert len(after) == rows
     _check_every_row_readable(layout.dataset, random_tiny_model, rows)
 

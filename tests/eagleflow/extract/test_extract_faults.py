@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -260,3 +261,31 @@ def test_a_gone_engine_is_recorded_as_failed_with_the_reason(tmp_path: Path, ran
         ShardExtractor(config(dataset, server, random_tiny_model, "0:3")).run()
     data = json.loads((dataset.parent / "shards" / "rows_0-3.json").read_text())
     assert data["state"] == "failed" and "refuses connections" in data["error"] and data["done"] == 0
+
+
+def test_a_task_process_killed_outright_takes_its_step_with_it(
+    tmp_path: Path, rows, slow_engine: ServerInfo, random_tiny_model: Path
+) -> None:
+    """The Airflow task process dies by SIGKILL (no on_kill): its step, in a session of its own,
+    gets SIGTERM from the kernel (parent-death signal), records ``interrupted`` and exits."""
+    dataset = new_dataset(tmp_path, rows)
+    cfg = config(dataset, slow_engine, random_tiny_model, "0:6", concurrency=2, progress_every=1)
+    task = textwrap.dedent(
+        f"""
+        from operators.step import EagleflowStepOperator
+        EagleflowStepOperator(task_id="extract_shard", step="extract").run_step("extract", {model_to_argv(cfg)!r})
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", task], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    manifest = dataset.parent / "shards" / "rows_0-6.json"
+    deadline = time.monotonic() + 120
+    while not (manifest.exists() and ShardManifest.read(manifest).done >= 1):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    while ShardManifest.read(manifest).state == "running":
+        assert time.monotonic() < deadline + 30, ShardManifest.read(manifest)
+        time.sleep(0.1)
+    state = ShardManifest.read(manifest)
+    assert state.state == "interrupted" and "signal 15" in state.error, state
