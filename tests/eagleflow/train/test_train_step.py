@@ -9,6 +9,7 @@ built the way the pipeline builds it (chat template masks, ``write_training_data
 from __future__ import annotations
 
 import json
+import os
 import logging
 import signal
 import subprocess
