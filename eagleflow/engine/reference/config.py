@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Literal
 
@@ -90,8 +89,3 @@ class ReferenceEngineConfig(BaseModel):
         if bad:
             raise ValueError(f"row numbers must be >= 0, got {bad}")
         return rows
-
-
-def fault_marker(dump_dir: str | os.PathLike[str], fault: str, row: int) -> Path:
-    """The marker recording that ``--{fault}-row row`` injected its one fault (``fault``: fail, nan)."""
-    return Path(dump_dir) / f".{fault}-row-{row}.injected"

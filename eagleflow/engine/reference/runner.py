@@ -24,7 +24,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagleflow.engine.reference.config import ReferenceEngineConfig, fault_marker
+from eagleflow.engine.reference.config import ReferenceEngineConfig
+from eagleflow.engine.reference.faults import FaultSwitches
 from eagleflow.engine.reference.protocol import (
     GREEDY_BELOW_TEMPERATURE,
     READY_LINE,
@@ -34,9 +35,8 @@ from eagleflow.engine.reference.protocol import (
     parse_generate,
 )
 from eagleflow.errors import UserError
-from eagleflow.files import atomic_write_text
 from sglang_patch.layer_ids import validate_aux_layer_ids
-from sglang_patch.request_ids import HEALTH_CHECK_PREFIX, is_captured, row_of_request_id
+from sglang_patch.request_ids import HEALTH_CHECK_PREFIX, is_captured
 
 if TYPE_CHECKING:
     import torch
@@ -91,8 +91,7 @@ class ReferenceEngine:
         self._forward_lock = threading.Lock()  # one forward at a time; requests queue on it
         # Rows still to fail in this process: a marker left by an earlier process means its one
         # injected failure already happened.
-        self.fail_rows_pending = {r for r in config.fail_row if not self._fault_injected("fail", r)}
-        self.nan_rows_pending = {r for r in config.nan_row if not self._fault_injected("nan", r)}
+        self.faults = FaultSwitches(config)
         self._aborted: set[str] = set()  # rids aborted before their forward ran
         self._waiting: set[str] = set()  # rids queued for the forward lock
         self._stats_lock = threading.Lock()
@@ -133,7 +132,7 @@ class ReferenceEngine:
             request = parse_generate(body, self.limits)
             rid = request.rid
             if is_captured(rid):
-                self._maybe_inject_failure(rid)
+                self.faults.fail_request(rid)
             try:
                 output_ids, finish_reason, spec = self._run(request)
             except RequestError:
@@ -229,31 +228,13 @@ class ReferenceEngine:
 
     # ---- internals ------------------------------------------------------------------------
 
-    def _maybe_inject_failure(self, rid: str) -> None:
-        row = row_of_request_id(rid)
-        if row is None or row not in self.fail_rows_pending:
-            return
-        self._record_fault("fail", row, rid)
-        raise RequestError(500, f"injected failure for row {row} (--fail-row)")
+    def _submit_dump(self, rid: str, states: torch.Tensor, input_ids: list[int]) -> None:
+        """Hand the states to the writer (no copy; at most 2s wait for budget, else "writer behind")."""
+        import torch
 
-    def _fault_injected(self, fault: str, row: int) -> bool:
-        """Whether an earlier process already injected this one-off fault (its marker is in the dump folder)."""
-        return self.config.dump_dir is not None and fault_marker(self.config.dump_dir, fault, row).exists()
-
-    def _record_fault(self, fault: str, row: int, rid: str) -> None:
-        if self.config.dump_dir is not None:
-            marker = fault_marker(self.config.dump_dir, fault, row)
-            if not marker.exists():
-                atomic_write_text(marker, f"{rid}\n")
-
-    def _maybe_inject_nan(self, rid: str, states: torch.Tensor) -> None:
-        row = row_of_request_id(rid)
-        if row is None or row not in self.nan_rows_pending:
-            return
-        self.nan_rows_pending.discard(row)
-        self._record_fault("nan", row, rid)
-        states[0, 0, 0] = float("nan")
-        print(f"TEST fault injection: NaN in the states of {rid} (--nan-row)", flush=True)
+        poisoned = self.faults.poison(rid, states)
+        if self.writer.submit(rid, states, torch.tensor(input_ids, dtype=torch.int64)) and poisoned is not None:
+            self.faults.poison_taken(poisoned, rid)
 
     def abort(self, rid: str) -> None:
         """SGLang's ``/abort_request``: a request still waiting for the forward lock is dropped."""
@@ -305,10 +286,7 @@ class ReferenceEngine:
             if capture:
                 with HiddenStateCapture(self.model, self.aux_layer_ids) as hooks:
                     out = self.model(input_ids=ids, use_cache=max_new_tokens > 1, **self._logits_kwargs)
-                states = hooks.stacked()
-                self._maybe_inject_nan(request.rid, states)
-                # Hands the tensor over (no copy); waits at most 2s for budget, else "writer behind".
-                self.writer.submit(request.rid, states, torch.tensor(request.input_ids, dtype=torch.int64))
+                self._submit_dump(request.rid, hooks.stacked(), request.input_ids)
             else:
                 out = self.model(input_ids=ids, use_cache=max_new_tokens > 1, **self._logits_kwargs)
             for step in range(max_new_tokens):

@@ -127,8 +127,8 @@ def serve(config: ReferenceEngineConfig) -> int:
         + f"listening on http://{host}:{port}; warmup {config.warmup_seconds:g}s",
         flush=True,
     )
-    if engine.fail_rows_pending:
-        print(f"TEST fault injection: requests for rows {sorted(engine.fail_rows_pending)} will answer 500", flush=True)
+    if engine.faults.fail_rows:
+        print(f"TEST fault injection: requests for rows {sorted(engine.faults.fail_rows)} will answer 500", flush=True)
     if stop_signals:  # stopped while the model was loading
         engine.close()
         sock.close()
