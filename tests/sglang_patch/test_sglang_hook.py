@@ -107,9 +107,10 @@ def test_model_output_is_untouched(tmp_path: Path, fake_sglang) -> None:
     assert torch.equal(fakes.run(model, batch), fakes.run(plain, batch))
 
 
-def test_health_check_requests_are_skipped(tmp_path: Path, fake_sglang) -> None:
+def test_health_check_and_regeneration_requests_are_skipped(tmp_path: Path, fake_sglang) -> None:
     model, _ = hooked_model(tmp_path, [2])
-    fakes.run(model, fakes.extend_batch({"HEALTH_CHECK_1f3a": [1], "row3-x": [4, 5, 6]}))
+    requests = {"HEALTH_CHECK_1f3a": [1], "regen-row3-turn1-ab12cd34": [9, 9, 9], "row3-x": [4, 5, 6]}
+    fakes.run(model, fakes.extend_batch(requests))
     drain(model)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["row3-x.safetensors"]
     assert load_file(dump_path(tmp_path, "row3-x"))["token_ids"].tolist() == [4, 5, 6]
