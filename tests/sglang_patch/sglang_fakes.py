@@ -258,17 +258,11 @@ def snapshot(hidden_states: Any, forward_batch: ForwardBatch) -> torch.Tensor:
     return forward_batch.residual_stream.snapshot(hidden_states)
 
 
-class StreamDecoderLayer(nn.Module):
+class StreamDecoderLayer(DecoderLayer):
     """A 0.5.21+ DeepseekV2DecoderLayer: no residual argument, the output owed until the next layer."""
 
     def __init__(self, config: Any, layer_id: int, oracle: dict[int, torch.Tensor]) -> None:
-        super().__init__()
-        self.config = config
-        self.layer_id = layer_id
-        self.input_layernorm = RMSNorm(config.hidden_size)
-        self.self_attn = nn.Linear(config.hidden_size, config.hidden_size)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size)
-        self.mlp = nn.Linear(config.hidden_size, config.hidden_size)
+        super().__init__(config, layer_id)
         self._oracle = oracle
 
     def forward(
