@@ -56,7 +56,7 @@ def main() -> int:
     from eagleflow.pipeline import PipelineConfig
 
     cfg = PipelineConfig.from_params(conf)
-    summary = run_summary(cfg.layout.root, cfg.model_path, cfg.resolved_aux_layer_ids())
+    summary = run_summary(cfg.layout.root, cfg.model_path, cfg.resolved_aux_layer_ids(), cfg.hidden_states_dtype)
     print("\n[demo] task states: " + ", ".join(f"{k}={v}" for k, v in sorted(states.items())))
     print(f"[demo] DAG run {run.run_id}: {run.state} in {time.monotonic() - began:.0f}s")
     print(f"  dataset      {summary['dataset']} ({summary['rows']} rows, {summary.get('tokens', '?')} tokens, "
