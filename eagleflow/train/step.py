@@ -73,7 +73,9 @@ def check_dataset(cfg: TrainConfig, hidden_size: int) -> tuple[int, HiddenStates
     for row in range(rows):
         stored_as.setdefault(stored_dtype(sample_path(hs_dir, row)), []).append(row)
     if len(stored_as) > 1 or None in stored_as:
-        kinds = "; ".join(f"{dtype or 'unreadable'}: rows {_rows_text(found)}" for dtype, found in stored_as.items())
+        kinds = "; ".join(
+            f"{dtype or 'unreadable or another dtype'}: rows {_rows_text(found)}" for dtype, found in stored_as.items()
+        )
         raise UserError(
             f"--dataset {cfg.dataset}: the hidden-state files are not all stored alike ({kinds}); "
             "re-extract the odd rows with the run's hidden_states_dtype"

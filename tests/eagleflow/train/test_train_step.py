@@ -407,7 +407,7 @@ def test_dataset_checks_name_the_problem(trained_data: Path, tmp_path: Path) -> 
     with pytest.raises(UserError, match=r"not all stored alike \(bf16: rows 0, 1, 2, 4, .* …; fp8: rows 3\)"):
         check_dataset(cfg, hidden_size=64)
     (hs_dir / "hs_5.safetensors").write_bytes(b"garbage")
-    with pytest.raises(UserError, match=r"unreadable: rows 5\)"):
+    with pytest.raises(UserError, match=r"unreadable or another dtype: rows 5\)"):
         check_dataset(cfg, hidden_size=64)
     write_sample(hs_dir, 3, original["hidden_states"], original["token_ids"])
     (hs_dir / "hs_5.safetensors").unlink()
