@@ -26,7 +26,7 @@ class StatsConfig(BaseModel):
     dataset: Path = Field(description="training dataset folder (prepare-dataset output)")
     model: Path = Field(description="verifier model folder (its config.json gives the hidden size)")
     aux_layer_ids: AuxLayerIds = Field(description="captured layer ids; one more slot holds the final state")
-    hidden_states_dtype: StoredHiddenStatesDtype = "bf16"
+    hidden_states_dtype: StoredHiddenStatesDtype
 
 
 def dataset_stats(

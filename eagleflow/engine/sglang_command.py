@@ -101,7 +101,7 @@ class SGLangServerConfig(BaseModel):
         description="layer ids to capture (id k = the state entering decoder layer k); the final pre-norm "
         "state is always added as the last slot. Kimi-K2.5: 3,31,59"
     )
-    hidden_states_dtype: StoredHiddenStatesDtype = "bf16"
+    hidden_states_dtype: StoredHiddenStatesDtype
     num_layers: int | None = Field(
         None, description="decoder layers of the model; default: num_hidden_layers (or text_config's) from <model_path>/config.json"
     )

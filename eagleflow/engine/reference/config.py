@@ -20,7 +20,7 @@ class ReferenceEngineConfig(BaseModel):
         description="layer ids to capture, comma-separated: id k = the state entering decoder layer k, "
         "n = the last layer's output before the final norm; the final pre-norm state is always added as the last slot"
     )
-    hidden_states_dtype: StoredHiddenStatesDtype = "bf16"
+    hidden_states_dtype: StoredHiddenStatesDtype
     host: str = Field("127.0.0.1", description="address to bind (keep 127.0.0.1 unless a remote client must reach it)")
     port: int = Field(30000, ge=0, le=65535, description="TCP port to bind (SGLang's default 30000; 0 = any free port, printed at start)")
     warmup_seconds: float = Field(
