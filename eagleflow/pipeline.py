@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, create_model, model_validator
 
-from eagleflow.config import AuxLayerIds, build_model
+from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype, build_model
 from eagleflow.data.regenerate import CONVERSATIONS_FILE, RegenerateConfig
 from eagleflow.evaluate.config import EvaluateConfig
 from eagleflow.layout import RunLayout
@@ -102,6 +102,7 @@ class PipelineConfig(BaseModel):
         "added. Distinct, 0..n for an n-layer verifier. Empty: speculators' default [2, n//2, n-3]. "
         "The seed's Kimi-K2.5 run used [3, 31, 59].",
     )
+    hidden_states_dtype: StoredHiddenStatesDtype = Field(title="Hidden-state storage")
     max_len: int = Field(2048, ge=2, title="Max sequence length", description="Rows longer than this are truncated.")
     skip_bad_rows: bool = Field(
         False, title="Skip bad rows", description="Leave unusable input rows out (listed in bad_rows.jsonl) instead of failing."

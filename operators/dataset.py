@@ -71,7 +71,10 @@ class DatasetStatsOperator(EagleflowStepOperator):
 
         cfg = pipeline_config(context)
         ids = ",".join(str(k) for k in cfg.resolved_aux_layer_ids())
-        return ["--dataset", str(cfg.layout.dataset), "--model", str(model_dir(cfg)), "--aux-layer-ids", ids]
+        return [
+            "--dataset", str(cfg.layout.dataset), "--model", str(model_dir(cfg)), "--aux-layer-ids", ids,
+            "--hidden-states-dtype", cfg.hidden_states_dtype,
+        ]
 
 
 class CheckDiskOperator(EagleflowStepOperator):
