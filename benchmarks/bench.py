@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import bench_dag_parse
 import bench_dump_writer
@@ -32,13 +33,23 @@ def metrics_rows() -> list[Row]:
                 worst <= goal, "the Rich and repr log forms: python benchmarks/bench_metrics_plot.py")]
 
 
-def fp8_rows() -> list[Row]:
-    """Issue 13 adds fp8 storage; until then these figures cannot be measured."""
-    from sglang_patch import sample_file
+def fp8_rows(work: Path) -> list[Row]:
+    """fp8 vs bf16 bytes per token: the same Kimi-shaped states written in each storage dtype."""
+    import torch
 
-    if not hasattr(sample_file, "HIDDEN_STATES_SCALES_KEY"):
-        return [Row("bytes per token on disk, fp8 vs bf16", "pending (needs fp8 storage)", "<= 0.55x", None)]
-    return []
+    from sglang_patch.sample_file import write_sample_file
+
+    tokens, slots, hidden = 1024, bench_extraction.SLOTS, bench_extraction.HIDDEN
+    states = torch.randn(tokens, slots, hidden, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    ids = torch.arange(tokens)
+    size = {dtype: write_sample_file(work / f"{dtype}.safetensors", states, ids, dtype).stat().st_size for dtype in ("bf16", "fp8")}
+    ratio = size["fp8"] / size["bf16"]
+    return [Row("bytes per token on disk, fp8 vs bf16 (1,024 tokens x 4 x 7168)",
+                f"{size['fp8'] / tokens:,.1f} vs {size['bf16'] / tokens:,.1f} B = {ratio:.3f}x", f"<= {FP8_GOAL}x", ratio <= FP8_GOAL,
+                "what the drafter learns from each: python benchmarks/bench_hidden_states_dtype.py")]
+
+
+FP8_GOAL = 0.55
 
 
 SUITES = {
@@ -66,7 +77,8 @@ def main() -> int:
         print(f"== {name}", flush=True)
         rows += SUITES[name]()
         if name == "extraction":
-            rows += fp8_rows()
+            with scratch("bench-fp8") as work:
+                rows += fp8_rows(work)
         print(f"== {name}: {time.monotonic() - began:.0f}s", flush=True)
     print(f"\neagleflow benchmarks ({time.monotonic() - started:.0f}s)\n", flush=True)
     print_table(rows)

@@ -4,7 +4,8 @@ The story of DESIGN.md §1, top to bottom:
 
 1. launch_server and wait_server_ready (setups) start the engine with the capture hook and
    wait out its warmup without holding a worker slot;
-2. meanwhile prepare_dataset, dataset_stats, check_disk and plan_shards get the rows ready;
+2. meanwhile prepare_dataset, dataset_stats, check_disk and plan_shards get the rows ready
+   (with regenerate_responses, regenerate_dataset first has the verifier rewrite the answers);
 3. extract_shard runs once per shard (rows_0-2000, …), each retryable and clearable alone;
 4. stop_server (teardown) stops the engine, even when a shard fails;
 5. build_vocab, train_drafter and plot_metrics turn the hidden states into a drafter and charts;
@@ -16,7 +17,13 @@ from __future__ import annotations
 
 from airflow.sdk import DAG, Param
 
-from operators.dataset import CheckDiskOperator, DatasetStatsOperator, PlanShardsOperator, PrepareDatasetOperator
+from operators.dataset import (
+    CheckDiskOperator,
+    DatasetStatsOperator,
+    PlanShardsOperator,
+    PrepareDatasetOperator,
+    RegenerateOperator,
+)
 from operators.drafter import EvaluateOperator, ExportOperator
 from operators.extract import SHARD_MAP_INDEX_TEMPLATE, ShardExtractOperator
 from operators.params import GPU_POOL, GPU_QUEUE, form_defaults, pipeline_params
@@ -39,6 +46,7 @@ with DAG(
     launch_server = SGLangServerOperator(task_id="launch_server", **on_gpu)
     wait_server_ready = ServerReadySensor(task_id="wait_server_ready", server=launch_server.output, **on_gpu)
 
+    regenerate_dataset = RegenerateOperator(task_id="regenerate_dataset", server=launch_server.output)
     prepare_dataset = PrepareDatasetOperator(task_id="prepare_dataset")
     dataset_stats = DatasetStatsOperator(task_id="dataset_stats")
     check_disk = CheckDiskOperator(task_id="check_disk", stats=dataset_stats.output)
@@ -58,7 +66,7 @@ with DAG(
     export_drafter = ExportOperator(task_id="export_drafter")
     evaluate_drafter = EvaluateOperator(task_id="evaluate_drafter", **on_gpu)
 
-    prepare_dataset >> dataset_stats >> check_disk >> plan_shards
+    regenerate_dataset >> prepare_dataset >> dataset_stats >> check_disk >> plan_shards
     launch_server >> wait_server_ready >> extract_shard >> stop_server.as_teardown(setups=[launch_server, wait_server_ready])
     check_disk >> extract_shard
     [extract_shard, stop_server] >> build_vocab >> train_drafter >> plot_metrics

@@ -23,9 +23,41 @@ class PrepareDatasetOperator(EagleflowStepOperator):
         from eagleflow.pipeline import model_dir
 
         cfg = pipeline_config(context)
-        argv = ["--input", cfg.dataset_input, "--tokenizer", str(model_dir(cfg)), "--out", str(cfg.layout.dataset)]
+        argv = ["--input", cfg.prepare_input, "--tokenizer", str(model_dir(cfg)), "--out", str(cfg.layout.dataset)]
         argv += ["--max-len", str(cfg.max_len), "--skip-bad-rows" if cfg.skip_bad_rows else "--no-skip-bad-rows"]
         return argv
+
+
+class RegenerateOperator(EagleflowStepOperator):
+    """With ``regenerate_responses``: the verifier rewrites the assistant turns through the run's engine (``regenerate``).
+
+    It waits for the engine itself, so with regeneration off it returns at once and preparation
+    still runs beside the warmup. Returns ``{regenerated, rows, skipped_rows, source}`` or
+    ``{"regenerated": None}``.
+
+    :param server: the launch task's XCom (templated): the engine to ask.
+    """
+
+    template_fields: Sequence[str] = ("server",)
+
+    def __init__(self, *, server: Any = None, **kwargs: Any) -> None:
+        super().__init__(step="regenerate", **kwargs)
+        self.server = server
+
+    def execute(self, context: Context) -> Any:
+        cfg = pipeline_config(context)
+        if not cfg.regenerate_responses:
+            self.log.info("Regeneration is off: preparation reads %s as it is", cfg.dataset_input)
+            return {"regenerated": None, "source": cfg.dataset_input}
+        return super().execute(context)
+
+    def step_argv(self, context: Context) -> list[str]:
+        from eagleflow.config import model_to_argv
+        from eagleflow.engine.process import ServerInfo
+
+        server = ServerInfo.from_dict(self.server)
+        pid = server.pid if server.is_local else None
+        return model_to_argv(pipeline_config(context).regenerate_config(server.url, pid))
 
 
 class DatasetStatsOperator(EagleflowStepOperator):
@@ -39,7 +71,10 @@ class DatasetStatsOperator(EagleflowStepOperator):
 
         cfg = pipeline_config(context)
         ids = ",".join(str(k) for k in cfg.resolved_aux_layer_ids())
-        return ["--dataset", str(cfg.layout.dataset), "--model", str(model_dir(cfg)), "--aux-layer-ids", ids]
+        return [
+            "--dataset", str(cfg.layout.dataset), "--model", str(model_dir(cfg)), "--aux-layer-ids", ids,
+            "--hidden-states-dtype", cfg.hidden_states_dtype,
+        ]
 
 
 class CheckDiskOperator(EagleflowStepOperator):

@@ -48,6 +48,7 @@ class ShardExtractOperator(EagleflowStepOperator):
             "--rows", f"{start}:{end}",
             "--model", str(model_dir(cfg)),
             "--aux-layer-ids", ",".join(str(k) for k in cfg.resolved_aux_layer_ids()),
+            "--hidden-states-dtype", cfg.hidden_states_dtype,
             "--manifest", str(cfg.layout.shard_manifest(name)),
             "--concurrency", str(cfg.concurrency),
         ]

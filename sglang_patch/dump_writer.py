@@ -3,9 +3,13 @@
 Used by both capture paths: the SGLang forward hook (inside the server's model-runner
 process) and eagleflow's reference engine. What it guarantees the engine:
 
-- **Bounded host memory.** Every request reserves its bytes (:func:`sample_file_bytes`) before
-  any host buffer is taken; reservations never exceed ``max_pending_bytes``. Pinned memory for
-  CUDA tensors is allocated only after the reservation.
+- **Bounded host memory.** Every request reserves the bytes its host buffer holds before any
+  host buffer is taken; reservations never exceed ``max_pending_bytes``. Pinned memory for
+  CUDA tensors is allocated only after the reservation. States handed over whole
+  (:meth:`DumpWriter.submit`) are encoded in the run's storage dtype where they are (fp8
+  quantisation on the GPU), so only the stored bytes cross to the host and count; the hook's
+  layer-by-layer buffer (:meth:`DumpWriter.begin`) holds the model dtype, since one fp8 scale
+  covers every slot of a token, and a writer thread quantises it.
 - **A forward pass never stalls on the disk.** When the budget stays full for ``wait_seconds``
   the request gets a :data:`~sglang_patch.handoff.WRITER_BEHIND` error record instead (the
   extractor sends it again later), so rank 0 never blocks long inside a pass while the other
@@ -52,7 +56,18 @@ from sglang_patch.handoff import (
     reserve_path,
     status_path,
 )
-from sglang_patch.sample_file import VALUES_FINITE, VALUES_KEY, SlotMajor, sample_file_bytes, write_sample_file
+from sglang_patch.sample_file import (
+    TOKEN_IDS_KEY,
+    VALUES_FINITE,
+    VALUES_KEY,
+    SlotMajor,
+    decode_hidden_states,
+    encode_hidden_states,
+    sample_file_bytes,
+    write_encoded_sample,
+    write_sample_file,
+)
+from sglang_patch.sample_format import DEFAULT_HIDDEN_STATES_DTYPE, HiddenStatesDtype, check_hidden_states_dtype
 
 DEFAULT_WAIT_SECONDS = 2.0
 DEFAULT_WRITER_THREADS = 2
@@ -71,16 +86,35 @@ def default_queue_budget() -> int:
     return int(min(max(memory // _MEMORY_SHARE, _BUDGET_FLOOR), _BUDGET_CAP))
 
 
+def _host_bytes(numel: int, dtype: torch.dtype, seq_len: int) -> int:
+    """Host bytes of states held in ``dtype`` plus their token ids."""
+    return numel * dtype.itemsize + seq_len * torch.int64.itemsize
+
+
 class PendingDump:
     """One request's reserved host buffer, filled slot by slot, then handed to a writer thread.
 
-    :param slot_major: the buffer is ``[n_slots, seq_len, hidden]`` (filled per slot by
-        :meth:`put`); otherwise it is the caller's ``[seq_len, n_slots, hidden]`` tensor itself.
+    :param num_bytes: the host bytes reserved for it in the writer's budget.
+    :param stored_bytes: the bytes its file's tensors take on disk.
+    :param host: the states in the model dtype: ``[n_slots, seq_len, hidden]`` when ``slot_major``
+        (filled per slot by :meth:`put`), else the caller's ``[seq_len, n_slots, hidden]`` tensor
+        itself; None when ``encoded`` holds them.
+    :param encoded: the file's state tensors already in the storage dtype (on the host).
     """
 
-    def __init__(self, writer: DumpWriter, rid: str, num_bytes: int, host: torch.Tensor, slot_major: bool, on_cuda: bool) -> None:
-        self.writer, self.rid, self.num_bytes = writer, rid, num_bytes
-        self.host, self.slot_major, self.on_cuda = host, slot_major, on_cuda
+    def __init__(
+        self,
+        writer: DumpWriter,
+        rid: str,
+        num_bytes: int,
+        stored_bytes: int,
+        host: torch.Tensor | None,
+        slot_major: bool,
+        on_cuda: bool,
+        encoded: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        self.writer, self.rid, self.num_bytes, self.stored_bytes = writer, rid, num_bytes, stored_bytes
+        self.host, self.slot_major, self.on_cuda, self.encoded = host, slot_major, on_cuda, encoded
         self._finite_flags: list[torch.Tensor] = []  # device verdicts, read after the copy's event
         self._done = False
 
@@ -133,6 +167,7 @@ class DumpWriter:
     :param wait_seconds: how long a request may wait for budget before it gets "writer behind".
     :param threads: writer threads (files are independent; more than one keeps a disk busy).
     :param write_delay: TEST ONLY: seconds each dump write sleeps first (a slow disk, for real queues).
+    :param hidden_states_dtype: storage dtype of the dumps (``bf16`` or ``fp8``).
     """
 
     def __init__(
@@ -142,7 +177,9 @@ class DumpWriter:
         wait_seconds: float = DEFAULT_WAIT_SECONDS,
         threads: int = DEFAULT_WRITER_THREADS,
         write_delay: float = 0.0,
+        hidden_states_dtype: HiddenStatesDtype = DEFAULT_HIDDEN_STATES_DTYPE,
     ) -> None:
+        self.hidden_states_dtype = check_hidden_states_dtype(hidden_states_dtype)
         self.dump_dir = Path(dump_dir)
         self.dump_dir.mkdir(parents=True, exist_ok=True)
         self.budget = int(max_pending_bytes or default_queue_budget())
@@ -173,11 +210,12 @@ class DumpWriter:
         :param deadline: ``time.monotonic()`` after which not to wait for budget (a pass of many
             requests waits ``wait_seconds`` in all, not per request).
         """
-        num_bytes = sample_file_bytes(seq_len, n_slots, hidden)
+        num_bytes = _host_bytes(seq_len * n_slots * hidden, dtype, seq_len)
         if not self._reserve(rid, num_bytes, deadline):
             return None
         host = torch.empty((n_slots, seq_len, hidden), dtype=dtype, pin_memory=on_cuda)
-        return PendingDump(self, rid, num_bytes, host, slot_major=True, on_cuda=on_cuda)
+        stored = sample_file_bytes(seq_len, n_slots, hidden, self.hidden_states_dtype)
+        return PendingDump(self, rid, num_bytes, stored, host, slot_major=True, on_cuda=on_cuda)
 
     def submit(self, rid: str, hidden_states: torch.Tensor, token_ids: torch.Tensor) -> bool:
         """Queue ``[seq_len, n_slots, hidden]`` states and ``[seq_len]`` ids of request ``rid``.
@@ -186,16 +224,20 @@ class DumpWriter:
         Returns False when the request got an error record instead (e.g. writer behind).
         """
         seq_len, n_slots, hidden = hidden_states.shape
-        num_bytes = sample_file_bytes(seq_len, n_slots, hidden)
+        stored = sample_file_bytes(seq_len, n_slots, hidden, self.hidden_states_dtype)
+        # On a GPU the host holds the encoded tensors; a CPU tensor is held as it is.
+        num_bytes = stored if hidden_states.is_cuda else _host_bytes(hidden_states.numel(), hidden_states.dtype, seq_len)
         if not self._reserve(rid, num_bytes):
             return False
         if hidden_states.is_cuda:
-            host = torch.empty(hidden_states.shape, dtype=hidden_states.dtype, pin_memory=True)
-            host.copy_(hidden_states.detach(), non_blocking=True)
-            pending = PendingDump(self, rid, num_bytes, host, slot_major=False, on_cuda=True)
+            encoded = {}
+            for key, value in encode_hidden_states(hidden_states, self.hidden_states_dtype).items():
+                encoded[key] = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+                encoded[key].copy_(value, non_blocking=True)
+            pending = PendingDump(self, rid, num_bytes, stored, None, slot_major=False, on_cuda=True, encoded=encoded)
             pending._finite_flags.append(finite_on_device(hidden_states))
         else:
-            pending = PendingDump(self, rid, num_bytes, hidden_states.detach(), slot_major=False, on_cuda=False)
+            pending = PendingDump(self, rid, num_bytes, stored, hidden_states.detach(), slot_major=False, on_cuda=False)
         pending.commit(token_ids)
         return True
 
@@ -285,7 +327,7 @@ class DumpWriter:
             except Exception as exc:  # a failed write must not kill the server's writer thread
                 self._record_failure(pending, exc)
             finally:
-                pending.host = None  # type: ignore[assignment]  # the buffer goes back before the budget does
+                pending.host = pending.encoded = None  # the buffer goes back before the budget does
                 self._release(pending)
 
     def _write(self, job: _Job) -> None:
@@ -297,17 +339,22 @@ class DumpWriter:
         else:
             finite = all_finite_cpu(pending.host)
         if not finite:
-            report = nonfinite_report(pending.host, slot_axis=0 if pending.slot_major else 1)
+            states = pending.host if pending.encoded is None else decode_hidden_states(pending.encoded)
+            report = nonfinite_report(states, slot_axis=0 if pending.slot_major else 1)
             self.submit_error(pending.rid, report, kind=NONFINITE)
             return
         free = shutil.disk_usage(self.dump_dir).free
-        if free < pending.num_bytes + RECORD_RESERVE_BYTES:  # never eat into the room the records need
+        if free < pending.stored_bytes + RECORD_RESERVE_BYTES:  # never eat into the room the records need
             self._disk_full(pending, free)
             return
         if self.write_delay:
             time.sleep(self.write_delay)
-        states = SlotMajor(pending.host) if pending.slot_major else pending.host
-        write_sample_file(dump_path(self.dump_dir, pending.rid), states, job.token_ids, {VALUES_KEY: VALUES_FINITE}, durable=False)
+        path, metadata = dump_path(self.dump_dir, pending.rid), {VALUES_KEY: VALUES_FINITE}
+        if pending.encoded is not None:
+            write_encoded_sample(path, {**pending.encoded, TOKEN_IDS_KEY: job.token_ids}, metadata, durable=False)
+        else:
+            states = SlotMajor(pending.host) if pending.slot_major else pending.host
+            write_sample_file(path, states, job.token_ids, self.hidden_states_dtype, metadata, durable=False)
         with self._cond:
             self._status.written += 1
             self._status.last_write = time.time()
@@ -317,8 +364,8 @@ class DumpWriter:
         reserve_path(self.dump_dir).unlink(missing_ok=True)
         self.submit_error(
             pending.rid,
-            f"disk full: {self.dump_dir} has {free} bytes free, this dump needs {pending.num_bytes} bytes",
-            kind=DISK_FULL, folder=str(self.dump_dir), needed_bytes=pending.num_bytes, free_bytes=free,
+            f"disk full: {self.dump_dir} has {free} bytes free, this dump needs {pending.stored_bytes} bytes",
+            kind=DISK_FULL, folder=str(self.dump_dir), needed_bytes=pending.stored_bytes, free_bytes=free,
         )
 
     def _record_failure(self, pending: PendingDump, exc: Exception) -> None:

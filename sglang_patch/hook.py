@@ -8,27 +8,31 @@ never touched (this hook always returns None).
 
 What is captured (DESIGN.md §3.1): layer id k is the residual stream entering decoder layer k,
 ``hidden_states + residual`` in SGLang's DeepSeek-V2/V3 code, before any norm. SGLang only
-registers post hooks, and a layer's *inputs* are no use there: the next norm folds the
-residual add into ``residual`` in place (``fused_add_rmsnorm``), so by the time a hook on layer
-k runs, the tensors it was called with hold something else. Hence:
+registers post hooks, and a layer's *inputs* are no use there (the next norm folds the residual
+add in place), so:
 
-- id k >= 1: the output ``(hidden_states, residual, ...)`` of layer k-1, summed at once into
-  a new tensor (before layer k's norm mutates them);
-- id 0: the output of ``embed_tokens`` (layer 0's input; its residual is None), cloned;
-- the final slot: the output of the last layer, summed the same way, before ``model.norm``.
+- id k >= 1: the output of layer k-1, read at once into a new tensor by the reader of the
+  installed SGLang's layer-boundary API (:mod:`sglang_patch.layer_output`: the layer's
+  ``(hidden_states, residual)`` summed up to 0.5.20, SGLang's own residual-stream snapshot
+  from 0.5.21);
+- id 0: the output of ``embed_tokens`` (layer 0's input), cloned;
+- the final slot: the output of the last layer, read the same way, before ``model.norm``.
 
 Each request of an EXTEND pass (rid from ``forward_batch.rids``) gets
-``<dump_dir>/<rid>.safetensors`` with ``hidden_states [seq_len, n_aux + 1, hidden]`` in the
-model dtype and ``token_ids [seq_len]``, written by :class:`sglang_patch.dump_writer.DumpWriter`
-(background threads, atomic files). Only tensor-parallel rank 0 writes; health-check
-requests and decode/idle passes are skipped; a request whose pass reuses a cached prefix
-(``extend_prefix_len > 0``) would give a short dump, so it gets ``<rid>.error.json`` instead.
+``<dump_dir>/<rid>.safetensors`` with ``hidden_states [seq_len, n_aux + 1, hidden]`` in the run's
+storage dtype (bf16, or fp8 with per-token scales) and ``token_ids [seq_len]``, written by
+:class:`sglang_patch.dump_writer.DumpWriter` (encoded on the GPU, host copy, background thread,
+atomic files). Only tensor-parallel rank 0 writes; where reading a layer's state is a collective
+(an owed TP sum completed on a copy), every rank reads it at the same point and discards it.
+Health-check requests and decode/idle passes are skipped; a request whose pass reuses a cached
+prefix (``extend_prefix_len > 0``) would give a short dump, so it gets ``<rid>.error.json``.
 
 Memory: at the pass's first hooked layer each request reserves its bytes in the writer's
 budget and gets a host buffer (or, when the writer stays behind, an error record: the pass
-never waits more than the writer's ``wait_seconds`` in all). Each layer's state is then copied
-to the host at once, :data:`SUM_CHUNK_TOKENS` tokens at a time, so the GPU holds at most one
-chunk of ``hidden + residual`` for the capture, never the whole batch's slots until the last layer.
+never waits more than the writer's ``wait_seconds`` in all). Each layer's state is copied to
+the host as soon as it is read, so the capture holds at most one layer's state on the GPU,
+never the whole batch's slots until the last layer. fp8 dumps are quantised by the writer
+thread (one scale spans every slot of a token, and the slots arrive one layer at a time).
 
 The factory refuses an SGLang outside :data:`sglang_patch.hook_spec.SUPPORTED_RANGE`.
 """
@@ -45,18 +49,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sglang_patch.handoff import CAPTURE_FAILED, PREFIX_REUSED
-from sglang_patch.hook_spec import DUMP_DIR_ENV, HOOK_NAME, UnsupportedSGLangVersion, check_supported_version
+from sglang_patch.hook_spec import DUMP_DIR_ENV, HOOK_NAME, UnsupportedSGLangVersion
 from sglang_patch.layer_ids import validate_aux_layer_ids
+from sglang_patch.layer_output import LayerOutputReader, LayerTupleReader, reader_for
 from sglang_patch.request_ids import is_captured
+from sglang_patch.sample_format import DEFAULT_HIDDEN_STATES_DTYPE, HiddenStatesDtype, check_hidden_states_dtype
 
 if TYPE_CHECKING:  # torch is imported where it is used: importing this module stays cheap
     import torch
 
     from sglang_patch.dump_writer import DumpWriter, PendingDump
-
-# Tokens of one layer's hidden + residual computed (and copied to the host) at a time: the
-# capture's own GPU memory is at most this many tokens × hidden × 2 bytes (117 MB at 7168).
-SUM_CHUNK_TOKENS = 8192
 
 logger = logging.getLogger(__name__)
 
@@ -83,12 +85,13 @@ def capture_hook_factory(config: dict[str, Any] | None) -> HiddenStateCapture:
     Refuses an unsupported SGLang (the server then fails at start-up with the message,
     rather than producing wrong dumps for hours). Config keys: ``aux_layer_ids`` (list of
     ints), ``num_layers`` (the model's decoder-layer count), ``dump_dir`` (else the
-    ``SGLANG_HS_DUMP_DIR`` environment variable), optional ``max_pending_bytes`` (the writer's
-    byte budget; default: from the host's memory) and ``wait_seconds`` (how long a pass may wait
-    for budget before its requests get "writer behind").
+    ``SGLANG_HS_DUMP_DIR`` environment variable), optional ``hidden_states_dtype`` (``bf16``,
+    the default, or ``fp8``), ``max_pending_bytes`` (the writer's byte budget; default: from the
+    host's memory) and ``wait_seconds`` (how long a pass may wait for budget before its requests
+    get "writer behind").
     """
     version = installed_sglang_version()
-    check_supported_version(version)
+    reader = reader_for(version)
     config = dict(config or {})
     missing = [key for key in ("aux_layer_ids", "num_layers") if key not in config]
     if missing:
@@ -102,10 +105,12 @@ def capture_hook_factory(config: dict[str, Any] | None) -> HiddenStateCapture:
         dump_dir=str(dump_dir),
         tp_rank=_sglang_tp_rank,
         writer_options={key: config[key] for key in ("max_pending_bytes", "wait_seconds") if config.get(key) is not None},
+        hidden_states_dtype=config.get("hidden_states_dtype", DEFAULT_HIDDEN_STATES_DTYPE),
+        reader=reader,
     )
     logger.info(
-        "eagleflow capture hook loaded (sglang %s): aux layer ids %s + final %d -> %s",
-        version, capture.aux_layer_ids, capture.num_layers, dump_dir,
+        "eagleflow capture hook loaded (sglang %s, %s API): aux layer ids %s + final %d as %s -> %s",
+        version, reader.api, capture.aux_layer_ids, capture.num_layers, capture.hidden_states_dtype, dump_dir,
     )
     return capture
 
@@ -119,9 +124,11 @@ class HiddenStateCapture:
     :param aux_layer_ids: layer ids to capture, in slot order (the final slot is added).
     :param num_layers: number of decoder layers of the model (id ``num_layers`` = final slot).
     :param dump_dir: where ``<rid>.safetensors`` / ``<rid>.error.json`` appear.
-    :param tp_rank: returns this process's tensor-parallel rank; only rank 0 captures.
+    :param tp_rank: returns this process's tensor-parallel rank; only rank 0 writes.
     :param writer_factory: builds the writer for ``dump_dir`` (the real DumpWriter by default).
     :param writer_options: keyword arguments for the writer (``max_pending_bytes``, ``wait_seconds``).
+    :param hidden_states_dtype: storage dtype of the dumps (``bf16`` or ``fp8``).
+    :param reader: reads a layer's residual-stream state (:func:`sglang_patch.layer_output.reader_for`).
     """
 
     def __init__(
@@ -132,8 +139,12 @@ class HiddenStateCapture:
         tp_rank: Callable[[], int],
         writer_factory: Callable[..., DumpWriter] | None = None,
         writer_options: dict[str, Any] | None = None,
+        hidden_states_dtype: HiddenStatesDtype = DEFAULT_HIDDEN_STATES_DTYPE,
+        reader: LayerOutputReader | None = None,
     ) -> None:
         self.aux_layer_ids = validate_aux_layer_ids(aux_layer_ids, num_layers)
+        self.hidden_states_dtype = check_hidden_states_dtype(hidden_states_dtype)
+        self._reader: LayerOutputReader = reader or LayerTupleReader()
         self.num_layers = num_layers
         self.dump_dir = str(dump_dir)
         self.n_slots = len(self.aux_layer_ids) + 1
@@ -166,20 +177,25 @@ class HiddenStateCapture:
         """``register_forward_hook`` signature; returns None so the output is left as it is."""
         if self._is_rank0 is None:
             self._is_rank0 = self._tp_rank() == 0
-        if not self._is_rank0:
+        if not (self._is_rank0 or self._reader.every_rank):
             return None
         batch = None
         try:
             if not isinstance(output, (tuple, list)):
-                self._on_embedding(output)
+                if self._is_rank0:
+                    self._on_embedding(output)
                 return None
             batch = _forward_batch_of(args)
-            if batch is self._batch and self._pass_done:
-                return None  # this pass already handed its dumps or error records over
-            self._on_layer(module, batch, output)
+            # First, and on every rank alike: a read may be a collective, so no rank may skip it
+            # for a reason of its own (an error, a finished pass) while the others go ahead.
+            state = self._read_state(module, batch, output)
+            if not self._is_rank0 or (batch is self._batch and self._pass_done):
+                return None  # another rank, or a pass that already handed its dumps or errors over
+            self._on_layer(module, batch, state)
         except Exception as exc:  # a capture bug must cost rows, not the server
             logger.exception("eagleflow capture hook failed on %s", type(module).__name__)
-            self._fail_batch(batch, f"capture hook error: {type(exc).__name__}: {exc}")
+            if self._is_rank0 and not (batch is not None and batch is self._batch and self._pass_done):
+                self._fail_batch(batch, f"capture hook error: {type(exc).__name__}: {exc}")  # the pass's first error
         return None
 
     def close(self) -> None:
@@ -196,33 +212,39 @@ class HiddenStateCapture:
         if self._embedding_slots:
             self._embedding = output.detach().clone()
 
-    def _on_layer(self, module: Any, batch: Any, output: Sequence[Any]) -> None:
+    def _read_state(self, module: Any, batch: Any, output: Sequence[Any]) -> torch.Tensor | None:
+        """This layer's residual-stream state when the pass captures it, else None.
+
+        Decided by what every TP rank sees alike (the pass mode, the layer), never by
+        rank 0's own bookkeeping, so every rank that must read reads at the same points.
+        """
+        if not _is_capture_pass(batch.forward_mode) or int(module.layer_id) not in self._slots_of_layer:
+            return None
+        if getattr(batch, "can_run_tbo", False):
+            raise RuntimeError(
+                "two-batch overlap runs this pass's later layers without calling them as modules, so their "
+                "hooks never fire: launch SGLang without --enable-two-batch-overlap"
+            )
+        try:
+            return self._reader.read(output, batch)
+        except RuntimeError as exc:
+            raise RuntimeError(f"layer {int(module.layer_id)}: {exc}") from exc
+
+    def _on_layer(self, module: Any, batch: Any, state: torch.Tensor | None) -> None:
         if not _is_capture_pass(batch.forward_mode):
             self._reset()
             return
         layer_id = int(module.layer_id)
-        hidden_states, residual = output[0], output[1]
-        if batch is not self._batch:
-            self._start_pass(module, batch, hidden_states)
         slots = self._slots_of_layer.get(layer_id)
-        if slots is None:
+        if slots is None or state is None:
             return  # a module this hook was not meant for (the patterns are exact, so: a second model)
-        if getattr(hidden_states, "_sglang_needs_allreduce_fusion", False):
-            # The MLP all-reduce is deferred into the next layer: this is a per-rank partial sum.
-            raise RuntimeError(
-                f"layer {layer_id} output is a per-rank partial sum (flashinfer all-reduce fusion); "
-                "launch SGLang with --enforce-disable-flashinfer-allreduce-fusion"
-            )
-        if int(hidden_states.shape[0]) != self._total_tokens:
-            raise RuntimeError(f"layer {layer_id} output has {int(hidden_states.shape[0])} rows, the pass {self._total_tokens} tokens")
-        # Copied now, chunk by chunk: the next layer's fused add+norm rewrites both tensors in place.
-        for begin in range(0, self._total_tokens, SUM_CHUNK_TOKENS):
-            end = min(begin + SUM_CHUNK_TOKENS, self._total_tokens)
-            part = hidden_states[begin:end].detach()
-            if residual is not None:
-                part = part + residual[begin:end].detach()
-            for slot in slots:
-                self._copy_out(slot, part, begin)
+        if batch is not self._batch:
+            self._start_pass(module, batch, state)
+        if int(state.shape[0]) != self._total_tokens:
+            raise RuntimeError(f"layer {layer_id} output has {int(state.shape[0])} rows, the pass {self._total_tokens} tokens")
+        # Copied out now (the reader's state is a new tensor), so the GPU holds one layer's state at a time.
+        for slot in slots:
+            self._copy_out(slot, state, 0)
         self._filled.update(slots)
         if layer_id == self.num_layers - 1:
             self._finish_pass(batch)
@@ -267,7 +289,7 @@ class HiddenStateCapture:
             )
         if not any(is_captured(rid) for rid in rids):
             return
-        from sglang_patch.sample_file import HIDDEN_STATES_DTYPE
+        from sglang_patch.sample_file import STORAGE_DTYPES
 
         writer = self._get_writer()
         deadline = time.monotonic() + writer.wait_seconds  # the whole pass waits at most this long
@@ -286,7 +308,7 @@ class HiddenStateCapture:
                 )
                 continue
             dump = writer.begin(
-                rid, length, self.n_slots, int(hidden_states.shape[-1]), HIDDEN_STATES_DTYPE,
+                rid, length, self.n_slots, int(hidden_states.shape[-1]), STORAGE_DTYPES["bf16"],
                 on_cuda=bool(hidden_states.is_cuda), deadline=deadline,
             )
             if dump is not None:
@@ -331,7 +353,7 @@ class HiddenStateCapture:
                 factory = self._writer_factory
                 if factory is None:
                     from sglang_patch.dump_writer import DumpWriter as factory
-                self._writer = factory(self.dump_dir, **self._writer_options)
+                self._writer = factory(self.dump_dir, hidden_states_dtype=self.hidden_states_dtype, **self._writer_options)
                 atexit.register(self.close)
             return self._writer
 

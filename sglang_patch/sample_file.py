@@ -1,8 +1,16 @@
 """The per-sample hidden-state file (DESIGN.md §3.2): the one definition of its format.
 
-``hidden_states``: ``[seq_len, n_slots, hidden]`` in the model dtype (bf16), slots = aux layer ids
-in order, then the last layer's output before the final norm; ``token_ids``: ``[seq_len]`` int64.
-This is exactly what ``speculators`` reads (``hs_connectors.FileTransfer``).
+Every file holds ``hidden_states [seq_len, n_slots, hidden]`` (slots = aux layer ids in order,
+then the last layer's output before the final norm) and ``token_ids [seq_len]`` int64, in one
+of two storage dtypes (:mod:`sglang_patch.sample_format`):
+
+- ``bf16``: the states in bf16, what ``speculators`` reads with its ``file`` backend
+  (``hs_connectors.FileTransfer``);
+- ``fp8``: the states as float8_e4m3fn plus ``hidden_states_scales [seq_len, 1, 1]`` float32,
+  one scale per token over all slots, what speculators 0.9 reads with ``--hidden-states-backend
+  fp8`` (``hs_connectors.FP8Transfer``: ``fp8.to(bf16) * scale.to(bf16)``). The quantisation is
+  hs-connectors' own (``fp8_utils.quantize_tensor_to_fp8``): ``scale = max(amax / 448, 1e-12)``,
+  ``fp8 = (x.float() / scale).to(float8_e4m3fn)``, the same bytes.
 
 The file is a plain safetensors file, written here without ``safetensors.save_file``: that
 function first copies every tensor into a Python ``bytes`` object, a second copy of hundreds of
@@ -29,17 +37,23 @@ from pathlib import Path
 import torch
 
 from sglang_patch.file_mode import published_file_mode
+from sglang_patch.sample_format import HIDDEN_STATES_DTYPES, HiddenStatesDtype, check_hidden_states_dtype
 
 HIDDEN_STATES_KEY = "hidden_states"
 TOKEN_IDS_KEY = "token_ids"
-HIDDEN_STATES_DTYPE = torch.bfloat16
+SCALES_KEY = "hidden_states_scales"
 TOKEN_IDS_DTYPE = torch.int64
+SCALES_DTYPE = torch.float32
+STORAGE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+FP8_MIN_SCALE = 1e-12  # hs-connectors' clamp: an all-zero token still gets a usable scale
+assert set(STORAGE_DTYPES) == set(HIDDEN_STATES_DTYPES), "every named storage dtype needs its torch dtype"
 # __metadata__ key of the writer's verdict on the states' values; VALUES_FINITE = checked, no NaN/Inf.
 VALUES_KEY = "eagleflow.values"
 VALUES_FINITE = "finite"
 
 SAFETENSORS_DTYPE_NAMES = {
     torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64", torch.int32: "I32",
+    torch.float8_e4m3fn: "F8_E4M3",
 }
 _IOV_MAX = 1024  # Linux's limit of buffers per writev call
 _WRITE_CHUNK = 1 << 30  # one write() moves at most ~2 GB on Linux; stay well below
@@ -63,44 +77,141 @@ class SlotMajor:
         return [seq_len, slots, hidden]
 
 
-def sample_file_bytes(seq_len: int, n_slots: int, hidden: int, dtype: torch.dtype = HIDDEN_STATES_DTYPE) -> int:
-    """Bytes of the two tensors of one sample (the file adds a header of a few hundred bytes)."""
-    item = torch.empty((), dtype=dtype).element_size()
-    return seq_len * n_slots * hidden * item + seq_len * torch.empty((), dtype=TOKEN_IDS_DTYPE).element_size()
+def sample_file_bytes(seq_len: int, n_slots: int, hidden: int, hidden_states_dtype: HiddenStatesDtype = "bf16") -> int:
+    """Bytes of one sample's tensors (:func:`bytes_per_token` × ``seq_len``; the header comes on top)."""
+    return seq_len * bytes_per_token(n_slots, hidden, hidden_states_dtype)
+
+
+def sample_keys(hidden_states_dtype: HiddenStatesDtype) -> set[str]:
+    """The tensors a file of that storage dtype holds, no more, no less."""
+    keys = {HIDDEN_STATES_KEY, TOKEN_IDS_KEY}
+    return keys | {SCALES_KEY} if hidden_states_dtype == "fp8" else keys
+
+
+def storage_dtype_of(tensor_dtype: torch.dtype) -> HiddenStatesDtype | None:
+    """Which storage dtype a file's ``hidden_states`` tensor dtype belongs to (None: neither)."""
+    for name, dtype in STORAGE_DTYPES.items():
+        if dtype == tensor_dtype:
+            return name  # type: ignore[return-value]
+    return None
+
+
+def bytes_per_token(n_slots: int, hidden: int, hidden_states_dtype: HiddenStatesDtype) -> int:
+    """Bytes one token takes in a file: its states, its token id and (fp8) its scale.
+
+    The safetensors header (a few hundred bytes per file) comes on top.
+    """
+    dtype = check_hidden_states_dtype(hidden_states_dtype)
+    size = n_slots * hidden * STORAGE_DTYPES[dtype].itemsize + TOKEN_IDS_DTYPE.itemsize
+    return size + SCALES_DTYPE.itemsize if dtype == "fp8" else size
+
+
+def quantize_fp8(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fp8 states, float32 scales [seq_len, 1, 1])`` on the states' own device.
+
+    Byte-identical to hs-connectors' ``quantize_tensor_to_fp8``; the per-token maximum is
+    taken on the input dtype (exact) and the division done in place, so the only float32
+    temporary is one copy of the states.
+    """
+    fp8 = STORAGE_DTYPES["fp8"]
+    reduce_dims = tuple(range(1, hidden_states.dim()))
+    amax = hidden_states.detach().abs().amax(dim=reduce_dims, keepdim=True).float()
+    scales = (amax / torch.finfo(fp8).max).clamp(min=FP8_MIN_SCALE)
+    values = hidden_states.detach().to(torch.float32, copy=True)  # a copy even of float32 states: divided in place
+    values.div_(scales)
+    return values.to(fp8), scales
+
+
+def encode_hidden_states(hidden_states: torch.Tensor, hidden_states_dtype: HiddenStatesDtype) -> dict[str, torch.Tensor]:
+    """The file's state tensors for ``hidden_states`` (any float dtype), on its own device.
+
+    Run it where the states are (the GPU in a server): an fp8 file then crosses to the host
+    at half the bytes of bf16.
+    """
+    dtype = check_hidden_states_dtype(hidden_states_dtype)
+    if hidden_states.dim() != 3:
+        raise ValueError(f"hidden_states must be [seq_len, n_slots, hidden], got shape {tuple(hidden_states.shape)}")
+    if dtype == "fp8":
+        values, scales = quantize_fp8(hidden_states)
+        return {HIDDEN_STATES_KEY: values, SCALES_KEY: scales}
+    return {HIDDEN_STATES_KEY: hidden_states.detach().to(STORAGE_DTYPES[dtype])}
+
+
+def decode_hidden_states(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The states of a loaded file in ``dtype``, dequantised the way speculators does for fp8."""
+    states = tensors[HIDDEN_STATES_KEY]
+    if SCALES_KEY in tensors:
+        return states.to(dtype) * tensors[SCALES_KEY].to(dtype)
+    return states.to(dtype)
 
 
 def write_sample_file(
     path: str | os.PathLike[str],
     hidden_states: torch.Tensor | SlotMajor,
     token_ids: torch.Tensor,
+    hidden_states_dtype: HiddenStatesDtype = "bf16",
     metadata: Mapping[str, str] | None = None,
     durable: bool = True,
 ) -> Path:
-    """Write one sample atomically: temp file in the same folder, (fsync,) rename.
+    """Encode ``hidden_states`` in ``hidden_states_dtype`` and write one sample atomically.
+
+    bf16 states held :class:`SlotMajor` are written as they are (the write interleaves the
+    slots); fp8 is quantised first, which needs every slot of a token (one scale per token).
+    """
+    dtype = check_hidden_states_dtype(hidden_states_dtype)
+    if isinstance(hidden_states, SlotMajor) and (dtype != "bf16" or hidden_states.states.dtype != STORAGE_DTYPES["bf16"]):
+        hidden_states = hidden_states.states.permute(1, 0, 2)  # a view: the encoding below makes the token-major copy
+    if isinstance(hidden_states, SlotMajor):
+        encoded: dict[str, torch.Tensor | SlotMajor] = {HIDDEN_STATES_KEY: hidden_states}
+    else:
+        encoded = {k: v.to("cpu") for k, v in encode_hidden_states(hidden_states, dtype).items()}
+    return write_encoded_sample(path, {**encoded, TOKEN_IDS_KEY: token_ids}, metadata=metadata, durable=durable)
+
+
+def write_encoded_sample(
+    path: str | os.PathLike[str],
+    tensors: Mapping[str, torch.Tensor | SlotMajor],
+    metadata: Mapping[str, str] | None = None,
+    durable: bool = True,
+) -> Path:
+    """Write host tensors made by :func:`encode_hidden_states` plus ``token_ids``: temp file, (fsync,) rename.
 
     A reader therefore sees either no file or a complete one; a write killed midway leaves
-    only a dot-named ``.tmp`` file that no reader globs for. ``durable=False`` skips the fsync:
-    for hand-off files whose reader makes them durable itself, once per batch of files.
+    only a dot-named ``.tmp`` file that no reader globs for. The tensors' own memory goes to the
+    kernel (no ``bytes`` copy). ``durable=False`` skips the fsync: for hand-off files whose
+    reader makes them durable itself, once per batch of files.
     """
     path = Path(path)
-    states = _states_tensor(hidden_states)
+    held = tensors[HIDDEN_STATES_KEY]
+    states = _states_tensor(held)
+    token_ids = tensors[TOKEN_IDS_KEY]
+    stored = storage_dtype_of(states.dtype)
+    if stored is None or set(tensors) != sample_keys(stored):
+        raise ValueError(f"not an encoded sample: hidden_states {states.dtype}, tensors {sorted(tensors)}")
     if states.dim() != 3:
         raise ValueError(f"hidden_states must be [seq_len, n_slots, hidden], got shape {tuple(states.shape)}")
-    seq_len = states.shape[1] if isinstance(hidden_states, SlotMajor) else states.shape[0]
-    if token_ids.dim() != 1 or token_ids.shape[0] != seq_len:
+    shape = held.stored_shape if isinstance(held, SlotMajor) else list(states.shape)
+    seq_len = shape[0]
+    if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1 or token_ids.shape[0] != seq_len:
         raise ValueError(f"token_ids must be [seq_len={seq_len}], got shape {tuple(token_ids.shape)}")
-    states = states.detach().to("cpu", HIDDEN_STATES_DTYPE).contiguous()
-    tensors: dict[str, tuple[torch.Tensor, list[int]]] = {
+    scales = tensors.get(SCALES_KEY)
+    if scales is not None and (
+        not isinstance(scales, torch.Tensor) or scales.dtype != SCALES_DTYPE or tuple(scales.shape) != (seq_len, 1, 1)
+    ):
+        raise ValueError(f"{SCALES_KEY} must be [seq_len={seq_len}, 1, 1] float32, got {scales}")
+    out: dict[str, tuple[torch.Tensor, list[int]]] = {
         TOKEN_IDS_KEY: (token_ids.detach().to("cpu", TOKEN_IDS_DTYPE).contiguous(), [seq_len]),
-        HIDDEN_STATES_KEY: (states, SlotMajor(states).stored_shape if isinstance(hidden_states, SlotMajor) else list(states.shape)),
+        HIDDEN_STATES_KEY: (states.detach().to("cpu").contiguous(), shape),
     }
+    if scales is not None:
+        out[SCALES_KEY] = (scales.detach().to("cpu").contiguous(), [seq_len, 1, 1])
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, published_file_mode())  # mkstemp makes 0600; the extractor may be another user
-        _write_all(fd, _header(tensors, metadata))
-        for name, (tensor, _) in tensors.items():
-            if name == HIDDEN_STATES_KEY and isinstance(hidden_states, SlotMajor):
+        _write_all(fd, _header(out, metadata))
+        for name, (tensor, _) in out.items():
+            if name == HIDDEN_STATES_KEY and isinstance(held, SlotMajor):
                 _writev_all(fd, _slot_major_pieces(tensor))
             else:
                 _write_all(fd, _bytes_view(tensor))

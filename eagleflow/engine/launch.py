@@ -28,6 +28,7 @@ def engine_command(cfg: PipelineConfig, port: int) -> tuple[list[str], dict[str,
         engine = ReferenceEngineConfig(
             model=model_dir(cfg), dump_dir=layout.dump_dir, aux_layers=aux_ids, host="127.0.0.1", port=port,
             dump_queue_bytes=cfg.dump_queue_bytes,
+            hidden_states_dtype=cfg.hidden_states_dtype,
         )
         argv = [sys.executable, "-u", "-m", "eagleflow", "serve-reference", *model_to_argv(engine)]
         return argv + list(cfg.server_extra_args), {"PYTHONUNBUFFERED": "1"}
@@ -41,6 +42,7 @@ def engine_command(cfg: PipelineConfig, port: int) -> tuple[list[str], dict[str,
         aux_layer_ids=aux_ids,
         dump_dir=str(layout.dump_dir),
         dump_queue_bytes=cfg.dump_queue_bytes,
+        hidden_states_dtype=cfg.hidden_states_dtype,
         extra_args=list(cfg.server_extra_args),
     )
     return build_command(sglang)

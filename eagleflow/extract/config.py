@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, field_validator
 
-from eagleflow.config import AuxLayerIds
+from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype
 
 
 class ExtractConfig(BaseModel):
@@ -18,6 +18,7 @@ class ExtractConfig(BaseModel):
     rows: str = Field(description="START:END, end exclusive")
     model: Path = Field(description="verifier model folder (hidden size)")
     aux_layer_ids: AuxLayerIds = Field(description="captured layer ids; the files hold one more slot, the final state")
+    hidden_states_dtype: StoredHiddenStatesDtype
     manifest: Path | None = Field(None, description="shard manifest path; default: the run folder's shards/rows_S-E.json beside --dataset")
     concurrency: int = Field(8, ge=1, le=256, description="requests kept in flight")
     server_pid: int | None = Field(None, description="engine process id on this machine, watched so a dead engine stops the shard at once")

@@ -154,7 +154,10 @@ class ShardExtractor:
         todo = []
         for offset, ids in enumerate(rows):
             row = self.start + offset
-            check = validate(sample_path(self.hidden_dir, row), ids, self.n_slots, self.hidden_size, check_values=False)
+            check = validate(
+                sample_path(self.hidden_dir, row), ids, self.n_slots, self.hidden_size, self.cfg.hidden_states_dtype,
+                check_values=False,
+            )
             if check.ok:
                 self.report.skipped += 1
                 continue
@@ -261,9 +264,9 @@ class ShardExtractor:
             prompt_tokens = meta.get("prompt_tokens")
             if prompt_tokens is not None and int(prompt_tokens) != len(ids):
                 raise RowFailed(f"engine counted {prompt_tokens} prompt tokens, the row has {len(ids)}")
-            needed = sample_file_bytes(len(ids), self.n_slots, self.hidden_size)
+            needed = sample_file_bytes(len(ids), self.n_slots, self.hidden_size, self.cfg.hidden_states_dtype)
             dump = wait_for_dump(self.cfg.dump_dir, rid, answered_at, self.cfg.dump_wait, self._stop, _say, self.sleep, needed)
-            check = validate(dump, ids, self.n_slots, self.hidden_size, trust_writer_verdict=True)
+            check = validate(dump, ids, self.n_slots, self.hidden_size, self.cfg.hidden_states_dtype, trust_writer_verdict=True)
             if not check.ok:
                 raise RowFailed(f"dump {dump.name} is not usable: {check.reason}")
             target = sample_path(self.hidden_dir, row)

@@ -27,7 +27,7 @@ FAILED_SHARD = FAIL_ROW // SHARD_SIZE  # map index of rows_10-20
 SHARD_NAMES = [f"rows_{s}-{s + SHARD_SIZE}" for s in range(0, ROWS, SHARD_SIZE)]
 SETUPS_AND_TEARDOWN = ["launch_server", "wait_server_ready", "stop_server"]
 DOWNSTREAM = ["build_vocab", "train_drafter", "plot_metrics", "export_drafter", "evaluate_drafter"]
-UNTOUCHED = ["prepare_dataset", "dataset_stats", "check_disk", "plan_shards"]
+UNTOUCHED = ["regenerate_dataset", "prepare_dataset", "dataset_stats", "check_disk", "plan_shards"]
 RUN_TIMEOUT = 600.0
 MAX_LEN = 256
 
@@ -263,8 +263,8 @@ def test_bad_aux_layer_ids_are_refused_at_trigger_or_by_the_first_tasks(
         assert "aux_layer_ids" in json.dumps(refused), refused
         airflow_stack.request("GET", f"/dags/{DAG_ID}/dagRuns/bad-aux-{ids[0]}", expect=404)
 
-    # The verifier's depth (8 layers) lives in its folder, on the workers: the first tasks that
-    # start read it and fail, naming the Param; nothing downstream of them runs.
+    # The verifier's depth (8 layers) lives in its folder, on the workers: the first task that
+    # starts (the engine's launch) reads it and fails, naming the Param; nothing after it runs.
     run_id = "bad-aux-depth"
     airflow_stack.request(
         "POST", f"/dags/{DAG_ID}/dagRuns",
@@ -272,10 +272,9 @@ def test_bad_aux_layer_ids_are_refused_at_trigger_or_by_the_first_tasks(
     )
     assert airflow_stack.wait_for_run(run_id, RUN_TIMEOUT) == "failed", airflow_stack.describe(run_id)
     tis = airflow_stack.task_instances(run_id)
-    for root in ("launch_server", "prepare_dataset"):
-        assert tis[(root, -1)]["state"] == "failed", airflow_stack.describe(run_id)
-        log = airflow_stack.task_log(run_id, root, tis[(root, -1)]["try_number"])
-        assert "Param aux_layer_ids: aux layer ids [9] are outside 0..8" in log, log[-2000:]
+    assert tis[("launch_server", -1)]["state"] == "failed", airflow_stack.describe(run_id)
+    log = airflow_stack.task_log(run_id, "launch_server", tis[("launch_server", -1)]["try_number"])
+    assert "Param aux_layer_ids: aux layer ids [9] are outside 0..8" in log, log[-2000:]
     ran = {task for (task, _), ti in tis.items() if ti["state"] not in ("upstream_failed", "skipped", None)}
-    assert ran <= {"launch_server", "prepare_dataset", "stop_server"}, airflow_stack.describe(run_id)
+    assert ran <= {"launch_server", "stop_server"}, airflow_stack.describe(run_id)
     assert not (tmp_path / "runs" / "bad-aux" / "dataset").exists()

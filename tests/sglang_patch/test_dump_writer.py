@@ -98,6 +98,35 @@ def test_slot_major_buffers_write_the_same_file_as_token_major_states(tmp_path: 
     assert dump_path(tmp_path, "row3-a").read_bytes() == dump_path(tmp_path, "row4-a").read_bytes()
 
 
+def test_fp8_dumps_match_the_sample_formats_encoder_from_either_buffer_and_disk_full_names_the_stored_bytes(small_tmpfs) -> None:
+    """A writer asked for fp8 writes what the sample format's own encoder makes (from a whole
+    tensor and from the hook's slot-major buffer), with the finiteness verdict; "disk full"
+    counts the fp8 bytes the file would take, not the bf16 ones."""
+    from sglang_patch.sample_file import encode_hidden_states
+
+    folder = small_tmpfs("1m")
+    writer = DumpWriter(folder, hidden_states_dtype="fp8")
+    x = states(8)
+    pending = writer.begin("row8-a", SEQ, SLOTS, HIDDEN, torch.bfloat16, on_cuda=False)
+    assert pending is not None
+    for slot in range(SLOTS):
+        pending.put(slot, x[:, slot])
+    pending.commit(torch.arange(SEQ))
+    writer.submit("row9-a", x.clone(), torch.arange(SEQ))
+    writer.submit("row10-a", states(10, seq=8192), torch.arange(8192))  # 8192 × 4 × 64 × 1 B = 2 MiB of fp8
+    writer.close()
+    expected = encode_hidden_states(x, "fp8")
+    for rid in ("row8-a", "row9-a"):
+        sample = load_file(dump_path(folder, rid))
+        assert sample["hidden_states"].dtype == torch.float8_e4m3fn
+        assert torch.equal(sample["hidden_states"].view(torch.uint8), expected["hidden_states"].view(torch.uint8))
+        assert torch.equal(sample["hidden_states_scales"], expected["hidden_states_scales"])
+        with safe_open(str(dump_path(folder, rid)), "pt") as handle:
+            assert handle.metadata() == {VALUES_KEY: VALUES_FINITE}
+    record = ErrorRecord.read(error_path(folder, "row10-a"))
+    assert record.kind == DISK_FULL and record.details["needed_bytes"] == sample_file_bytes(8192, SLOTS, HIDDEN, "fp8")
+
+
 def test_default_budget_is_sized_from_the_hosts_memory() -> None:
     import os
 

@@ -80,7 +80,10 @@ class ReferenceEngine:
         # Only the last position's logits are needed; older/remote modelling code may lack the knob.
         self._logits_kwargs = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
         self.writer = (
-            DumpWriter(config.dump_dir, max_pending_bytes=config.dump_queue_bytes, write_delay=config.test_write_delay)
+            DumpWriter(
+                config.dump_dir, max_pending_bytes=config.dump_queue_bytes, write_delay=config.test_write_delay,
+                hidden_states_dtype=config.hidden_states_dtype,
+            )
             if config.dump_dir is not None
             else None
         )
