@@ -36,7 +36,6 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +66,7 @@ from sglang_patch.sample_file import (
     write_encoded_sample,
     write_sample_file,
 )
+from sglang_patch.pending_dump import Job, PendingDump, host_bytes
 from sglang_patch.sample_format import DEFAULT_HIDDEN_STATES_DTYPE, HiddenStatesDtype, check_hidden_states_dtype
 
 DEFAULT_WAIT_SECONDS = 2.0
@@ -84,79 +84,6 @@ def default_queue_budget() -> int:
     except (ValueError, OSError):
         memory = 8 << 30
     return int(min(max(memory // _MEMORY_SHARE, _BUDGET_FLOOR), _BUDGET_CAP))
-
-
-def _host_bytes(numel: int, dtype: torch.dtype, seq_len: int) -> int:
-    """Host bytes of states held in ``dtype`` plus their token ids."""
-    return numel * dtype.itemsize + seq_len * torch.int64.itemsize
-
-
-class PendingDump:
-    """One request's reserved host buffer, filled slot by slot, then handed to a writer thread.
-
-    :param num_bytes: the host bytes reserved for it in the writer's budget.
-    :param stored_bytes: the bytes its file's tensors take on disk.
-    :param host: the states in the model dtype: ``[n_slots, seq_len, hidden]`` when ``slot_major``
-        (filled per slot by :meth:`put`), else the caller's ``[seq_len, n_slots, hidden]`` tensor
-        itself; None when ``encoded`` holds them.
-    :param encoded: the file's state tensors already in the storage dtype (on the host).
-    """
-
-    def __init__(
-        self,
-        writer: DumpWriter,
-        rid: str,
-        num_bytes: int,
-        stored_bytes: int,
-        host: torch.Tensor | None,
-        slot_major: bool,
-        on_cuda: bool,
-        encoded: dict[str, torch.Tensor] | None = None,
-    ) -> None:
-        self.writer, self.rid, self.num_bytes, self.stored_bytes = writer, rid, num_bytes, stored_bytes
-        self.host, self.slot_major, self.on_cuda, self.encoded = host, slot_major, on_cuda, encoded
-        self._finite_flags: list[torch.Tensor] = []  # device verdicts, read after the copy's event
-        self._done = False
-
-    def put(self, slot: int, states: torch.Tensor, start: int = 0) -> None:
-        """Copy ``[tokens, hidden]`` states of ``slot`` (tokens ``start``…) into the host buffer."""
-        self.host[slot, start : start + states.shape[0]].copy_(states.detach(), non_blocking=self.on_cuda)
-        if states.is_cuda:
-            self._finite_flags.append(finite_on_device(states))
-
-    def commit(self, token_ids: torch.Tensor) -> None:
-        """Queue the buffer for writing (CUDA copies finish on the writer's side, after an event)."""
-        if self._done:
-            return
-        self._done = True
-        event = verdict = None
-        if self.on_cuda:
-            ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-            ids.copy_(token_ids.detach(), non_blocking=True)
-            if self._finite_flags:
-                verdict = torch.empty(len(self._finite_flags), dtype=torch.bool, pin_memory=True)
-                verdict.copy_(torch.stack(self._finite_flags), non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        else:
-            ids = token_ids.detach().cpu()
-        self.writer._enqueue(_Job(self, ids, event, verdict))
-
-    def cancel(self, reason: str, kind: str, retryable: bool = False, **details: Any) -> None:
-        """Give the reservation back and record why this request has no dump."""
-        if self._done:
-            return
-        self._done = True
-        self.writer._release(self)
-        self.writer.submit_error(self.rid, reason, kind=kind, retryable=retryable, **details)
-
-
-@dataclass
-class _Job:
-    pending: PendingDump
-    token_ids: torch.Tensor
-    event: Any
-    verdict: torch.Tensor | None
 
 
 class DumpWriter:
@@ -190,7 +117,7 @@ class DumpWriter:
         self._status = WriterStatus(pid=os.getpid(), host=socket.gethostname(), started=time.time(), budget_bytes=self.budget)
         self._unwritten_records: dict[str, int] = {}  # rid -> records queued, not yet on disk
         self._errors: list[str] = []
-        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._records: queue.Queue[ErrorRecord | None] = queue.Queue()
         self._closed = False
         self._reserve_space()
@@ -210,7 +137,7 @@ class DumpWriter:
         :param deadline: ``time.monotonic()`` after which not to wait for budget (a pass of many
             requests waits ``wait_seconds`` in all, not per request).
         """
-        num_bytes = _host_bytes(seq_len * n_slots * hidden, dtype, seq_len)
+        num_bytes = host_bytes(seq_len * n_slots * hidden, dtype, seq_len)
         if not self._reserve(rid, num_bytes, deadline):
             return None
         host = torch.empty((n_slots, seq_len, hidden), dtype=dtype, pin_memory=on_cuda)
@@ -226,7 +153,7 @@ class DumpWriter:
         seq_len, n_slots, hidden = hidden_states.shape
         stored = sample_file_bytes(seq_len, n_slots, hidden, self.hidden_states_dtype)
         # On a GPU the host holds the encoded tensors; a CPU tensor is held as it is.
-        num_bytes = stored if hidden_states.is_cuda else _host_bytes(hidden_states.numel(), hidden_states.dtype, seq_len)
+        num_bytes = stored if hidden_states.is_cuda else host_bytes(hidden_states.numel(), hidden_states.dtype, seq_len)
         if not self._reserve(rid, num_bytes):
             return False
         if hidden_states.is_cuda:
@@ -314,7 +241,7 @@ class DumpWriter:
                 self._status.pending_bytes -= pending.num_bytes
             self._cond.notify_all()
 
-    def _enqueue(self, job: _Job) -> None:
+    def _enqueue(self, job: Job) -> None:
         self._jobs.put(job)
 
     # -- threads ---------------------------------------------------------------------------
@@ -330,7 +257,7 @@ class DumpWriter:
                 pending.host = pending.encoded = None  # the buffer goes back before the budget does
                 self._release(pending)
 
-    def _write(self, job: _Job) -> None:
+    def _write(self, job: Job) -> None:
         pending = job.pending
         if job.event is not None:
             job.event.synchronize()

@@ -58,7 +58,8 @@ from sglang_patch.sample_format import DEFAULT_HIDDEN_STATES_DTYPE, HiddenStates
 if TYPE_CHECKING:  # torch is imported where it is used: importing this module stays cheap
     import torch
 
-    from sglang_patch.dump_writer import DumpWriter, PendingDump
+    from sglang_patch.dump_writer import DumpWriter
+    from sglang_patch.pending_dump import PendingDump
 
 logger = logging.getLogger(__name__)
 
