@@ -89,7 +89,7 @@ def hook_pass_seconds(folder: Path, layers: dict, batch_ids) -> tuple[float, flo
     from sglang_patch.hook import HiddenStateCapture
 
     capture = HiddenStateCapture(AUX, NUM_LAYERS, folder, tp_rank=lambda: 0,
-                                 writer_factory=lambda d: DumpWriter(d, max_pending_bytes=8 << 30, write_delay=0.0))
+                                 writer_factory=lambda d, **kw: DumpWriter(d, max_pending_bytes=8 << 30, **kw))
     config = SimpleNamespace(num_hidden_layers=NUM_LAYERS)
     modules = {i: SimpleNamespace(layer_id=i, config=config) for i in layers}
     batch = SimpleNamespace(forward_mode=_Mode(), rids=["row0-a", "row1-b"], input_ids=batch_ids,
