@@ -23,7 +23,9 @@ from pathlib import Path
 from bench_common import REPO, Row, median, print_table, scratch
 
 AUX, ROWS, DRAFT_VOCAB = [2, 4, 6], 64, 256
-FAST = ["--epochs", "1", "--total-seq-len", "256", "--num-workers", "0", "--draft-vocab-size", str(DRAFT_VOCAB), "--device", "cpu"]
+# No noise: speculators 0.9.0 has none, so eagleflow's own would be extra work, not overhead.
+FAST = ["--epochs", "1", "--total-seq-len", "256", "--num-workers", "0", "--draft-vocab-size", str(DRAFT_VOCAB), "--device", "cpu",
+        "--noise-std", "0"]
 GOAL_OVERHEAD = 0.05
 PAIRS = 2
 
@@ -67,10 +69,11 @@ def speculators_argv(model: Path, dataset: Path, out: Path) -> list[str]:
     from eagleflow.layout import TrainLayout
     from eagleflow.train.child import Device, speculators_flags
     from eagleflow.train.config import TrainConfig
+    from eagleflow.train.speculators_support import installed_release
 
     cfg = TrainConfig(dataset=dataset, verifier=model, out=out, aux_layer_ids=AUX, epochs=1, total_seq_len=256,
-                      num_workers=0, draft_vocab_size=DRAFT_VOCAB, device="cpu")
-    return speculators_flags(cfg, model.absolute(), Device("cpu", 0), TrainLayout(out))
+                      num_workers=0, draft_vocab_size=DRAFT_VOCAB, device="cpu", noise_std=0.0)
+    return speculators_flags(cfg, model.absolute(), Device("cpu", 0), TrainLayout(out), installed_release())
 
 
 def timed(argv: list[str]) -> float:
