@@ -21,13 +21,16 @@ def test_the_dag_tells_the_story(eagleflow_dag) -> None:
     dag = eagleflow_dag
     tasks = dag.task_dict
     assert set(tasks) == {
-        "launch_server", "wait_server_ready", "regenerate_dataset", "prepare_dataset", "dataset_stats", "check_disk", "plan_shards",
-        "extract_shard", "stop_server", "build_vocab", "train_drafter", "plot_metrics", "export_drafter",
-        "evaluate_drafter",
+        "launch_server", "wait_server_ready", "regenerate_dataset", "prepare_dataset", "dataset_stats", "check_disk",
+        "plan_shards", "verify_capture", "extract_shard", "stop_server", "build_vocab", "train_drafter", "plot_metrics",
+        "export_drafter", "evaluate_drafter",
     }
-    assert tasks["launch_server"].is_setup and tasks["wait_server_ready"].is_setup and tasks["stop_server"].is_teardown
+    # The capture check is a setup too: clearing a shard re-checks the restarted engine.
+    assert all(tasks[name].is_setup for name in ("launch_server", "wait_server_ready", "verify_capture"))
+    assert tasks["stop_server"].is_teardown
     assert tasks["wait_server_ready"].upstream_task_ids == {"launch_server"}
-    assert tasks["extract_shard"].upstream_task_ids == {"wait_server_ready", "plan_shards", "check_disk"}
+    assert tasks["verify_capture"].upstream_task_ids == {"wait_server_ready", "prepare_dataset"}
+    assert tasks["extract_shard"].upstream_task_ids == {"wait_server_ready", "verify_capture", "plan_shards", "check_disk"}
     assert tasks["stop_server"].upstream_task_ids >= {"extract_shard"}
     # dataset work runs beside the warmup: nothing of it waits for the engine to be ready (the
     # regeneration, when on, waits inside its own task; off, it returns at once after the launch)
@@ -48,7 +51,9 @@ def test_engine_extraction_and_training_run_on_the_gpu_queue_and_pool(eagleflow_
     from eagleflow.deploy import GPU_POOL, GPU_QUEUE
 
     on_gpu = {t.task_id for t in eagleflow_dag.tasks if (t.queue, t.pool) == (GPU_QUEUE, GPU_POOL)}
-    assert on_gpu == {"launch_server", "wait_server_ready", "extract_shard", "stop_server", "train_drafter", "evaluate_drafter"}
+    assert on_gpu == {
+        "launch_server", "wait_server_ready", "verify_capture", "extract_shard", "stop_server", "train_drafter", "evaluate_drafter",
+    }
     for task in eagleflow_dag.tasks:
         if task.task_id not in on_gpu:
             assert task.pool != GPU_POOL
@@ -60,10 +65,10 @@ def test_every_param_has_a_title_and_description(eagleflow_dag) -> None:
                  "max_len", "concurrency", "server_port", "server_extra_args", "server_url", "epochs", "lr",
                  "noise_std", "ttt_steps", "draft_vocab_size", "serve_with", "eval_rows", "eval_max_new_tokens",
                  "eval_concurrency", "regenerate_responses", "regen_temperature", "regen_max_new_tokens",
-                 "regen_concurrency"):
+                 "regen_concurrency", "verify_rows"):
         param = params.get_param(name)
         assert param.schema.get("title") and param.description, name
-    assert params.get_param("shard_size").value == 2000
+    assert params.get_param("shard_size").value == 2000 and params.get_param("verify_rows").value == 4
     assert params.get_param("epochs").value == 5 and params.get_param("lr").value == 3e-5
 
 
