@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from eagleflow.engine.capture import CAPTURE_DTYPE_NAME, HiddenStateCapture
+from eagleflow.engine.capture import HiddenStateCapture
 
 if TYPE_CHECKING:
     import torch
@@ -74,10 +74,12 @@ class FaultyCapture(HiddenStateCapture):
     def stacked(self) -> torch.Tensor:
         import torch
 
+        from sglang_patch.sample_file import STORAGE_DTYPES
+
         r = {k: v[0].float() for k, v in self._records.items()}
         slots = [self._state(r, k) for k in self.aux_layer_ids]
         final = r[_NORM_OUTPUT] if self.fault == "post-norm-final" else self._state(r, self.num_layers)
-        return torch.stack([*slots, final], dim=1).to(getattr(torch, CAPTURE_DTYPE_NAME))
+        return torch.stack([*slots, final], dim=1).to(STORAGE_DTYPES["bf16"])  # what HiddenStateCapture gives
 
 
 class PrefixCache:
