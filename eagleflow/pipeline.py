@@ -229,6 +229,7 @@ class PipelineConfig(BaseModel):
             "dump_dir": dump_dir,
             "model": model_dir(self),
             "aux_layer_ids": self.resolved_aux_layer_ids(),
+            "hidden_states_dtype": self.hidden_states_dtype,
             "out": self.layout.capture_check,
         }
         return build_model(VerifyCaptureConfig, values, param_name)

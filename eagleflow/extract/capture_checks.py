@@ -30,11 +30,8 @@ from typing import Any
 import torch
 
 from eagleflow.engine.reference.draft_model import rms_norm
+from sglang_patch.sample_file import HIDDEN_STATES_KEY, SCALES_KEY
 
-LOGPROB_ATOL = 0.02
-# bf16 keeps 8 significant bits: the engine's logits and the captured state are each rounded to
-# within 2^-9 of their size, and a log-probability carries up to twice its logits' error.
-LOGPROB_RTOL = 2.0**-7
 POST_NORM_RMS_WITHIN = 0.01  # a norm's output has RMS 1 (per row, weight divided out) to bf16 precision
 SAME_SLOT_BELOW = 1e-3  # relative distance under which two slots hold the same tensor
 VOCAB_CHUNK = 16384  # lm_head rows converted to float32 at a time (Kimi's is 163840 x 7168)
@@ -225,6 +222,20 @@ def compare_logprobs(row: int, logits: torch.Tensor, engine: EnginePredictions, 
 
 
 # ---- slots ------------------------------------------------------------------------------------
+
+
+def stored_slot_difference(
+    stored: dict[str, torch.Tensor], slot: int, expected_rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position: the largest difference between ``slot`` as stored and ``expected_rows`` stored the same way
+    (fp8: quantised with the dump's own per-token scale, so equal rows give 0), and whether the stored row is all zeros."""
+    states = stored[HIDDEN_STATES_KEY][:, slot]
+    zero = (states.float() == 0).all(dim=-1)
+    if SCALES_KEY in stored:
+        scale = stored[SCALES_KEY][:, 0]  # [T, 1]
+        expected = (expected_rows.float() / scale).to(states.dtype)
+        return (states.float() - expected.float()).abs().max(dim=-1).values * scale[:, 0], zero
+    return (states.float() - expected_rows.to(states.dtype).float()).abs().max(dim=-1).values, zero
 
 
 def slot_statistics(states: torch.Tensor, layer_ids: Sequence[int]) -> list[dict[str, Any]]:

@@ -45,6 +45,7 @@ from eagleflow.extract.capture_checks import (
     request_cause,
     slot_findings,
     slot_statistics,
+    stored_slot_difference,
 )
 from eagleflow.extract.client import EngineClient, RowFailed, ServerGone, wait_for_dump
 from eagleflow.extract.sample_store import load_sample, validate
@@ -55,6 +56,7 @@ from eagleflow.results import emit_result
 from sglang_patch.dump_writer import dump_path, error_path
 from eagleflow.train.verifier_head import locate_weights, read_weight
 from sglang_patch.request_ids import verify_request_id
+from sglang_patch.sample_file import decode_hidden_states
 
 SAME_DUMP_WITHIN = 0.05  # the extraction request's dump vs the verify request's: relative, per slot
 
@@ -65,8 +67,11 @@ class CheckedRow:
 
     row: int
     ids: list[int]
-    states: torch.Tensor  # [T, n_slots, hidden]
+    stored: dict[str, torch.Tensor]  # the dump's tensors as stored (bf16, or fp8 with scales)
     engine: EnginePredictions
+
+    def __post_init__(self) -> None:
+        self.states = decode_hidden_states(self.stored)  # [T, n_slots, hidden] bf16, as training reads them
 
     @property
     def final(self) -> torch.Tensor:
@@ -105,7 +110,7 @@ def take_dump(cfg: VerifyCaptureConfig, rid: str, ids: list[int], n_slots: int, 
     ``(tensors, "")``, or ``(None, reason)`` when its format is wrong; RowFailed if none came."""
     try:
         dump = wait_for_dump(cfg.dump_dir, rid, cfg.dump_wait)
-        check = validate(dump, ids, n_slots, hidden)
+        check = validate(dump, ids, n_slots, hidden, cfg.hidden_states_dtype)
         return (load_sample(dump), "") if check.ok else (None, check.reason)
     finally:
         dump_path(cfg.dump_dir, rid).unlink(missing_ok=True)
@@ -161,7 +166,8 @@ class CaptureCheck:
             "passed": not self.findings and bool(checked),
             "engine": {"url": self.cfg.server, **{k: engine.get(k) for k in ("version", "tp_size", "disable_radix_cache", "chunked_prefill_size")}},
             "rows": len(rows), "rows_checked": len(checked), "tokens": sum(map(len, rows)), "layer_ids": self.layer_ids,
-            "tolerance": {"atol": self.cfg.logprob_atol, "rtol": self.cfg.logprob_rtol, "top_logprobs_num": self.cfg.top_logprobs_num},
+            "tolerance": {"atol": self.cfg.logprob_atol, "rtol": self.cfg.rtol, "top_logprobs_num": self.cfg.top_logprobs_num},
+            "hidden_states_dtype": self.cfg.hidden_states_dtype,
             "final_slot": final, "embedding": embedding, "slots": slots, "extraction_request": extraction,
             "findings": [{**vars(f), "text": f.text()} for f in self.findings],
             "seconds": round(time.monotonic() - began, 3),
@@ -170,10 +176,11 @@ class CaptureCheck:
     def _send_row(self, row: int, ids: list[int]) -> CheckedRow | None:
         """One logprob request and its dump; None (with a finding recorded) when either is unusable."""
         try:
-            rid, meta = self.client.generate(
-                row, ids, rid=verify_request_id(row), max_new_tokens=1,
+            rid = verify_request_id(row)
+            meta = self.client.complete(
+                rid, ids, max_new_tokens=1, temperature=0.0, row=row,
                 return_logprob=True, logprob_start_len=0, top_logprobs_num=self.cfg.top_logprobs_num,
-            )
+            ).get("meta_info", {})
             tensors, reason = take_dump(self.cfg, rid, ids, len(self.layer_ids), self.hidden)
         except RowFailed as exc:
             self.findings.append(Finding("request", f"row {row}: {exc.reason}", *request_cause(exc.reason)))
@@ -185,7 +192,7 @@ class CaptureCheck:
             self.findings.append(Finding("dump format", f"row {row}: {reason}", *format_cause(reason)))
             return None
         try:
-            return CheckedRow(row, ids, tensors["hidden_states"], engine_predictions(meta, ids))
+            return CheckedRow(row, ids, tensors, engine_predictions(meta, ids))
         except ValueError as exc:
             self.findings.append(Finding(
                 "engine log-probabilities", f"row {row}: {exc}",
@@ -198,7 +205,7 @@ class CaptureCheck:
         result = LogprobComparison()
         for c in checked:
             logits = head.logits(c.final, apply_norm=apply_norm)
-            result = result.merge(compare_logprobs(c.row, logits, c.engine, self.cfg.logprob_atol, self.cfg.logprob_rtol))
+            result = result.merge(compare_logprobs(c.row, logits, c.engine, self.cfg.logprob_atol, self.cfg.rtol))
         return result
 
     def _check_final_slot(self, head: HostHead, checked: list[CheckedRow], tp_size: int | None) -> dict[str, Any]:
@@ -240,10 +247,8 @@ class CaptureCheck:
         worst = {"max_abs_diff": -1.0}
         zero_or_equal = True  # every row either its embedding row or zeros: a vocab shard's partial sum
         for c in checked:
-            captured = c.states[:, slot]
-            rows = read_weight(self.cfg.model, weights, weights.embed_key, rows=c.ids).to(captured.dtype)
-            diff = (captured.float() - rows.float()).abs().max(dim=-1).values
-            zero_or_equal &= bool(((diff == 0) | (captured == 0).all(dim=-1)).all())
+            diff, zero = stored_slot_difference(c.stored, slot, read_weight(self.cfg.model, weights, weights.embed_key, rows=c.ids))
+            zero_or_equal &= bool(((diff == 0) | zero).all())
             if float(diff.max()) > worst["max_abs_diff"]:
                 worst = {"max_abs_diff": float(diff.max()), "row": c.row, "position": int(diff.argmax())}
         result = {"slot": slot, "rows": len(checked), "equal": worst["max_abs_diff"] == 0.0, **worst}
@@ -262,7 +267,8 @@ class CaptureCheck:
         """Row 0 again as the extractor sends it: no cached tokens, and the same states as the verify request."""
         check = "extraction request"
         try:
-            rid, meta = self.client.generate(0, ids, rid=verify_request_id(0))
+            rid = verify_request_id(0)  # the extractor's body (generate's), under the check's own rid
+            meta = self.client.complete(rid, ids, max_new_tokens=0, temperature=0.0, row=0).get("meta_info", {})
             tensors, reason = take_dump(self.cfg, rid, ids, len(self.layer_ids), self.hidden)
         except RowFailed as exc:
             self.findings.append(Finding(check, f"row 0 sent as the extractor sends it: {exc.reason}", *request_cause(exc.reason)))
@@ -279,7 +285,7 @@ class CaptureCheck:
             self.findings.append(Finding(check, f"row 0 sent as the extractor sends it: {reason}", *format_cause(reason)))
             return {**result, "error": reason}
         if verified is not None:
-            states, before = tensors["hidden_states"].float(), verified.states.float()
+            states, before = decode_hidden_states(tensors).float(), verified.states.float()
             per_slot = ((states - before).abs().amax(dim=(0, 2)) / before.abs().amax(dim=(0, 2)).clamp_min(1e-30)).tolist()
             result["max_relative_difference"] = max(per_slot)
             worst = max(range(len(per_slot)), key=per_slot.__getitem__)
@@ -315,9 +321,9 @@ def main(args: argparse.Namespace) -> int:
     final = report["final_slot"]
     worst = final.get("worst") or {}
     print(
-        f"capture check {'passed' if report['passed'] else 'FAILED'}: {report['rows']} rows, {final['positions']} positions; "
+        f"capture check {'passed' if report['passed'] else 'FAILED'}: {report['rows']} rows, {final.get('positions', 0)} positions; "
         f"final slot worst logprob error {worst.get('error', float('nan')):.4f} (tolerance {worst.get('tolerance', float('nan')):.4f}), "
-        f"top-1 agreement {final['top1_agreement'] or 0:.1%}; report {report['report_path']}",
+        f"top-1 agreement {final.get('top1_agreement') or 0:.1%}; report {report['report_path']}",
         flush=True,
     )
     for st in report["slots"]:
@@ -326,7 +332,7 @@ def main(args: argparse.Namespace) -> int:
               flush=True)
     emit_result({
         "passed": report["passed"], "report": report["report_path"], "worst_logprob_error": worst.get("error"),
-        "top1_agreement": final["top1_agreement"], "findings": [f["text"] for f in report["findings"]],
+        "top1_agreement": final.get("top1_agreement"), "findings": [f["text"] for f in report["findings"]],
     })
     if not report["passed"]:
         for finding in report["findings"]:
