@@ -6,8 +6,9 @@ real scheduling loop, deferrals and mapped tasks; no scheduler daemon needed) wi
 demo's Params, then prints where everything is and a short summary (the capture check's
 figures among it).
 
-``--hidden-states-dtype fp8`` runs the same DAG storing fp8 hidden states, in its own run folder
-(``demo-fp8``), so both can be compared.
+``--hidden-states-dtype fp8`` runs the same DAG storing fp8 hidden states, and ``--regenerate``
+with the verifier's own answers (``regenerate_responses``), each in its own run folder
+(``demo-fp8``, ``demo-regenerated``), so each can be compared with ``demo``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden-states-dtype", choices=HIDDEN_STATES_DTYPES, default=DEFAULT_HIDDEN_STATES_DTYPE,
                         help="how the run stores hidden states (the Param hidden_states_dtype)")
+    parser.add_argument("--regenerate", action="store_true",
+                        help="train on the verifier's own answers (the Param regenerate_responses)")
     args = parser.parse_args()
     dtype = args.hidden_states_dtype
 
@@ -52,8 +55,8 @@ def main() -> int:
     print(f"[demo] inputs in {DEMO_DIR} (built once, then cached)", flush=True)
     make_demo_inputs(DEMO_DIR)
     print(f"[demo] Airflow metadata DB in {AIRFLOW_HOME}", flush=True)
-    for args in (["db", "migrate"], ["pools", "import", str(REPO / "docker" / "pools.json")]):
-        subprocess.run([sys.executable, "-m", "airflow", *args], check=True, stdout=subprocess.DEVNULL)
+    for command in (["db", "migrate"], ["pools", "import", str(REPO / "docker" / "pools.json")]):
+        subprocess.run([sys.executable, "-m", "airflow", *command], check=True, stdout=subprocess.DEVNULL)
 
     from airflow.dag_processing.dagbag import DagBag
 
@@ -61,8 +64,9 @@ def main() -> int:
     if bag.import_errors:
         print(f"[demo] the DAG does not import: {bag.import_errors}", file=sys.stderr)
         return 1
-    run_name = DEMO_RUN_NAME if dtype == DEFAULT_HIDDEN_STATES_DTYPE else f"{DEMO_RUN_NAME}-{dtype}"
-    conf = {**demo_params(DEMO_DIR), "run_name": run_name, "hidden_states_dtype": dtype}
+    variant = ([] if dtype == DEFAULT_HIDDEN_STATES_DTYPE else [dtype]) + (["regenerated"] if args.regenerate else [])
+    conf = {**demo_params(DEMO_DIR), "run_name": "-".join([DEMO_RUN_NAME, *variant]), "hidden_states_dtype": dtype,
+            "regenerate_responses": args.regenerate}
     print(f"[demo] running DAG eagleflow with conf {json.dumps(conf)}", flush=True)
     run = bag.get_dag("eagleflow").test(run_conf=conf)
     states = {f"{ti.task_id}{'' if ti.map_index < 0 else f'[{ti.map_index}]'}": ti.state for ti in run.get_task_instances()}
@@ -72,6 +76,8 @@ def main() -> int:
     summary = run_summary(cfg.layout.root, cfg.model_path, cfg.resolved_aux_layer_ids(), cfg.hidden_states_dtype)
     print("\n[demo] task states: " + ", ".join(f"{k}={v}" for k, v in sorted(states.items())))
     print(f"[demo] DAG run {run.run_id}: {run.state} in {time.monotonic() - began:.0f}s")
+    if summary.get("prepared_from"):
+        print(f"  prepared     from {summary['prepared_from']}")
     print(f"  dataset      {summary['dataset']} ({summary['rows']} rows, {summary.get('tokens', '?')} tokens, "
           f"{format_bytes(summary['hidden_state_bytes'])} of {dtype} hidden states in shards {', '.join(summary['shards'])})")
     if summary.get("tokens"):

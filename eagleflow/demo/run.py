@@ -99,7 +99,8 @@ def run_summary(
         summary["validated_rows"] = summary["rows"] - len(problems)
     prepared = layout.dataset / MARKER_FILE
     if prepared.exists():
-        summary["tokens"] = json.loads(prepared.read_text())["tokens"]
+        record = json.loads(prepared.read_text())
+        summary["tokens"], summary["prepared_from"] = record["tokens"], record["input"]
     if layout.train.metrics.exists():
         frame = read_metrics(layout.train.metrics)
         train = frame[frame["kind"] == "train"]

@@ -23,7 +23,7 @@ from eagleflow.errors import UserError
 from eagleflow.train import speculators_support
 from eagleflow.train.noise import NoisyTrainSplit, install_noise
 from eagleflow.train.speculators_support import RELEASES, UnsupportedSpeculators, check_internals, installed_release
-from test_train_step import AUX, DRAFT_VOCAB, REPO, assert_records, copy_dataset, train_argv
+from training_data import AUX, DRAFT_VOCAB, REPO, assert_records, copy_dataset, train_argv
 
 OLD_RELEASE = "0.8.1"
 OVERLAY = REPO / ".cache" / f"speculators-{OLD_RELEASE}"
@@ -34,13 +34,6 @@ NETWORK_ERRORS = ("NewConnectionError", "ConnectionError", "Max retries exceeded
 @pytest.fixture(autouse=True)
 def _one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-
-
-@pytest.fixture(scope="session")
-def trained_data(tiny_model: Path) -> Path:
-    from test_train_step import cached_dataset
-
-    return cached_dataset(tiny_model)
 
 
 # -- the version guard -----------------------------------------------------------------------

@@ -33,11 +33,7 @@ from eagleflow.train.speculators_support import RELEASES
 from eagleflow.train.step import check_dataset
 from eagleflow.train.verifier_head import EMBED, HEAD_MANIFEST, LM_HEAD, NORM, locate_weights, prepare_verifier
 
-from training_data import AUX, DRAFT_VOCAB, REPO, ROWS, TrainedRun, copy_dataset, train_argv
-
-TRAIN_KEYS = {"kind", "step", "epoch", "lr", "loss", "tokens_per_s", "time"}
-VAL_KEYS = {"kind", "step", "epoch", "loss", "time"}
-
+from training_data import AUX, DRAFT_VOCAB, REPO, ROWS, TrainedRun, assert_records, copy_dataset, train_argv
 
 @pytest.fixture(autouse=True)
 def _one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -51,22 +47,6 @@ def assert_checkpoint_set(checkpoints: Path, epochs: int) -> None:
         for name in CHECKPOINT_FILES:
             assert (checkpoints / str(epoch) / name).is_file(), f"{checkpoints / str(epoch) / name} missing"
     assert (checkpoints / "checkpoint_best").exists()
-
-
-def assert_records(metrics: Path, epochs: int) -> tuple[list[dict], list[dict]]:
-    records = list(read_metrics(metrics))
-    train = [r for r in records if r["kind"] == "train"]
-    val = [r for r in records if r["kind"] == "val"]
-    assert [r["step"] for r in train] == list(range(len(train))), "one record per step, in order, no repeats"
-    assert sorted({r["epoch"] for r in train}) == list(range(epochs))
-    assert [r["epoch"] for r in val] == list(range(epochs))
-    ttt = {f"{name}_{k}" for k in range(3) for name in ("loss", "full_acc", "cond_acc")}
-    for r in train:
-        assert set(r) == TRAIN_KEYS | ttt, set(r) ^ (TRAIN_KEYS | ttt)
-        assert isinstance(r["lr"], float) and isinstance(r["loss"], float) and r["tokens_per_s"] > 0
-    for r in val:
-        assert set(r) == VAL_KEYS | ttt
-    return train, val
 
 
 # ---------------------------------------------------------------------------------------------
