@@ -16,7 +16,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sglang_patch.dump_writer import dump_path, error_path
 from sglang_patch.request_ids import row_request_id
 
 
@@ -123,6 +122,8 @@ def wait_for_dump(
     """The engine's dump of ``rid`` once it is there (the hook writes off the forward path, so it may
     land just after the answer); :class:`RowFailed` with the engine's reason if it wrote an error
     record instead, retryable when nothing came within ``timeout`` seconds or ``stop`` was set."""
+    from sglang_patch.dump_writer import dump_path, error_path  # it imports torch: not at the DAG's parse time
+
     dump, error = dump_path(dump_dir, rid), error_path(dump_dir, rid)
     deadline = time.monotonic() + timeout
     delay = 0.01
