@@ -66,12 +66,14 @@ class Gate:
 
 @pytest.fixture()
 def gate_against(tiny_model: Path, run_layout: RunLayout, tmp_path: Path) -> Iterator[Callable[..., Gate]]:
-    """Start an engine with ``aux`` and ``extra`` flags, run the gate against it, stop the engine."""
+    """Start an engine with ``aux`` and ``extra`` flags storing ``dtype``, run the gate against it, stop the engine."""
     engines: list[ServerInfo] = []
 
-    def run(aux: list[int], *extra: str) -> Gate:
+    def run(aux: list[int], *extra: str, dtype: str = "bf16") -> Gate:
         port, dumps = free_port(), tmp_path / "dumps"
-        engine = ReferenceEngineConfig(model=tiny_model, dump_dir=dumps, aux_layers=aux, port=port, threads=1)
+        engine = ReferenceEngineConfig(
+            model=tiny_model, dump_dir=dumps, aux_layers=aux, port=port, threads=1, hidden_states_dtype=dtype
+        )
         argv = [sys.executable, "-m", "eagleflow", "serve-reference", *model_to_argv(engine), *extra]
         info = start_server(argv, {}, tmp_path / "server.log", tmp_path / "server.json", f"http://127.0.0.1:{port}", dumps)
         engines.append(info)
@@ -83,7 +85,7 @@ def gate_against(tiny_model: Path, run_layout: RunLayout, tmp_path: Path) -> Ite
         done = subprocess.run(
             [sys.executable, "-m", "eagleflow", "verify-capture", "--dataset", str(run_layout.dataset), "--server", info.url,
              "--dump-dir", str(dumps), "--model", str(tiny_model), "--aux-layer-ids", ",".join(map(str, aux)),
-             "--out", str(out)],
+             "--hidden-states-dtype", dtype, "--out", str(out)],
             capture_output=True, text=True, timeout=300, cwd=REPO,
         )
         output = done.stdout + done.stderr
@@ -118,6 +120,17 @@ def test_the_gate_passes_on_the_real_capture(gate_against: Callable[..., Gate], 
     # The figures reach the task log, the XCom and the run page's reader.
     assert "capture check passed" in gate.output and "slot 3 (layer id 8): mean token norm" in gate.output
     assert gate.result is not None and gate.result["passed"] and gate.result["top1_agreement"] == 1.0
+
+
+def test_the_gate_passes_on_an_fp8_capture(gate_against: Callable[..., Gate]) -> None:
+    """fp8 storage (what the GPU guide recommends): the dumps are checked dequantised, as training reads
+    them, within fp8's rounding, and id 0 is still bit-exact once the embedding is quantised alike."""
+    gate = gate_against([0, 4, 6], dtype="fp8")
+    assert gate.returncode == 0, gate.output
+    report = gate.report
+    assert report["passed"] and report["hidden_states_dtype"] == "fp8" and report["tolerance"]["rtol"] == 2.0**-4
+    assert report["final_slot"]["top1_agreement"] == 1.0 and report["final_slot"]["worst_ratio"] <= 1.0
+    assert report["embedding"]["equal"] and report["extraction_request"]["max_relative_difference"] == 0.0
 
 
 def test_a_post_norm_final_state_is_caught(gate_against: Callable[..., Gate]) -> None:
