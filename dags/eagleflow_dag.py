@@ -6,10 +6,11 @@ The story of DESIGN.md §1, top to bottom:
    wait out its warmup without holding a worker slot;
 2. meanwhile prepare_dataset, dataset_stats, check_disk and plan_shards get the rows ready
    (with regenerate_responses, regenerate_dataset first has the verifier rewrite the answers);
-3. extract_shard runs once per shard (rows_0-2000, …), each retryable and clearable alone;
-4. stop_server (teardown) stops the engine, even when a shard fails;
-5. build_vocab, train_drafter and plot_metrics turn the hidden states into a drafter and charts;
-6. export_drafter writes the drafter as SGLang and vLLM load it, and evaluate_drafter serves it,
+3. verify_capture (a setup too) checks the live engine's capture on the first rows;
+4. extract_shard runs once per shard (rows_0-2000, …), each retryable and clearable alone;
+5. stop_server (teardown) stops the engine, even when a shard fails;
+6. build_vocab, train_drafter and plot_metrics turn the hidden states into a drafter and charts;
+7. export_drafter writes the drafter as SGLang and vLLM load it, and evaluate_drafter serves it,
    measuring accept length and speedup on held-out prompts.
 """
 
@@ -25,7 +26,7 @@ from operators.dataset import (
     RegenerateOperator,
 )
 from operators.drafter import EvaluateOperator, ExportOperator
-from operators.extract import SHARD_MAP_INDEX_TEMPLATE, ShardExtractOperator
+from operators.extract import SHARD_MAP_INDEX_TEMPLATE, ShardExtractOperator, VerifyCaptureOperator
 from operators.params import GPU_POOL, GPU_QUEUE, form_defaults, pipeline_params
 from operators.server import ServerReadySensor, SGLangServerOperator, StopServerOperator
 from operators.train import BuildVocabOperator, PlotOperator, TrainOperator
@@ -52,6 +53,9 @@ with DAG(
     check_disk = CheckDiskOperator(task_id="check_disk", stats=dataset_stats.output)
     plan_shards = PlanShardsOperator(task_id="plan_shards", prepared=prepare_dataset.output)
 
+    # The capture checked on the live engine before hours of extraction (a setup: a restarted engine is re-checked).
+    verify_capture = VerifyCaptureOperator(task_id="verify_capture", server=wait_server_ready.output, **on_gpu)
+
     # map_index_template must be given to partial(): the scheduler and the task runner read it
     # from the mapped task's partial kwargs, never from the operator's __init__.
     extract_shard = ShardExtractOperator.partial(
@@ -67,7 +71,9 @@ with DAG(
     evaluate_drafter = EvaluateOperator(task_id="evaluate_drafter", **on_gpu)
 
     regenerate_dataset >> prepare_dataset >> dataset_stats >> check_disk >> plan_shards
-    launch_server >> wait_server_ready >> extract_shard >> stop_server.as_teardown(setups=[launch_server, wait_server_ready])
+    engine_setups = [launch_server, wait_server_ready, verify_capture]
+    launch_server >> wait_server_ready >> verify_capture >> extract_shard >> stop_server.as_teardown(setups=engine_setups)
+    prepare_dataset >> verify_capture
     check_disk >> extract_shard
     [extract_shard, stop_server] >> build_vocab >> train_drafter >> plot_metrics
     train_drafter >> export_drafter >> evaluate_drafter

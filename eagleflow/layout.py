@@ -7,6 +7,7 @@
       dataset/                     training dataset (§3.3) with hidden_states/; prepare.json names its input
       shards/rows_0-2000.json      per-shard manifest
       server/server.log            engine output; server/dumps/ the hook's hand-off folder
+      verify/report.json           the capture check before extraction (verify-capture)
       train/                       the training step's folder (:class:`TrainLayout`)
       train-progress/*.png, *.svg
       drafter/                     the exported drafter: sglang/, speculators/, export.json
@@ -27,6 +28,7 @@ from eagleflow.errors import UserError
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # speculators reads row i's states from <dataset>/hidden_states/hs_{i}.safetensors.
 HIDDEN_STATES_DIR = "hidden_states"
+CAPTURE_CHECK_REPORT = "report.json"  # in the capture check's folder, whichever --out it was given
 
 
 def hidden_states_dir(dataset: str | Path) -> Path:
@@ -102,6 +104,16 @@ class RunLayout:
     def regenerated(self) -> Path:
         """The verifier's own answers to the dataset's prompts (regeneration): rows/, conversations.jsonl."""
         return self.root / "regenerated"
+
+    @property
+    def capture_check(self) -> Path:
+        """The capture check's folder (``verify-capture``), before any shard."""
+        return self.root / "verify"
+
+    @property
+    def capture_check_report(self) -> Path:
+        """What the capture check found: its figures, and on a failure the check, slot and likely cause."""
+        return self.capture_check / CAPTURE_CHECK_REPORT
 
     @property
     def drafter(self) -> Path:

@@ -4,10 +4,12 @@
 from the run's params (:meth:`PipelineConfig.from_params`) and turns it into the argv of its
 step. :func:`param_schemas` gives the JSON schema of every field, which the DAG turns into
 Airflow ``Param`` objects, so a knob's default, type, title and description live here only.
-The training and evaluation Params are fields of their steps' own configs (:data:`TRAIN_PARAMS`
-of :class:`~eagleflow.train.config.TrainConfig`, :data:`EVAL_PARAMS` of
-:class:`~eagleflow.evaluate.config.EvaluateConfig`); :meth:`PipelineConfig.train_config` and
-:meth:`PipelineConfig.evaluate_config` give those steps their typed configs.
+The capture check's, training and evaluation Params are fields of their steps' own configs
+(:data:`VERIFY_PARAMS` of :class:`~eagleflow.extract.verify_config.VerifyCaptureConfig`,
+:data:`TRAIN_PARAMS` of :class:`~eagleflow.train.config.TrainConfig`, :data:`EVAL_PARAMS` of
+:class:`~eagleflow.evaluate.config.EvaluateConfig`); :meth:`PipelineConfig.verify_capture_config`,
+:meth:`PipelineConfig.train_config` and :meth:`PipelineConfig.evaluate_config` give those steps
+their typed configs.
 
 Airflow validates a triggered run's conf against those JSON schemas before the run is
 created, so what a schema can say (types, bounds, distinct aux ids) is refused at trigger
@@ -26,6 +28,7 @@ from pydantic import BaseModel, Field, create_model, model_validator
 from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype, build_model
 from eagleflow.data.regenerate import CONVERSATIONS_FILE, RegenerateConfig
 from eagleflow.evaluate.config import EvaluateConfig
+from eagleflow.extract.verify_config import VerifyCaptureConfig
 from eagleflow.layout import RunLayout
 from eagleflow.train.config import TrainConfig
 
@@ -53,8 +56,11 @@ TRAIN_PARAMS = (
 EVAL_PARAMS = ("eval_rows", "eval_max_new_tokens", "eval_concurrency")
 # Regeneration knobs (used with regenerate_responses); RegenerateConfig's.
 REGEN_PARAMS = ("regen_temperature", "regen_max_new_tokens", "regen_concurrency")
+# The capture check's knob in the Params form; VerifyCaptureConfig's.
+VERIFY_PARAMS = ("verify_rows",)
 # Every step Param as a model of its own: checks them without a run folder.
 STEP_PARAMS: dict[str, type[BaseModel]] = {
+    **dict.fromkeys(VERIFY_PARAMS, VerifyCaptureConfig),
     **dict.fromkeys(TRAIN_PARAMS, TrainConfig),
     **dict.fromkeys(EVAL_PARAMS, EvaluateConfig),
     **dict.fromkeys(REGEN_PARAMS, RegenerateConfig),
@@ -214,6 +220,20 @@ class PipelineConfig(BaseModel):
         }
         return build_model(RegenerateConfig, values, param_name)
 
+    def verify_capture_config(self, server_url: str, dump_dir: str) -> VerifyCaptureConfig:
+        """The capture check's config: its Params plus this run's dataset, verifier and aux ids, for the engine at ``server_url``."""
+        values = {
+            **self.step_values(VerifyCaptureConfig),
+            "dataset": self.layout.dataset,
+            "server": server_url,
+            "dump_dir": dump_dir,
+            "model": model_dir(self),
+            "aux_layer_ids": self.resolved_aux_layer_ids(),
+            "hidden_states_dtype": self.hidden_states_dtype,
+            "out": self.layout.capture_check,
+        }
+        return build_model(VerifyCaptureConfig, values, param_name)
+
     def evaluate_config(self) -> EvaluateConfig:
         """The evaluation step's config: its Params plus this run's folders, engine and training split."""
         layout = self.layout
@@ -250,6 +270,7 @@ def param_schemas() -> dict[str, dict[str, Any]]:
     """JSON schema of each Param (``default``, ``type``, ``title``, ``description``, bounds), in form order."""
     return {
         **schemas_of(PipelineConfig, PIPELINE_PARAMS),
+        **schemas_of(VerifyCaptureConfig, VERIFY_PARAMS),
         **schemas_of(TrainConfig, TRAIN_PARAMS),
         **schemas_of(EvaluateConfig, EVAL_PARAMS),
         **schemas_of(RegenerateConfig, REGEN_PARAMS),

@@ -90,8 +90,8 @@ class MetricsCache:
 
 
 def readable_files(layout: RunLayout) -> list[Path]:
-    """The logs a reader of the run may open: training log, server log, metrics."""
-    return [layout.train.log, layout.server_log, layout.train.metrics, layout.evaluation / EVAL_REPORT]
+    """The logs a reader of the run may open: training log, server log, metrics, reports."""
+    return [layout.train.log, layout.server_log, layout.train.metrics, layout.capture_check_report, layout.evaluation / EVAL_REPORT]
 
 
 def _json_or_empty(path: Path) -> dict[str, Any]:
@@ -116,6 +116,29 @@ def evaluation_summary(layout: RunLayout) -> dict[str, Any] | None:
         "mtime": int(png.stat().st_mtime) if png.is_file() else 0,
     }
     return summary
+
+
+def capture_check_summary(layout: RunLayout) -> dict[str, Any] | None:
+    """The capture check's verdict and figures (``verify/report.json``), or None before one ran."""
+    report = _json_or_empty(layout.capture_check_report)
+    if not report:
+        return None
+    final = report.get("final_slot") or {}
+    return {
+        "passed": bool(report.get("passed")),
+        "rows": report.get("rows_checked", report.get("rows")),
+        "tokens": report.get("tokens"),
+        "engine": report.get("engine") or {},
+        "positions": final.get("positions"),
+        "worst": final.get("worst") or {},
+        "top1_agreement": final.get("top1_agreement"),
+        "normed_rms_range": ((report.get("slots") or [{}])[-1]).get("normed_rms_range"),
+        "embedding": report.get("embedding"),
+        "extraction_request": report.get("extraction_request") or {},
+        "slots": report.get("slots") or [],
+        "findings": [f.get("text", "") for f in report.get("findings") or []],
+        "tolerance": report.get("tolerance") or {},
+    }
 
 
 def run_summary(layout: RunLayout, metrics: MetricsCache | None = None) -> dict[str, Any]:
@@ -147,6 +170,7 @@ def run_summary(layout: RunLayout, metrics: MetricsCache | None = None) -> dict[
         "metrics": (metrics or MetricsCache()).latest(layout.train.metrics),
         "charts": charts,
         "checkpoint": result.get("best_checkpoint") or result.get("checkpoint_dir"),
+        "capture_check": capture_check_summary(layout),
         "evaluation": evaluation_summary(layout),
         "files": [str(p.relative_to(layout.root)) for p in readable_files(layout) if p.is_file()],
     }

@@ -1,4 +1,4 @@
-"""``ShardExtractOperator``: one mapped task per shard of rows (``rows_0-2000``, …)."""
+"""Extraction in the DAG: the capture check on the live engine, then one mapped task per shard of rows."""
 
 from __future__ import annotations
 
@@ -14,6 +14,32 @@ if TYPE_CHECKING:
 # Names each mapped instance after its shard in the UI; pass it to .partial(): a mapped
 # task takes map_index_template only from there.
 SHARD_MAP_INDEX_TEMPLATE = "{{ task.shard['name'] }}"
+
+
+class VerifyCaptureOperator(EagleflowStepOperator):
+    """Check the engine's capture on the dataset's first rows before any shard (``python -m eagleflow verify-capture``).
+
+    A setup of the engine, so clearing a shard re-checks a restarted engine. Fails, naming the
+    check, slot, worst error and likely cause, when the captured states are not what training
+    needs; writes ``<run>/verify/report.json`` either way. Returns ``{passed, report,
+    worst_logprob_error, top1_agreement, findings}``.
+
+    :param server: the engine's ``{url, pid, host, log_path, dump_dir}`` from the readiness sensor (templated).
+    """
+
+    template_fields: Sequence[str] = ("server",)
+    operator_extra_links = (EagleflowRunLink(),)
+
+    def __init__(self, *, server: Any = None, **kwargs: Any) -> None:
+        super().__init__(step="verify-capture", **kwargs)
+        self.server = server
+
+    def step_argv(self, context: Context) -> list[str]:
+        from eagleflow.config import model_to_argv
+        from eagleflow.engine.process import ServerInfo
+
+        server = ServerInfo.from_dict(self.server)
+        return model_to_argv(pipeline_config(context).verify_capture_config(server.url, server.dump_dir))
 
 
 class ShardExtractOperator(EagleflowStepOperator):

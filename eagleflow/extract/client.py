@@ -1,4 +1,4 @@
-"""The extractor's side of SGLang's native API: one prefill-only ``/generate`` per row.
+"""The extractor's side of SGLang's native API: one prefill-only ``/generate`` per row, and its dump.
 
 Request ids come from :func:`sglang_patch.request_ids.row_request_id` (``row{N}-…``), so the
 engine's dump is named after the row's attempt. Answers are sorted into what the shard does
@@ -9,8 +9,11 @@ engine that still answers), a final one (4xx, naming the row and the fields sent
 
 from __future__ import annotations
 
+import json
 import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from sglang_patch.request_ids import row_request_id
@@ -62,6 +65,19 @@ class EngineClient:
             return False
         return True
 
+    def server_info(self) -> dict[str, Any]:
+        """SGLang's ``/server_info`` (its launch settings: ``tp_size``, ``disable_radix_cache``, ``version``, …);
+        empty when the engine does not answer it."""
+        for path in ("/server_info", "/get_server_info"):  # the second: its deprecated name, in older releases
+            try:
+                response = self._requests.get(f"{self.url}{path}", timeout=30)
+            except self._requests.RequestException:
+                return {}
+            if response.status_code == 200:
+                info = response.json()
+                return info if isinstance(info, dict) else {}
+        return {}
+
     def generate(self, row: int, input_ids: list[int]) -> tuple[str, dict[str, Any]]:
         """Send one prefill-only request for dataset row ``row``; return ``(rid, meta_info)`` or raise."""
         rid = row_request_id(row)
@@ -69,13 +85,17 @@ class EngineClient:
         return rid, answer.get("meta_info", {})
 
     def complete(
-        self, rid: str, input_ids: list[int], max_new_tokens: int, temperature: float, row: int | None = None
+        self, rid: str, input_ids: list[int], max_new_tokens: int, temperature: float, row: int | None = None, **fields: Any
     ) -> dict[str, Any]:
         """One ``/generate`` request; SGLang's answer (``text``, ``output_ids``, ``meta_info``) or raise.
 
         :param row: the dataset row the request is for, named in a 4xx error.
+        :param fields: more top-level fields of SGLang's body, e.g. ``return_logprob=True``.
         """
-        body = {"rid": rid, "input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature}}
+        body = {
+            "rid": rid, "input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature},
+            **fields,
+        }
         post = self._post or self._session().post
         try:
             response = post(f"{self.url}/generate", json=body, timeout=self.request_timeout)
@@ -90,10 +110,36 @@ class EngineClient:
         if response.status_code >= 400:
             raise RowFailed(
                 f"engine rejected the request{'' if row is None else f' for row {row}'} with {response.status_code}: "
-                f"{error_message(response)} (request fields sent: rid, input_ids, sampling_params)"
+                f"{error_message(response)} (request fields sent: {', '.join(body)})"
             )
         answer = response.json()
         return answer[0] if isinstance(answer, list) else answer
+
+
+def wait_for_dump(
+    dump_dir: Path, rid: str, timeout: float, stop: threading.Event | None = None, sleep: Callable[[float], None] = time.sleep
+) -> Path:
+    """The engine's dump of ``rid`` once it is there (the hook writes off the forward path, so it may
+    land just after the answer); :class:`RowFailed` with the engine's reason if it wrote an error
+    record instead, retryable when nothing came within ``timeout`` seconds or ``stop`` was set."""
+    from sglang_patch.dump_writer import dump_path, error_path  # it imports torch: not at the DAG's parse time
+
+    dump, error = dump_path(dump_dir, rid), error_path(dump_dir, rid)
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    while True:
+        if error.exists():
+            raise RowFailed(f"engine reported: {json.loads(error.read_text()).get('error', 'unknown error')}")
+        if dump.exists():
+            return dump
+        if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
+            raise RowFailed(
+                f"no dump {dump.name} in {dump_dir} within {timeout:.0f}s of the answer "
+                "(is the capture hook on, and is --dump-dir the engine's dump folder?)",
+                retryable=True,
+            )
+        sleep(delay)
+        delay = min(delay * 2, 0.5)
 
 
 def error_message(response: Any) -> str:

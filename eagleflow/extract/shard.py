@@ -15,7 +15,6 @@ after it was ready, or its pid died) stops the shard within seconds.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import threading
@@ -30,7 +29,7 @@ from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype, add_model_arg
 from eagleflow.data.verifier import config_int, resolve_aux_layer_ids
 from eagleflow.engine.process import pid_alive
 from eagleflow.errors import UserError
-from eagleflow.extract.client import EngineClient, RowFailed, ServerGone
+from eagleflow.extract.client import EngineClient, RowFailed, ServerGone, wait_for_dump
 from eagleflow.extract.manifest import ShardManifest
 from eagleflow.extract.sample_store import SampleState, publish_dump, sample_path, validate
 from eagleflow.layout import RunLayout, hidden_states_dir, shard_name
@@ -250,23 +249,7 @@ class ShardExtractor:
             error_path(self.cfg.dump_dir, rid).unlink(missing_ok=True)
 
     def _wait_for_dump(self, rid: str) -> Path:
-        """The hook writes off the forward path, so the dump may land just after the answer."""
-        dump, error = dump_path(self.cfg.dump_dir, rid), error_path(self.cfg.dump_dir, rid)
-        deadline = time.monotonic() + self.cfg.dump_wait
-        delay = 0.01
-        while True:
-            if error.exists():
-                raise RowFailed(f"engine reported: {json.loads(error.read_text()).get('error', 'unknown error')}")
-            if dump.exists():
-                return dump
-            if time.monotonic() >= deadline or self._stop.is_set():
-                raise RowFailed(
-                    f"no dump {dump.name} in {self.cfg.dump_dir} within {self.cfg.dump_wait:.0f}s of the answer "
-                    "(is the capture hook on, and is --dump-dir the engine's dump folder?)",
-                    retryable=True,
-                )
-            self.sleep(delay)
-            delay = min(delay * 2, 0.5)
+        return wait_for_dump(self.cfg.dump_dir, rid, self.cfg.dump_wait, self._stop, self.sleep)
 
     # --- bookkeeping -----------------------------------------------------------------
     def _row_failed(self, row: int, reason: str) -> None:

@@ -299,6 +299,19 @@ def test_tensor_parallel_rank_and_health_check_names(wheel: Wheel) -> None:
     assert re.search(r'rid = f"\{HEALTH_CHECK_RID_PREFIX\}_', wheel.text(HTTP_SERVER))
 
 
+def test_the_capture_checks_request_and_answer_fields(wheel: Wheel) -> None:
+    """verify-capture's request fields, the meta_info keys it reads and /server_info's settings are SGLang's own."""
+    request = find_class(wheel.tree("sglang/srt/managers/io_struct.py"), "GenerateReqInput")
+    fields = {s.target.id for s in request.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+    assert {"input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num"} <= fields
+    manager = wheel.text("sglang/srt/managers/tokenizer_manager.py")
+    for key in ("input_token_logprobs", "input_top_logprobs", "output_token_logprobs", "output_top_logprobs", "cached_tokens"):
+        assert re.search(rf'meta_info\["{key}"\] =|"{key}":', manager), f"{key} in sglang {wheel.version}"
+    assert '@app.get("/server_info")' in wheel.text(HTTP_SERVER)
+    for setting in ("tp_size", "disable_radix_cache", "chunked_prefill_size"):
+        field_annotation(wheel, setting)
+
+
 @pytest.mark.parametrize("kind", ["deepseek", "kimi", "kimi-aliased"])
 def test_real_hook_manager_registers_the_launcher_spec(wheel: Wheel, kind: str, tmp_path: Path, monkeypatch) -> None:
     """The launcher's --forward-hooks value, registered by SGLang's own code, captures the right states."""

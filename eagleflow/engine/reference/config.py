@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype
+from eagleflow.engine.reference.capture_faults import CaptureFault
 
 
 class ReferenceEngineConfig(BaseModel):
@@ -57,11 +58,19 @@ class ReferenceEngineConfig(BaseModel):
         description="TEST ONLY: comma list of rows whose requests (rid row{N}-…) answer 500, once across restarts "
         "(a marker <dump_dir>/.fail-row-N.injected records that the failure was injected)",
     )
+    capture_fault: CaptureFault | None = Field(
+        None,
+        description="TEST ONLY: capture wrongly on purpose, so tests can show verify-capture catching it: post-norm-final "
+        "(the final slot after the norm), layer-shift (every slot one layer early), partial-sum (one of 2 tensor-parallel "
+        "ranks' share; /server_info says tp_size 2), radix-cache (reuse earlier prompts' prefixes); never in a real run",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> ReferenceEngineConfig:
         if (self.dump_dir is None) != (self.aux_layers is None):
             raise ValueError("--dump-dir and --aux-layers go together: capture needs both")
+        if self.capture_fault and self.dump_dir is None:
+            raise ValueError("--capture-fault needs capture (--dump-dir and --aux-layers)")
         if self.speculative_algorithm and self.speculative_draft_model_path is None:
             raise ValueError("--speculative-algorithm EAGLE3 needs --speculative-draft-model-path")
         chain = self.speculative_num_steps + 1
