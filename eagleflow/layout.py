@@ -5,7 +5,8 @@
     <output_root>/<run_name>/
       dataset/                     training dataset (§3.3) with hidden_states/
       shards/rows_0-2000.json      per-shard manifest
-      server/server.log            engine output; server/dumps/ the hook's hand-off folder
+      server/engine-0.log          each engine's output (engine-0.json while it runs); server/dumps/
+                                   the hooks' hand-off folder
       train/                       the training step's folder (:class:`TrainLayout`)
       train-progress/*.png, *.svg
       drafter/sglang/, drafter/speculators/, drafter/export.json   the exported drafter
@@ -31,6 +32,14 @@ HIDDEN_STATES_DIR = "hidden_states"
 def hidden_states_dir(dataset: str | Path) -> Path:
     """The folder of a training dataset that holds its rows' hidden-state files."""
     return Path(dataset) / HIDDEN_STATES_DIR
+
+
+ENGINE_PREFIX = "engine-"
+
+
+def engine_name(index: int) -> str:
+    """``engine-{index}``: the only place engine names are made (files, logs, manifests, the UI)."""
+    return f"{ENGINE_PREFIX}{index}"
 
 
 def shard_name(start: int, end: int) -> str:
@@ -85,16 +94,22 @@ class RunLayout:
     def server(self) -> Path:
         return self.root / "server"
 
-    @property
-    def server_log(self) -> Path:
-        return self.server / "server.log"
+    def engine_log(self, engine: str) -> Path:
+        """Output of engine ``engine`` (``engine-0``, …), appended by each start."""
+        return self.server / f"{engine}.log"
+
+    def engine_state(self, engine: str) -> Path:
+        """Where engine ``engine`` runs (``ServerInfo``) while it runs."""
+        return self.server / f"{engine}.json"
 
     @property
-    def server_state(self) -> Path:
-        return self.server / "server.json"
+    def engine_logs(self) -> list[Path]:
+        """Every engine's log, in engine order."""
+        return sorted(self.server.glob(f"{ENGINE_PREFIX}*.log"), key=lambda p: (len(p.name), p.name))
 
     @property
     def dump_dir(self) -> Path:
+        """The hooks' hand-off folder, one for all of the run's engines (request ids are unique)."""
         return self.server / "dumps"
 
     @property

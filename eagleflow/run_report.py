@@ -90,8 +90,8 @@ class MetricsCache:
 
 
 def readable_files(layout: RunLayout) -> list[Path]:
-    """The logs a reader of the run may open: training log, server log, metrics."""
-    return [layout.train.log, layout.server_log, layout.train.metrics, layout.evaluation / EVAL_REPORT]
+    """The logs a reader of the run may open: training log, the engines' logs, metrics, evaluation report."""
+    return [layout.train.log, *layout.engine_logs, layout.train.metrics, layout.evaluation / EVAL_REPORT]
 
 
 def _json_or_empty(path: Path) -> dict[str, Any]:

@@ -21,12 +21,17 @@ def test_the_dag_tells_the_story(eagleflow_dag) -> None:
     dag = eagleflow_dag
     tasks = dag.task_dict
     assert set(tasks) == {
-        "launch_server", "wait_server_ready", "prepare_dataset", "dataset_stats", "check_disk", "plan_shards",
-        "extract_shard", "stop_server", "build_vocab", "train_drafter", "plot_metrics", "export_drafter",
+        "plan_engines", "launch_server", "wait_server_ready", "prepare_dataset", "dataset_stats", "check_disk",
+        "plan_shards", "extract_shard", "stop_server", "build_vocab", "train_drafter", "plot_metrics", "export_drafter",
         "evaluate_drafter",
     }
     assert tasks["launch_server"].is_setup and tasks["wait_server_ready"].is_setup and tasks["stop_server"].is_teardown
+    # one instance of each engine task per engine, named after it
+    assert tasks["launch_server"].upstream_task_ids == {"plan_engines"}
     assert tasks["wait_server_ready"].upstream_task_ids == {"launch_server"}
+    assert tasks["stop_server"].upstream_task_ids >= {"plan_engines", "launch_server", "wait_server_ready"}
+    assert tasks["launch_server"].map_index_template == tasks["stop_server"].map_index_template == "{{ task.engine['name'] }}"
+    assert tasks["wait_server_ready"].map_index_template == "{{ task.server['name'] }}"
     assert tasks["extract_shard"].upstream_task_ids == {"wait_server_ready", "plan_shards", "check_disk"}
     assert tasks["stop_server"].upstream_task_ids >= {"extract_shard"}
     # dataset work runs beside the warmup: nothing of it waits for the server
@@ -38,6 +43,8 @@ def test_the_dag_tells_the_story(eagleflow_dag) -> None:
     assert tasks["export_drafter"].upstream_task_ids == {"train_drafter"}
     assert tasks["evaluate_drafter"].upstream_task_ids == {"export_drafter"}
     assert tasks["extract_shard"].map_index_template == "{{ task.shard['name'] }}"
+    # a shard whose engine or worker went away is retried (on an engine that is up)
+    assert tasks["extract_shard"].retries >= 1
 
 
 def test_engine_extraction_and_training_run_on_the_gpu_queue_and_pool(eagleflow_dag) -> None:
@@ -54,12 +61,13 @@ def test_engine_extraction_and_training_run_on_the_gpu_queue_and_pool(eagleflow_
 def test_every_param_has_a_title_and_description(eagleflow_dag) -> None:
     params = eagleflow_dag.params
     for name in ("engine", "model_path", "dataset_input", "output_root", "run_name", "shard_size", "aux_layer_ids",
-                 "max_len", "concurrency", "server_port", "server_extra_args", "server_url", "epochs", "lr",
+                 "max_len", "concurrency", "server_port", "server_extra_args", "num_engines", "server_urls", "epochs", "lr",
                  "noise_std", "ttt_steps", "draft_vocab_size", "serve_with", "eval_rows", "eval_max_new_tokens",
                  "eval_concurrency"):
         param = params.get_param(name)
         assert param.schema.get("title") and param.description, name
     assert params.get_param("shard_size").value == 2000
+    assert params.get_param("num_engines").value == 1 and params.get_param("server_urls").value == []
     assert params.get_param("epochs").value == 5 and params.get_param("lr").value == 3e-5
 
 
@@ -84,12 +92,14 @@ def outside_engine(tmp_path: Path, random_tiny_model: Path):
     engine = ReferenceEngineConfig(model=random_tiny_model, dump_dir=tmp_path / "remote-dumps", aux_layers=[2, 4, 5], port=port)
     argv = [sys.executable, "-m", "eagleflow", "serve-reference", *model_to_argv(engine), "--threads", "1"]
     info = start_server(argv, {}, tmp_path / "remote.log", tmp_path / "remote.json", f"http://127.0.0.1:{port}", tmp_path / "remote-dumps")
-    deadline = time.monotonic() + 120
-    while check_ready(info).state is not Readiness.READY:
-        assert time.monotonic() < deadline and pid_alive(info.pid)
-        time.sleep(0.3)
-    yield info
-    stop_server(info.pid, grace=10)
+    try:
+        deadline = time.monotonic() + 120
+        while check_ready(info).state is not Readiness.READY:
+            assert time.monotonic() < deadline and pid_alive(info.pid)
+            time.sleep(0.3)
+        yield info
+    finally:  # also when it never became ready: no engine outlives the test
+        stop_server(info.pid, grace=10)
 
 
 def test_remote_server_mode_launches_and_stops_nothing_and_extracts_everything(
@@ -105,20 +115,21 @@ def test_remote_server_mode_launches_and_stops_nothing_and_extracts_everything(
         "run_name": "remote",
         "shard_size": 5,
         "max_len": 256,
-        "server_url": outside_engine.url,
+        "server_urls": [outside_engine.url],
         "server_dump_dir": outside_engine.dump_dir,
     }
     # Training and export are covered elsewhere; here the point is the engine hand-off.
     run = eagleflow_dag.test(run_conf=conf, mark_success_pattern="build_vocab|train_drafter|plot_metrics|export_drafter")
     tis = {(ti.task_id, ti.map_index): ti for ti in run.get_task_instances()}
     assert str(run.state) == "success", {k: ti.state for k, ti in tis.items()}
-    assert tis[("launch_server", -1)].xcom_pull(task_ids="launch_server") == {
+    assert tis[("launch_server", 0)].xcom_pull(task_ids="launch_server", map_indexes=0) == {
         "url": outside_engine.url, "pid": None, "host": "", "log_path": "", "dump_dir": outside_engine.dump_dir,
+        "name": "engine-0",
     }
-    assert tis[("stop_server", -1)].xcom_pull(task_ids="stop_server") == "remote server left running"
+    assert tis[("stop_server", 0)].xcom_pull(task_ids="stop_server", map_indexes=0) == "remote engine left running"
     assert pid_alive(outside_engine.pid)  # nobody stopped the remote engine
     assert tis[("evaluate_drafter", -1)].state == "skipped"  # no engine of this run to relaunch with the drafter
-    assert not (tmp_path / "runs" / "remote" / "server" / "server.log").exists()  # nobody launched one
+    assert not list((tmp_path / "runs" / "remote").glob("server/engine-*"))  # nobody launched one
     assert sorted(ti.rendered_map_index for (task, _), ti in tis.items() if task == "extract_shard") == [
         "rows_0-5", "rows_10-12", "rows_5-10",
     ]
