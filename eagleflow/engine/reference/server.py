@@ -118,6 +118,8 @@ def serve(config: ReferenceEngineConfig) -> int:
     )
     if engine.fail_rows_pending:
         print(f"TEST fault injection: requests for rows {sorted(engine.fail_rows_pending)} will answer 500", flush=True)
+    if config.min_request_seconds:
+        print(f"TEST slowdown: every captured request takes at least {config.min_request_seconds:g}s", flush=True)
     if stop_signals:  # stopped while the model was loading
         engine.close()
         sock.close()
