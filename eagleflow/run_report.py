@@ -47,7 +47,7 @@ class ShardSummary(ShardManifest):
             "done": self.done, "skipped": self.skipped, "failed": len(self.failed), "failed_rows": self.failed[:50],
             "tokens": self.tokens, "bytes": self.bytes, "gb": self.bytes / 1e9, "seconds": self.seconds,
             "rows_per_s": self.rows_per_s, "tokens_per_s": self.tokens_per_s, "updated": self.updated,
-            "error": self.error,
+            "error": self.error, "engine": self.engine,
         }
 
 

@@ -42,6 +42,7 @@ def test_run_page_shows_shards_charts_and_metrics(client: TestClient) -> None:
     assert "9,120" in page and "3.17 rows/s" in page  # tokens; 38 rows in 12 s
     assert f"{9120 * 4 * 64 * 2 / 1e9:.3f}" in page  # GB
     assert "row 57" in page and "&lt;script&gt;" in page and "<script>" not in page  # escaped reasons
+    assert "<small>engine-1 at http://127.0.0.1:30001</small>" in page  # the engine that served the shard
     # Both charts, linked relative to the page so any mount prefix or base URL works.
     for chart in ("loss", "acc"):
         assert re.search(rf'<img src="demo/files/train-progress/{chart}\.png\?v=\d+"', page), chart
