@@ -33,7 +33,7 @@ class RunInputs:
     max_len: int = 256
 
     def conf(self, output_root: Path, run_name: str, **overrides: Any) -> dict[str, Any]:
-        """Params of a run of the reference engine (short warmup, one torch thread) and a 1-epoch drafter."""
+        """Params of a run of the reference engine (short warmup, one torch thread), a 1-epoch drafter, a 2-prompt evaluation."""
         return {
             "engine": "reference",
             "model_path": str(self.model),
@@ -50,6 +50,9 @@ class RunInputs:
             "num_workers": 0,
             "draft_vocab_size": 256,
             "device": "cpu",
+            "eval_rows": 2,
+            "eval_max_new_tokens": 8,
+            "eval_concurrency": 1,
             **overrides,
         }
 

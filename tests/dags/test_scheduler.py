@@ -1,17 +1,16 @@
 """The DAG under a real Airflow: scheduler, dag-processor, triggerer and api-server as subprocesses.
 
-One DAG run through the REST API, with the reference engine told to fail one row of the middle
+Runs through the REST API. One, with the reference engine told to fail one row of the middle
 shard: the run fails on that shard only; clearing that one mapped instance through the API
 re-runs it with its setups (engine launch and readiness) and teardown, and the run then
 succeeds without touching any other shard's files; speculators' own reader loads every row.
+Another, with two engines: both serve shards, one is SIGKILLed mid-shard and the run still
+succeeds, that shard's retry and the dead engine's later shards going to the other engine.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,44 +24,18 @@ DAG_ID = "eagleflow"
 ROWS, SHARD_SIZE, FAIL_ROW = 30, 10, 13
 FAILED_SHARD = FAIL_ROW // SHARD_SIZE  # map index of rows_10-20
 SHARD_NAMES = [f"rows_{s}-{s + SHARD_SIZE}" for s in range(0, ROWS, SHARD_SIZE)]
-SETUPS_AND_TEARDOWN = ["launch_server", "wait_server_ready", "stop_server"]
-DOWNSTREAM = ["build_vocab", "train_drafter", "plot_metrics", "export_drafter", "evaluate_drafter"]
-UNTOUCHED = ["prepare_dataset", "dataset_stats", "check_disk", "plan_shards"]
+# One engine: its setups and teardown are the single instance (map index 0) of each engine task.
+SETUPS_AND_TEARDOWN = [("launch_server", 0), ("wait_server_ready", 0), ("stop_server", 0)]
+DOWNSTREAM = [(task, -1) for task in ("build_vocab", "train_drafter", "plot_metrics", "export_drafter", "evaluate_drafter")]
+UNTOUCHED = [(task, -1) for task in ("plan_engines", "prepare_dataset", "dataset_stats", "check_disk", "plan_shards")]
 RUN_TIMEOUT = 600.0
-MAX_LEN = 256
 
 
-def _conf(model: Path, conversations: Path, output_root: Path, run_name: str) -> dict[str, Any]:
-    """Params of the run: the 2-core sizes of the tiny plumbing model."""
-    return {
-        "engine": "reference",
-        "model_path": str(model),
-        "dataset_input": str(conversations),
-        "output_root": str(output_root),
-        "run_name": run_name,
-        "shard_size": SHARD_SIZE,
-        "max_len": MAX_LEN,
-        "concurrency": 4,
-        "server_port": 0,
-        "server_extra_args": ["--warmup-seconds", "3", "--fail-row", str(FAIL_ROW)],
-        "warmup_timeout_minutes": 5.0,
-        "epochs": 1,
-        "total_seq_len": 512,
-        "num_workers": 0,
-        "draft_vocab_size": 256,
-        "device": "cpu",
-        "eval_rows": 2,
-        "eval_max_new_tokens": 8,
-        "eval_concurrency": 1,
-    }
-
-
-def _make_conversations(model: Path, out: Path) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "eagleflow", "make-dataset", "--tokenizer", str(model), "--out", str(out), "--rows", str(ROWS)],
-        check=True,
-        capture_output=True,
-        text=True,
+def _conf(inputs: Any, output_root: Path, run_name: str) -> dict[str, Any]:
+    """Params of the run: shards of 10 rows, row 13 refused once by the engine."""
+    return inputs.conf(
+        output_root, run_name, shard_size=SHARD_SIZE,
+        server_extra_args=["--warmup-seconds", "3", "--threads", "1", "--fail-row", str(FAIL_ROW)],
     )
 
 
@@ -75,24 +48,15 @@ def _tries(tis: dict[tuple[str, int], dict[str, Any]]) -> dict[tuple[str, int], 
     return {key: ti["try_number"] for key, ti in tis.items()}
 
 
-def test_failed_shard_cleared_through_the_api_reruns_alone(
-    airflow_stack: Any, random_tiny_model: Path, tmp_path: Path
-) -> None:
+def test_failed_shard_cleared_through_the_api_reruns_alone(airflow_stack: Any, run_inputs: Any, tmp_path: Path) -> None:
     from eagleflow.layout import RunLayout
     from eagleflow.engine.process import pid_alive
 
     started = time.monotonic()
-    conversations = tmp_path / "conversations.jsonl"
-    _make_conversations(random_tiny_model, conversations)
+    inputs = run_inputs(ROWS)
     run_id = run_name = "scheduler-clear-one-shard"
     layout = RunLayout.of(tmp_path / "runs", run_name)
-
-    airflow_stack.request("PATCH", f"/dags/{DAG_ID}", json={"is_paused": False})
-    airflow_stack.request(
-        "POST",
-        f"/dags/{DAG_ID}/dagRuns",
-        json={"dag_run_id": run_id, "logical_date": None, "conf": _conf(random_tiny_model, conversations, tmp_path / "runs", run_name)},
-    )
+    airflow_stack.trigger(run_id, _conf(inputs, tmp_path / "runs", run_name))
 
     # --- first pass: only the shard holding the failing row fails -------------------------
     state = airflow_stack.wait_for_run(run_id, RUN_TIMEOUT)
@@ -105,10 +69,12 @@ def test_failed_shard_cleared_through_the_api_reruns_alone(
         SHARD_NAMES[1]: "failed",
         SHARD_NAMES[2]: "success",
     }, airflow_stack.describe(run_id)
-    for task_id in SETUPS_AND_TEARDOWN + UNTOUCHED:
-        assert tis[(task_id, -1)]["state"] == "success", airflow_stack.describe(run_id)
-    for task_id in DOWNSTREAM:
-        assert tis[(task_id, -1)]["state"] == "upstream_failed", airflow_stack.describe(run_id)
+    for key in SETUPS_AND_TEARDOWN + UNTOUCHED:
+        assert tis[key]["state"] == "success", airflow_stack.describe(run_id)
+    for key in DOWNSTREAM:
+        assert tis[key]["state"] == "upstream_failed", airflow_stack.describe(run_id)
+    # A row the engine refused fails its shard for good: no retry, only a clear redoes it.
+    assert tis[("extract_shard", FAILED_SHARD)]["try_number"] == 1, airflow_stack.describe(run_id)
 
     # The failure is explained in the shard's log as the UI shows it.
     failed_log = airflow_stack.task_log(run_id, "extract_shard", tis[("extract_shard", FAILED_SHARD)]["try_number"], FAILED_SHARD)
@@ -116,7 +82,7 @@ def test_failed_shard_cleared_through_the_api_reruns_alone(
     manifest = json.loads(layout.shard_manifest(SHARD_NAMES[1]).read_text())
     assert [f["row"] for f in manifest["failed"]] == [FAIL_ROW], manifest
     # The teardown stopped the first engine although a shard failed.
-    first_engine = airflow_stack.xcom(run_id, "launch_server")
+    first_engine = airflow_stack.xcom(run_id, "launch_server", 0)
     assert not pid_alive(int(first_engine["pid"])), f"first engine {first_engine} still running after stop_server"
 
     before = _file_identities(layout.hidden_states)
@@ -133,7 +99,7 @@ def test_failed_shard_cleared_through_the_api_reruns_alone(
     }
     planned = airflow_stack.request("POST", f"/dags/{DAG_ID}/clearTaskInstances", json={**clear, "dry_run": True})
     planned_keys = {(ti["task_id"], ti["map_index"]) for ti in planned["task_instances"]}
-    expected_keys = {("extract_shard", FAILED_SHARD)} | {(t, -1) for t in SETUPS_AND_TEARDOWN + DOWNSTREAM}
+    expected_keys = {("extract_shard", FAILED_SHARD), *SETUPS_AND_TEARDOWN, *DOWNSTREAM}
     assert planned_keys == expected_keys, sorted(planned_keys)
     airflow_stack.request("POST", f"/dags/{DAG_ID}/clearTaskInstances", json={**clear, "dry_run": False})
 
@@ -153,10 +119,10 @@ def test_failed_shard_cleared_through_the_api_reruns_alone(
 
     # The setups really started a fresh engine (the old one had been stopped), and the
     # teardown stopped it again: no engine is left behind.
-    second_engine = airflow_stack.xcom(run_id, "launch_server")
+    second_engine = airflow_stack.xcom(run_id, "launch_server", 0)
     assert second_engine["pid"] != first_engine["pid"]
     assert not pid_alive(int(second_engine["pid"])), f"second engine {second_engine} still running after stop_server"
-    assert layout.server_log.read_text().count("starting:") == 2
+    assert layout.engine_log("engine-0").read_text().count("starting:") == 2
 
     # No finished row was rewritten, not even in the cleared shard: only the failed row is new.
     after = _file_identities(layout.hidden_states)
@@ -167,7 +133,7 @@ def test_failed_shard_cleared_through_the_api_reruns_alone(
     # Nothing else in the folder: no temporary or partial file was left behind.
     assert sorted(p.name for p in layout.hidden_states.iterdir()) == sorted(after)
 
-    _check_every_row_readable(layout.dataset, random_tiny_model)
+    inputs.check_every_row(layout.dataset)
     plots = airflow_stack.xcom(run_id, "plot_metrics")
     assert plots["png"] and all(Path(p).is_file() for p in plots["png"] + plots["svg"]), plots
     evaluation = airflow_stack.xcom(run_id, "evaluate_drafter")
@@ -175,38 +141,12 @@ def test_failed_shard_cleared_through_the_api_reruns_alone(
     print(f"scheduler test: first pass {first_pass:.0f}s, total {time.monotonic() - started:.0f}s")
 
 
-def _check_every_row_readable(dataset: Path, model: Path) -> None:
-    """Every row's file passes ``validate`` and speculators' ArrowDataset loads it."""
-    from datasets import load_from_disk
-    from speculators.train.data import ArrowDataset
-
-    from eagleflow.data.verifier import config_int, resolve_aux_layer_ids
-    from eagleflow.extract.sample_store import sample_path, validate_dataset
-
-    hidden = config_int(str(model), "hidden_size")
-    slots = len(resolve_aux_layer_ids(model, None)) + 1
-    rows = load_from_disk(str(dataset))
-    assert len(rows) == ROWS
-    assert validate_dataset(dataset, slots, hidden) == []
-
-    reader = ArrowDataset(max_len=MAX_LEN, datapath=str(dataset), on_missing="raise")
-    assert len(reader) == ROWS
-    for row in range(ROWS):
-        item = reader[row]
-        expected = [int(t) for t in rows[row]["input_ids"]]
-        assert item["input_ids"].tolist() == expected
-        assert item["hidden_states"].shape[-1] == hidden * (slots - 1), item["hidden_states"].shape
-        assert os.path.getsize(sample_path(dataset / "hidden_states", row)) > 0
-
-
 def test_bad_aux_layer_ids_are_refused_at_trigger_or_by_the_first_tasks(
-    airflow_stack: Any, random_tiny_model: Path, tmp_path: Path
+    airflow_stack: Any, run_inputs: Any, tmp_path: Path
 ) -> None:
     """[2, 2] never becomes a run; ids past the verifier's depth stop the run before any extraction."""
-    conversations = tmp_path / "conversations.jsonl"
-    _make_conversations(random_tiny_model, conversations)
     airflow_stack.request("PATCH", f"/dags/{DAG_ID}", json={"is_paused": False})
-    conf = _conf(random_tiny_model, conversations, tmp_path / "runs", "bad-aux")
+    conf = _conf(run_inputs(ROWS), tmp_path / "runs", "bad-aux")
 
     # What the Param's schema can say (distinct, non-negative) Airflow refuses before the run exists.
     for ids in ([2, 2], [-1, 3]):
@@ -220,16 +160,106 @@ def test_bad_aux_layer_ids_are_refused_at_trigger_or_by_the_first_tasks(
     # The verifier's depth (8 layers) lives in its folder, on the workers: the first tasks that
     # start read it and fail, naming the Param; nothing downstream of them runs.
     run_id = "bad-aux-depth"
-    airflow_stack.request(
-        "POST", f"/dags/{DAG_ID}/dagRuns",
-        json={"dag_run_id": run_id, "logical_date": None, "conf": {**conf, "aux_layer_ids": [2, 9]}},
-    )
+    airflow_stack.trigger(run_id, {**conf, "aux_layer_ids": [2, 9]})
     assert airflow_stack.wait_for_run(run_id, RUN_TIMEOUT) == "failed", airflow_stack.describe(run_id)
     tis = airflow_stack.task_instances(run_id)
-    for root in ("launch_server", "prepare_dataset"):
-        assert tis[(root, -1)]["state"] == "failed", airflow_stack.describe(run_id)
-        log = airflow_stack.task_log(run_id, root, tis[(root, -1)]["try_number"])
+    for root, map_index in (("launch_server", 0), ("prepare_dataset", -1)):
+        assert tis[(root, map_index)]["state"] == "failed", airflow_stack.describe(run_id)
+        log = airflow_stack.task_log(run_id, root, tis[(root, map_index)]["try_number"], map_index)
         assert "Param aux_layer_ids: aux layer ids [9] are outside 0..8" in log, log[-2000:]
     ran = {task for (task, _), ti in tis.items() if ti["state"] not in ("upstream_failed", "skipped", None)}
-    assert ran <= {"launch_server", "prepare_dataset", "stop_server"}, airflow_stack.describe(run_id)
+    assert ran <= {"plan_engines", "launch_server", "prepare_dataset", "stop_server"}, airflow_stack.describe(run_id)
     assert not (tmp_path / "runs" / "bad-aux" / "dataset").exists()
+
+
+ENGINE_SHARD_SIZE = 5
+ENGINE_SHARDS = [f"rows_{s}-{s + ENGINE_SHARD_SIZE}" for s in range(0, ROWS, ENGINE_SHARD_SIZE)]
+
+
+def _manifests(shards: Path) -> dict[str, dict[str, Any]]:
+    return {path.stem: json.loads(path.read_text()) for path in shards.glob("rows_*.json")}
+
+
+def test_two_engines_serve_one_run_and_losing_one_mid_shard_loses_nothing(
+    airflow_stack: Any, run_inputs: Any, in_flight: Any, tmp_path: Path
+) -> None:
+    """Two launched reference engines share the shards; one SIGKILLed mid-shard fails only that try,
+    whose retry and the dead engine's later shards go to the other; the run succeeds."""
+    import os
+    import signal
+
+    from eagleflow.engine.process import pid_alive
+    from eagleflow.layout import RunLayout
+
+    inputs = run_inputs(ROWS)
+    run_id = "two-engines"
+    layout = RunLayout.of(tmp_path / "runs", run_id)
+    conf = inputs.conf(
+        tmp_path / "runs", run_id, shard_size=ENGINE_SHARD_SIZE, concurrency=2, num_engines=2,
+        server_extra_args=["--warmup-seconds", "3", "--threads", "1", "--min-request-seconds", "1.5"],
+    )
+    # Two engines feed two shards at once: the GPU pool gets a slot per engine, as README says.
+    airflow_stack.request("PATCH", "/pools/gpu", json=_pool(2), params={"update_mask": ["slots"]})
+    try:
+        airflow_stack.trigger(run_id, conf)
+        # Kill engine-1 while it serves its second shard (it finished its first one).
+        deadline = time.monotonic() + RUN_TIMEOUT
+        while True:
+            victim = in_flight(layout.root, min_rows=1, engine="engine-1 ")
+            served = [m for m in _manifests(layout.shards).values() if m["engine"].startswith("engine-1 ")]
+            if victim and any(m["state"] == "success" for m in served):
+                break
+            assert time.monotonic() < deadline, airflow_stack.describe(run_id)
+            assert airflow_stack.request("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}")["state"] in ("queued", "running")
+            time.sleep(0.2)
+        engine_1 = json.loads(layout.engine_state("engine-1").read_text())
+        os.killpg(int(engine_1["pid"]), signal.SIGKILL)
+        killed_at = time.time()
+        finished_before = _file_identities(layout.hidden_states)
+        state = airflow_stack.wait_for_run(run_id, RUN_TIMEOUT)
+    finally:
+        airflow_stack.request("PATCH", "/pools/gpu", json=_pool(1), params={"update_mask": ["slots"]})
+    assert state == "success", airflow_stack.describe(run_id)
+
+    tis = airflow_stack.task_instances(run_id)
+    engines = {tis[("launch_server", i)]["rendered_map_index"]: airflow_stack.xcom(run_id, "launch_server", i) for i in (0, 1)}
+    assert set(engines) == {"engine-0", "engine-1"} and engines["engine-0"]["url"] != engines["engine-1"]["url"]
+    manifests = _manifests(layout.shards)
+    assert sorted(manifests) == sorted(ENGINE_SHARDS) and all(m["state"] == "success" for m in manifests.values())
+    by_engine = {name: m["engine"].split(" ")[0] for name, m in manifests.items()}
+    # Both served shards of the run to the end; what engine-1 would have served after its death went to engine-0.
+    assert "engine-1" in by_engine.values() and "engine-0" in by_engine.values(), by_engine
+    assert by_engine[victim["name"]] == "engine-0", by_engine
+    for later in ENGINE_SHARDS[ENGINE_SHARDS.index(victim["name"]) + 1:]:
+        assert by_engine[later] == "engine-0", by_engine  # engine-1 was down when they started
+
+    # The killed shard: its first try failed naming engine-1, its retry resumed on engine-0.
+    index = ENGINE_SHARDS.index(victim["name"])
+    tries = airflow_stack.tries(run_id, "extract_shard", index)
+    assert [t["try_number"] for t in tries] == [1, 2] and tries[-1]["state"] == "success", tries
+    first_log = airflow_stack.task_log(run_id, "extract_shard", 1, index)
+    assert f"uses engine-1 at {engines['engine-1']['url']}" in first_log, first_log[-3000:]
+    second_log = airflow_stack.task_log(run_id, "extract_shard", 2, index)
+    assert "Passing over engine-1" in second_log and f"uses engine-0 at {engines['engine-0']['url']}" in second_log
+    assert manifests[victim["name"]]["skipped"] >= 1
+    after = _file_identities(layout.hidden_states)
+    assert {name: after[name] for name in finished_before} == finished_before  # nothing finished was redone
+    inputs.check_every_row(layout.dataset)
+
+    # The teardowns: engine-1 was already gone, engine-0 was stopped; no engine is left.
+    stops = {tis[("stop_server", i)]["rendered_map_index"]: airflow_stack.xcom(run_id, "stop_server", i) for i in (0, 1)}
+    assert "had already exited" in stops["engine-1"] and "stopped" in stops["engine-0"], stops
+    assert not any(pid_alive(int(e["pid"])) for e in engines.values())
+    retried = _seconds(tries[-1]["start_date"]) - killed_at
+    print(f"two engines: engine-1 killed in {victim['name']}; retry on engine-0 started after {retried:.0f}s")
+
+
+def _seconds(stamp: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def _pool(slots: int) -> dict[str, Any]:
+    """The GPU pool with ``slots`` slots, as the pools API takes it (only ``slots`` is applied)."""
+    return {"pool": "gpu", "slots": slots, "include_deferred": False}
