@@ -181,8 +181,14 @@ class AirflowStack:
             params={"map_index": map_index},
         )
         value = body["value"]
-        # Stored as JSON; older rows (or other backends) may hand back the JSON text itself.
-        return json.loads(value) if isinstance(value, str) else value
+        # Stored as JSON; older rows (or other backends) may hand back the JSON text itself, and a
+        # task that returned a plain string gets that string.
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except ValueError:
+                return value
+        return value
 
     def task_log(self, run_id: str, task_id: str, try_number: int, map_index: int = -1) -> str:
         """The task's log as the UI shows it (read by the api-server from the log folder)."""

@@ -4,8 +4,7 @@ Runs through the REST API. One, with the reference engine told to fail one row o
 shard: the run fails on that shard only; clearing that one mapped instance through the API
 re-runs it with its setups (engine launch and readiness) and teardown, and the run then
 succeeds without touching any other shard's files; speculators' own reader loads every row.
-Another, with two engines: both serve shards, one is SIGKILLed mid-shard and the run still
-succeeds, that shard's retry and the dead engine's later shards going to the other engine.
+(Two engines in one run, one of them killed, run in ``test_celery.py``, on the Celery deployment.)
 """
 
 from __future__ import annotations
@@ -170,96 +169,3 @@ def test_bad_aux_layer_ids_are_refused_at_trigger_or_by_the_first_tasks(
     ran = {task for (task, _), ti in tis.items() if ti["state"] not in ("upstream_failed", "skipped", None)}
     assert ran <= {"plan_engines", "launch_server", "prepare_dataset", "stop_server"}, airflow_stack.describe(run_id)
     assert not (tmp_path / "runs" / "bad-aux" / "dataset").exists()
-
-
-ENGINE_SHARD_SIZE = 5
-ENGINE_SHARDS = [f"rows_{s}-{s + ENGINE_SHARD_SIZE}" for s in range(0, ROWS, ENGINE_SHARD_SIZE)]
-
-
-def _manifests(shards: Path) -> dict[str, dict[str, Any]]:
-    return {path.stem: json.loads(path.read_text()) for path in shards.glob("rows_*.json")}
-
-
-def test_two_engines_serve_one_run_and_losing_one_mid_shard_loses_nothing(
-    airflow_stack: Any, run_inputs: Any, in_flight: Any, tmp_path: Path
-) -> None:
-    """Two launched reference engines share the shards; one SIGKILLed mid-shard fails only that try,
-    whose retry and the dead engine's later shards go to the other; the run succeeds."""
-    import os
-    import signal
-
-    from eagleflow.engine.process import pid_alive
-    from eagleflow.layout import RunLayout
-
-    inputs = run_inputs(ROWS)
-    run_id = "two-engines"
-    layout = RunLayout.of(tmp_path / "runs", run_id)
-    conf = inputs.conf(
-        tmp_path / "runs", run_id, shard_size=ENGINE_SHARD_SIZE, concurrency=2, num_engines=2,
-        server_extra_args=["--warmup-seconds", "3", "--threads", "1", "--min-request-seconds", "1.5"],
-    )
-    # Two engines feed two shards at once: the GPU pool gets a slot per engine, as README says.
-    airflow_stack.request("PATCH", "/pools/gpu", json=_pool(2), params={"update_mask": ["slots"]})
-    try:
-        airflow_stack.trigger(run_id, conf)
-        # Kill engine-1 while it serves its second shard (it finished its first one).
-        deadline = time.monotonic() + RUN_TIMEOUT
-        while True:
-            victim = in_flight(layout.root, min_rows=1, engine="engine-1 ")
-            served = [m for m in _manifests(layout.shards).values() if m["engine"].startswith("engine-1 ")]
-            if victim and any(m["state"] == "success" for m in served):
-                break
-            assert time.monotonic() < deadline, airflow_stack.describe(run_id)
-            assert airflow_stack.request("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}")["state"] in ("queued", "running")
-            time.sleep(0.2)
-        engine_1 = json.loads(layout.engine_state("engine-1").read_text())
-        os.killpg(int(engine_1["pid"]), signal.SIGKILL)
-        killed_at = time.time()
-        finished_before = _file_identities(layout.hidden_states)
-        state = airflow_stack.wait_for_run(run_id, RUN_TIMEOUT)
-    finally:
-        airflow_stack.request("PATCH", "/pools/gpu", json=_pool(1), params={"update_mask": ["slots"]})
-    assert state == "success", airflow_stack.describe(run_id)
-
-    tis = airflow_stack.task_instances(run_id)
-    engines = {tis[("launch_server", i)]["rendered_map_index"]: airflow_stack.xcom(run_id, "launch_server", i) for i in (0, 1)}
-    assert set(engines) == {"engine-0", "engine-1"} and engines["engine-0"]["url"] != engines["engine-1"]["url"]
-    manifests = _manifests(layout.shards)
-    assert sorted(manifests) == sorted(ENGINE_SHARDS) and all(m["state"] == "success" for m in manifests.values())
-    by_engine = {name: m["engine"].split(" ")[0] for name, m in manifests.items()}
-    # Both served shards of the run to the end; what engine-1 would have served after its death went to engine-0.
-    assert "engine-1" in by_engine.values() and "engine-0" in by_engine.values(), by_engine
-    assert by_engine[victim["name"]] == "engine-0", by_engine
-    for later in ENGINE_SHARDS[ENGINE_SHARDS.index(victim["name"]) + 1:]:
-        assert by_engine[later] == "engine-0", by_engine  # engine-1 was down when they started
-
-    # The killed shard: its first try failed naming engine-1, its retry resumed on engine-0.
-    index = ENGINE_SHARDS.index(victim["name"])
-    tries = airflow_stack.tries(run_id, "extract_shard", index)
-    assert [t["try_number"] for t in tries] == [1, 2] and tries[-1]["state"] == "success", tries
-    first_log = airflow_stack.task_log(run_id, "extract_shard", 1, index)
-    assert f"uses engine-1 at {engines['engine-1']['url']}" in first_log, first_log[-3000:]
-    second_log = airflow_stack.task_log(run_id, "extract_shard", 2, index)
-    assert "Passing over engine-1" in second_log and f"uses engine-0 at {engines['engine-0']['url']}" in second_log
-    assert manifests[victim["name"]]["skipped"] >= 1
-    after = _file_identities(layout.hidden_states)
-    assert {name: after[name] for name in finished_before} == finished_before  # nothing finished was redone
-    inputs.check_every_row(layout.dataset)
-
-    # The teardowns: engine-1 was already gone, engine-0 was stopped; no engine is left.
-    stops = {tis[("stop_server", i)]["rendered_map_index"]: airflow_stack.xcom(run_id, "stop_server", i) for i in (0, 1)}
-    assert "had already exited" in stops["engine-1"] and "stopped" in stops["engine-0"], stops
-    assert not any(pid_alive(int(e["pid"])) for e in engines.values())
-    retried = _seconds(tries[-1]["start_date"]) - killed_at
-    print(f"two engines: engine-1 killed in {victim['name']}; retry on engine-0 started after {retried:.0f}s")
-
-
-def _seconds(stamp: str) -> float:
-    from datetime import datetime
-
-    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
-
-
-def _pool(slots: int) -> dict[str, Any]:
-    """The GPU pool with ``slots`` slots, as the pools API takes it (only ``slots`` is applied)."""
-    return {"pool": "gpu", "slots": slots, "include_deferred": False}
