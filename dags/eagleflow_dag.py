@@ -5,7 +5,9 @@ The story of DESIGN.md §1, top to bottom:
 1. plan_engines lists the run's engines; launch_server and wait_server_ready (setups, one
    instance per engine) start each with the capture hook and wait out its warmup without
    holding a worker slot;
-2. meanwhile prepare_dataset, dataset_stats, check_disk and plan_shards get the rows ready;
+2. meanwhile prepare_dataset, dataset_stats, check_disk and plan_shards get the rows ready
+   (with regenerate_responses, regenerate_dataset first has the verifier rewrite the answers
+   through the first engine this worker reaches);
 3. extract_shard runs once per shard (rows_0-2000, …) on one of the engines, each retryable
    (on an engine that is up) and clearable alone;
 4. stop_server (teardown, one instance per engine) stops the engines, even when a shard fails;
@@ -18,7 +20,13 @@ from __future__ import annotations
 
 from airflow.sdk import DAG, Param
 
-from operators.dataset import CheckDiskOperator, DatasetStatsOperator, PlanShardsOperator, PrepareDatasetOperator
+from operators.dataset import (
+    CheckDiskOperator,
+    DatasetStatsOperator,
+    PlanShardsOperator,
+    PrepareDatasetOperator,
+    RegenerateOperator,
+)
 from operators.drafter import EvaluateOperator, ExportOperator
 from operators.extract import SHARD_MAP_INDEX_TEMPLATE, SHARD_RETRIES, SHARD_RETRY_DELAY, ShardExtractOperator
 from operators.params import GPU_POOL, GPU_QUEUE, form_defaults, pipeline_params
@@ -55,6 +63,9 @@ with DAG(
         task_id="wait_server_ready", map_index_template=SERVER_MAP_INDEX_TEMPLATE, **on_gpu
     ).expand(server=launch_server.output)
 
+    # On the GPU queue: a launched engine listens on its GPU node's 127.0.0.1 only. No GPU pool
+    # slot: it only sends requests, and with regeneration off it returns at once.
+    regenerate_dataset = RegenerateOperator(task_id="regenerate_dataset", engines=launch_server.output, queue=GPU_QUEUE)
     prepare_dataset = PrepareDatasetOperator(task_id="prepare_dataset")
     dataset_stats = DatasetStatsOperator(task_id="dataset_stats")
     check_disk = CheckDiskOperator(task_id="check_disk", stats=dataset_stats.output)
@@ -79,7 +90,7 @@ with DAG(
     export_drafter = ExportOperator(task_id="export_drafter")
     evaluate_drafter = EvaluateOperator(task_id="evaluate_drafter", **on_gpu)
 
-    prepare_dataset >> dataset_stats >> check_disk >> plan_shards
+    regenerate_dataset >> prepare_dataset >> dataset_stats >> check_disk >> plan_shards
     launch_server >> wait_server_ready >> extract_shard >> stop_server.as_teardown(setups=[launch_server, wait_server_ready])
     check_disk >> extract_shard
     [extract_shard, stop_server] >> build_vocab >> train_drafter >> plot_metrics

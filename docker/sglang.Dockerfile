@@ -5,9 +5,10 @@
 #   docker build -f docker/sglang.Dockerfile -t eagleflow-gpu-worker .
 #
 # Two Python environments live here, because SGLang and eagleflow pin different libraries:
-# sglang 0.5.20 pins transformers==5.12.1 (and openai==2.6.1), while eagleflow pins the
-# transformers==5.16.1 it was tested with alongside speculators 0.8.1 (DESIGN.md §8). Installing
-# one set over the other would run the server or the trainer on versions nobody tested.
+# sglang 0.5.23 pins transformers==5.19.0 (and openai==2.8.0, torch==2.14.1), while eagleflow pins
+# the transformers==5.16.1 it was tested with alongside speculators 0.9.0 (DESIGN.md §8). Installing
+# one set over the other would run the server or the trainer on versions nobody tested. The
+# worker reuses the image's torch 2.14.1, the newest speculators 0.9.0 allows.
 #
 #   image Python ($EAGLEFLOW_SGLANG_PYTHON)  SGLang as the image ships it, plus sglang_patch (the
 #                                           --forward-hooks factory) added by a .pth file.
@@ -25,11 +26,11 @@
 # Must carry the SGLang version of pyproject.toml's `sglang` extra and lie in the hook's supported
 # range (sglang_patch/hook_spec.py); tests/docker/test_compose.py checks the first. The CUDA 13.0 build
 # needs an NVIDIA driver >= 580 on the GPU node.
-ARG SGLANG_IMAGE=lmsysorg/sglang:v0.5.20-cu130
+ARG SGLANG_IMAGE=lmsysorg/sglang:v0.5.23-cu130
 
 FROM ${SGLANG_IMAGE}
 
-ARG SGLANG_VERSION=0.5.20
+ARG SGLANG_VERSION=0.5.23
 ARG AIRFLOW_VERSION=3.3.2
 # Same uid as the Airflow images, group 0: files in the shared run folder stay writable by all.
 ARG EAGLEFLOW_UID=50000

@@ -20,6 +20,7 @@ STEPS: dict[str, tuple[str, str]] = {
     "make-dataset": ("eagleflow.demo.synthetic_data", "write synthetic chat conversations as JSONL"),
     "serve-reference": ("eagleflow.engine.reference.server", "serve the CPU reference engine"),
     "sglang-command": ("eagleflow.engine.sglang_command", "print the SGLang server command with the capture hook (starts nothing)"),
+    "regenerate": ("eagleflow.data.regenerate", "rewrite the assistant turns with the verifier through a running engine"),
     "prepare-dataset": ("eagleflow.data.prepare", "tokenize conversations into the training dataset"),
     "dataset-stats": ("eagleflow.data.stats", "rows, tokens and hidden-state bytes of a dataset"),
     "check-disk": ("eagleflow.data.disk_check", "fail early when the disk cannot hold the hidden states"),

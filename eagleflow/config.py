@@ -19,6 +19,7 @@ from pydantic import AfterValidator, BaseModel, Field, ValidationError
 
 from eagleflow.errors import UserError
 from sglang_patch.layer_ids import validate_aux_layer_ids
+from sglang_patch.sample_format import DEFAULT_HIDDEN_STATES_DTYPE, HiddenStatesDtype
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -29,6 +30,17 @@ AuxLayerIds = Annotated[
     list[Annotated[int, Field(ge=0)]],
     AfterValidator(validate_aux_layer_ids),
     Field(json_schema_extra={"uniqueItems": True}),
+]
+
+# The storage dtype of the hidden-state files, as every step that writes, checks or sizes them
+# declares it, default included (the choices are sglang_patch.sample_format's).
+StoredHiddenStatesDtype = Annotated[
+    HiddenStatesDtype,
+    Field(
+        DEFAULT_HIDDEN_STATES_DTYPE,
+        description="how hidden states are stored: bf16, or fp8 (float8_e4m3fn with one float32 scale per "
+        "token, about half the disk; read by speculators 0.9's fp8 backend)",
+    ),
 ]
 
 

@@ -3,14 +3,15 @@
 ::
 
     <output_root>/<run_name>/
-      dataset/                     training dataset (§3.3) with hidden_states/
+      regenerated/                 the verifier's answers, when regeneration is on: rows/, conversations.jsonl, regenerate.json
+      dataset/                     training dataset (§3.3) with hidden_states/; prepare.json names its input
       shards/rows_0-2000.json      per-shard manifest
       server/engine-0.log          each engine's output (engine-0.json while it runs); server/dumps/
                                    the hooks' hand-off folder
       train/                       the training step's folder (:class:`TrainLayout`)
       train-progress/*.png, *.svg
-      drafter/sglang/, drafter/speculators/, drafter/export.json   the exported drafter
-      eval/report.json, eval/accept.{png,svg}                        its evaluation
+      drafter/                     the exported drafter: sglang/, speculators/, export.json
+      eval/                        its evaluation: report.json, accept.{png,svg}
 
 The training step also runs on its own (``python -m eagleflow train --out DIR``), so the
 names inside its folder belong to :class:`TrainLayout`, which :attr:`RunLayout.train` returns.
@@ -111,6 +112,11 @@ class RunLayout:
     def dump_dir(self) -> Path:
         """The hooks' hand-off folder, one for all of the run's engines (request ids are unique)."""
         return self.server / "dumps"
+
+    @property
+    def regenerated(self) -> Path:
+        """The verifier's own answers to the dataset's prompts (regeneration): rows/, conversations.jsonl."""
+        return self.root / "regenerated"
 
     @property
     def drafter(self) -> Path:

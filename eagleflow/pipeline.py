@@ -25,7 +25,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, create_model, field_validator, model_validator
 
-from eagleflow.config import AuxLayerIds, build_model
+from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype, build_model
+from eagleflow.data.regenerate import CONVERSATIONS_FILE, RegenerateConfig
 from eagleflow.evaluate.config import EvaluateConfig
 from eagleflow.layout import RunLayout
 from eagleflow.train.config import TrainConfig
@@ -52,10 +53,13 @@ TRAIN_PARAMS = (
 
 # Evaluation knobs offered in the Params form; their types, defaults and help are EvaluateConfig's.
 EVAL_PARAMS = ("eval_rows", "eval_max_new_tokens", "eval_concurrency")
+# Regeneration knobs (used with regenerate_responses); RegenerateConfig's.
+REGEN_PARAMS = ("regen_temperature", "regen_max_new_tokens", "regen_concurrency")
 # Every step Param as a model of its own: checks them without a run folder.
 STEP_PARAMS: dict[str, type[BaseModel]] = {
     **dict.fromkeys(TRAIN_PARAMS, TrainConfig),
     **dict.fromkeys(EVAL_PARAMS, EvaluateConfig),
+    **dict.fromkeys(REGEN_PARAMS, RegenerateConfig),
 }
 StepParams = create_model(  # type: ignore[call-overload]
     "StepParams", **{name: (model.model_fields[name].annotation, model.model_fields[name]) for name, model in STEP_PARAMS.items()}
@@ -87,6 +91,12 @@ class PipelineConfig(BaseModel):
         title="Run name",
         description="Sub-folder of the output root. Reusing a name resumes that run's work; empty: derived from the DAG run id.",
     )
+    regenerate_responses: bool = Field(
+        False,
+        title="Regenerate responses",
+        description="Rewrite the dataset's assistant turns with the verifier through the warm engine before "
+        "preparation, so the drafter learns the verifier's own answers (regen_* Params).",
+    )
     aux_layer_ids: AuxLayerIds | None = Field(
         None,
         title="Aux layer ids",
@@ -94,6 +104,7 @@ class PipelineConfig(BaseModel):
         "added. Distinct, 0..n for an n-layer verifier. Empty: speculators' default [2, n//2, n-3]. "
         "The seed's Kimi-K2.5 run used [3, 31, 59].",
     )
+    hidden_states_dtype: StoredHiddenStatesDtype = Field(title="Hidden-state storage")
     max_len: int = Field(2048, ge=2, title="Max sequence length", description="Rows longer than this are truncated.")
     skip_bad_rows: bool = Field(
         False, title="Skip bad rows", description="Leave unusable input rows out (listed in bad_rows.jsonl) instead of failing."
@@ -218,6 +229,25 @@ class PipelineConfig(BaseModel):
         return build_model(TrainConfig, values, param_name)
 
 
+    @property
+    def prepare_input(self) -> str:
+        """What preparation tokenises: the regenerated conversations when regeneration is on."""
+        return str(self.layout.regenerated / CONVERSATIONS_FILE) if self.regenerate_responses else self.dataset_input
+
+    def regenerate_config(self, server_url: str, server_pid: int | None) -> RegenerateConfig:
+        """The regeneration step's config for the engine at ``server_url``."""
+        values = {
+            **self.step_values(RegenerateConfig),
+            "input": self.dataset_input,
+            "tokenizer": model_dir(self),
+            "out": self.layout.regenerated,
+            "server": server_url,
+            "server_pid": server_pid,
+            "skip_bad_rows": self.skip_bad_rows,
+            "warmup_timeout": self.warmup_timeout_minutes * 60,
+        }
+        return build_model(RegenerateConfig, values, param_name)
+
     def evaluate_config(self) -> EvaluateConfig:
         """The evaluation step's config: its Params plus this run's folders, engine and training split."""
         layout = self.layout
@@ -256,6 +286,7 @@ def param_schemas() -> dict[str, dict[str, Any]]:
         **schemas_of(PipelineConfig, PIPELINE_PARAMS),
         **schemas_of(TrainConfig, TRAIN_PARAMS),
         **schemas_of(EvaluateConfig, EVAL_PARAMS),
+        **schemas_of(RegenerateConfig, REGEN_PARAMS),
     }
 
 

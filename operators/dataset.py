@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowException
 
 from operators.step import EagleflowStepOperator, pipeline_config
 
@@ -23,9 +24,48 @@ class PrepareDatasetOperator(EagleflowStepOperator):
         from eagleflow.pipeline import model_dir
 
         cfg = pipeline_config(context)
-        argv = ["--input", cfg.dataset_input, "--tokenizer", str(model_dir(cfg)), "--out", str(cfg.layout.dataset)]
+        argv = ["--input", cfg.prepare_input, "--tokenizer", str(model_dir(cfg)), "--out", str(cfg.layout.dataset)]
         argv += ["--max-len", str(cfg.max_len), "--skip-bad-rows" if cfg.skip_bad_rows else "--no-skip-bad-rows"]
         return argv
+
+
+class RegenerateOperator(EagleflowStepOperator):
+    """With ``regenerate_responses``: the verifier rewrites the assistant turns through one of the run's engines (``regenerate``).
+
+    It uses the first engine this worker reaches (engine-0 unless that one was launched on
+    another node), not all of them: regeneration is one pass before any shard, and it waits
+    for that engine's warmup itself, so with regeneration off it returns at once and
+    preparation still runs beside the warmup. Returns ``{regenerated, rows, skipped_rows,
+    source}`` or ``{"regenerated": None}``.
+
+    :param engines: the mapped launch task's XCom, the engine list of
+        :mod:`eagleflow.engine.pool` (templated).
+    """
+
+    template_fields: Sequence[str] = ("engines",)
+
+    def __init__(self, *, engines: Any = None, **kwargs: Any) -> None:
+        super().__init__(step="regenerate", **kwargs)
+        self.engines = engines
+
+    def execute(self, context: Context) -> Any:
+        cfg = pipeline_config(context)
+        if not cfg.regenerate_responses:
+            self.log.info("Regeneration is off: preparation reads %s as it is", cfg.dataset_input)
+            return {"regenerated": None, "source": cfg.dataset_input}
+        return super().execute(context)
+
+    def step_argv(self, context: Context) -> list[str]:
+        from eagleflow.config import model_to_argv
+        from eagleflow.engine.pool import NoEngineReady, engines_from_xcom, first_reachable
+
+        try:
+            server = first_reachable(engines_from_xcom(self.engines))
+        except NoEngineReady as exc:
+            raise AirflowException(str(exc)) from exc
+        self.log.info("Regenerating through %s", server.describe())
+        pid = server.pid if server.is_local else None
+        return model_to_argv(pipeline_config(context).regenerate_config(server.url, pid))
 
 
 class DatasetStatsOperator(EagleflowStepOperator):
@@ -39,7 +79,10 @@ class DatasetStatsOperator(EagleflowStepOperator):
 
         cfg = pipeline_config(context)
         ids = ",".join(str(k) for k in cfg.resolved_aux_layer_ids())
-        return ["--dataset", str(cfg.layout.dataset), "--model", str(model_dir(cfg)), "--aux-layer-ids", ids]
+        return [
+            "--dataset", str(cfg.layout.dataset), "--model", str(model_dir(cfg)), "--aux-layer-ids", ids,
+            "--hidden-states-dtype", cfg.hidden_states_dtype,
+        ]
 
 
 class CheckDiskOperator(EagleflowStepOperator):

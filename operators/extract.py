@@ -48,12 +48,11 @@ class ShardExtractOperator(EagleflowStepOperator):
         self.engines = engines
 
     def step_argv(self, context: Context) -> list[str]:
-        from eagleflow.engine.pool import NoEngineReady, choose_engine
-        from eagleflow.engine.process import ServerInfo
+        from eagleflow.engine.pool import NoEngineReady, choose_engine, engines_from_xcom
         from eagleflow.pipeline import model_dir
 
         cfg = pipeline_config(context)
-        engines = [ServerInfo.from_dict(e) for e in self.engines or []]
+        engines = engines_from_xcom(self.engines)
         shard_index = max(int(getattr(context.get("ti"), "map_index", 0) or 0), 0)
         try:
             server, passed_over = choose_engine(engines, shard_index)
@@ -71,6 +70,7 @@ class ShardExtractOperator(EagleflowStepOperator):
             "--rows", f"{start}:{end}",
             "--model", str(model_dir(cfg)),
             "--aux-layer-ids", ",".join(str(k) for k in cfg.resolved_aux_layer_ids()),
+            "--hidden-states-dtype", cfg.hidden_states_dtype,
             "--manifest", str(cfg.layout.shard_manifest(name)),
             "--concurrency", str(cfg.concurrency),
         ]

@@ -4,10 +4,15 @@ Builds the tiny verifier and 120 synthetic conversations (cached under .cache/de
 Airflow a SQLite home in .airflow-demo, runs the DAG in-process with ``dag.test()`` (the
 real scheduling loop, deferrals and mapped tasks; no scheduler daemon needed) with the
 demo's Params, then prints where everything is and a short summary.
+
+``--hidden-states-dtype fp8`` runs the same DAG storing fp8 hidden states, and ``--regenerate``
+with the verifier's own answers (``regenerate_responses``), each in its own run folder
+(``demo-fp8``, ``demo-regenerated``), so each can be compared with ``demo``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -35,13 +40,22 @@ sys.path.insert(0, str(REPO))
 def main() -> int:
     from eagleflow.demo import DEMO_RUN_NAME, demo_params, make_demo_inputs, run_summary
     from eagleflow.progress import format_bytes
+    from sglang_patch.sample_format import DEFAULT_HIDDEN_STATES_DTYPE, HIDDEN_STATES_DTYPES
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden-states-dtype", choices=HIDDEN_STATES_DTYPES, default=DEFAULT_HIDDEN_STATES_DTYPE,
+                        help="how the run stores hidden states (the Param hidden_states_dtype)")
+    parser.add_argument("--regenerate", action="store_true",
+                        help="train on the verifier's own answers (the Param regenerate_responses)")
+    args = parser.parse_args()
+    dtype = args.hidden_states_dtype
 
     began = time.monotonic()
     print(f"[demo] inputs in {DEMO_DIR} (built once, then cached)", flush=True)
     make_demo_inputs(DEMO_DIR)
     print(f"[demo] Airflow metadata DB in {AIRFLOW_HOME}", flush=True)
-    for args in (["db", "migrate"], ["pools", "import", str(REPO / "docker" / "pools.json")]):
-        subprocess.run([sys.executable, "-m", "airflow", *args], check=True, stdout=subprocess.DEVNULL)
+    for command in (["db", "migrate"], ["pools", "import", str(REPO / "docker" / "pools.json")]):
+        subprocess.run([sys.executable, "-m", "airflow", *command], check=True, stdout=subprocess.DEVNULL)
 
     from airflow.dag_processing.dagbag import DagBag
 
@@ -49,18 +63,24 @@ def main() -> int:
     if bag.import_errors:
         print(f"[demo] the DAG does not import: {bag.import_errors}", file=sys.stderr)
         return 1
-    conf = {**demo_params(DEMO_DIR), "run_name": DEMO_RUN_NAME}
+    variant = ([] if dtype == DEFAULT_HIDDEN_STATES_DTYPE else [dtype]) + (["regenerated"] if args.regenerate else [])
+    conf = {**demo_params(DEMO_DIR), "run_name": "-".join([DEMO_RUN_NAME, *variant]), "hidden_states_dtype": dtype,
+            "regenerate_responses": args.regenerate}
     print(f"[demo] running DAG eagleflow with conf {json.dumps(conf)}", flush=True)
     run = bag.get_dag("eagleflow").test(run_conf=conf)
     states = {f"{ti.task_id}{'' if ti.map_index < 0 else f'[{ti.map_index}]'}": ti.state for ti in run.get_task_instances()}
     from eagleflow.pipeline import PipelineConfig
 
     cfg = PipelineConfig.from_params(conf)
-    summary = run_summary(cfg.layout.root, cfg.model_path, cfg.resolved_aux_layer_ids())
+    summary = run_summary(cfg.layout.root, cfg.model_path, cfg.resolved_aux_layer_ids(), cfg.hidden_states_dtype)
     print("\n[demo] task states: " + ", ".join(f"{k}={v}" for k, v in sorted(states.items())))
     print(f"[demo] DAG run {run.run_id}: {run.state} in {time.monotonic() - began:.0f}s")
+    if summary.get("prepared_from"):
+        print(f"  prepared     from {summary['prepared_from']}")
     print(f"  dataset      {summary['dataset']} ({summary['rows']} rows, {summary.get('tokens', '?')} tokens, "
-          f"{format_bytes(summary['hidden_state_bytes'])} of hidden states in shards {', '.join(summary['shards'])})")
+          f"{format_bytes(summary['hidden_state_bytes'])} of {dtype} hidden states in shards {', '.join(summary['shards'])})")
+    if summary.get("tokens"):
+        print(f"  on disk      {summary['hidden_state_bytes'] / summary['tokens']:.1f} B of hidden states per token")
     print(f"  validated    {summary.get('validated_rows', 0)}/{summary['rows']} rows' hidden-state files"
           + (f"; problems: {summary['invalid_rows']}" if summary.get("invalid_rows") else ""))
     print(f"  checkpoint   {summary['checkpoint']}")

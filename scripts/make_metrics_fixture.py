@@ -191,6 +191,7 @@ def main() -> int:
     from eagleflow.layout import TrainLayout
     from eagleflow.train.child import resolve_device, speculators_flags
     from eagleflow.train.config import TrainConfig
+    from eagleflow.train.speculators_support import installed_release
     from eagleflow.train.verifier_head import prepare_verifier
 
     neutral = Path(tempfile.gettempdir()) / "eagleflow-fixture"
@@ -208,7 +209,7 @@ def main() -> int:
         paths.root.mkdir(parents=True)
         form_cfg = cfg.model_copy(update={"out": paths.root, "dataset": neutral / "dataset", "verifier": neutral / "model"})
         verifier = prepare_verifier(form_cfg.verifier, paths.verifier_head)
-        flags = speculators_flags(form_cfg, verifier, resolve_device(form_cfg), paths)
+        flags = speculators_flags(form_cfg, verifier, resolve_device(form_cfg), paths, installed_release())
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
         env.pop("COLUMNS", None)  # Rich's default 80 columns, as in a task log
         logs[form] = work / f"train-{form}" / f"{form}.log"

@@ -2,8 +2,10 @@
 
 Used by both capture paths: the SGLang forward hook (inside the server's model-runner
 process) and eagleflow's reference engine. The caller hands over device tensors; this
-writer copies them to host memory (pinned, non-blocking where CUDA is used) and a
-background thread writes them, so the forward pass never waits on disk. The queue is
+writer encodes them in the run's storage dtype where they are (fp8 quantisation on the GPU,
+so only the stored bytes cross to the host), copies them to host memory (pinned,
+non-blocking where CUDA is used) and a background thread writes them, so the forward pass
+never waits on disk. The queue is
 bounded: when the disk falls behind, ``submit`` blocks rather than letting host memory grow
 without limit.
 
@@ -24,7 +26,8 @@ from typing import Any
 import torch
 
 from sglang_patch.file_mode import published_file_mode
-from sglang_patch.sample_file import write_sample_file
+from sglang_patch.sample_file import TOKEN_IDS_KEY, encode_hidden_states, write_encoded_sample
+from sglang_patch.sample_format import DEFAULT_HIDDEN_STATES_DTYPE, HiddenStatesDtype, check_hidden_states_dtype
 
 DUMP_SUFFIX = ".safetensors"
 ERROR_SUFFIX = ".error.json"
@@ -45,9 +48,16 @@ class DumpWriter:
 
     :param dump_dir: folder the files appear in (created if missing).
     :param max_pending: bound of the queue of captured-but-unwritten requests.
+    :param hidden_states_dtype: storage dtype of the dumps (``bf16`` or ``fp8``).
     """
 
-    def __init__(self, dump_dir: str | os.PathLike[str], max_pending: int = 16) -> None:
+    def __init__(
+        self,
+        dump_dir: str | os.PathLike[str],
+        max_pending: int = 16,
+        hidden_states_dtype: HiddenStatesDtype = DEFAULT_HIDDEN_STATES_DTYPE,
+    ) -> None:
+        self.hidden_states_dtype = check_hidden_states_dtype(hidden_states_dtype)
         self.dump_dir = Path(dump_dir)
         self.dump_dir.mkdir(parents=True, exist_ok=True)
         self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue(maxsize=max_pending)
@@ -57,7 +67,8 @@ class DumpWriter:
 
     def submit(self, rid: str, hidden_states: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Queue ``[seq_len, n_slots, hidden]`` states and ``[seq_len]`` ids of request ``rid``."""
-        host_states = _to_host(hidden_states)
+        encoded = encode_hidden_states(hidden_states, self.hidden_states_dtype)
+        host_states = {key: _to_host(value) for key, value in encoded.items()}
         host_ids = _to_host(token_ids)
         event = None
         if hidden_states.is_cuda or token_ids.is_cuda:
@@ -101,7 +112,7 @@ class DumpWriter:
                     host_states, host_ids, event = payload
                     if event is not None:
                         event.synchronize()
-                    write_sample_file(dump_path(self.dump_dir, rid), host_states, host_ids)
+                    write_encoded_sample(dump_path(self.dump_dir, rid), {**host_states, TOKEN_IDS_KEY: host_ids})
             except Exception as exc:  # a failed write must not kill the server's writer thread
                 message = f"{rid}: {type(exc).__name__}: {exc}"
                 self._errors.append(message)

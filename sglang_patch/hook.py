@@ -8,21 +8,24 @@ never touched (this hook always returns None).
 
 What is captured (DESIGN.md §3.1): layer id k is the residual stream entering decoder layer k,
 ``hidden_states + residual`` in SGLang's DeepSeek-V2/V3 code, before any norm. SGLang only
-registers post hooks, and a layer's *inputs* are no use there: the next norm folds the
-residual add into ``residual`` in place (``fused_add_rmsnorm``), so by the time a hook on layer
-k runs, the tensors it was called with hold something else. Hence:
+registers post hooks, and a layer's *inputs* are no use there (the next norm folds the residual
+add in place), so:
 
-- id k >= 1: the output ``(hidden_states, residual, ...)`` of layer k-1, summed at once into
-  a new tensor (before layer k's norm mutates them);
-- id 0: the output of ``embed_tokens`` (layer 0's input; its residual is None), cloned;
-- the final slot: the output of the last layer, summed the same way, before ``model.norm``.
+- id k >= 1: the output of layer k-1, read at once into a new tensor by the reader of the
+  installed SGLang's layer-boundary API (:mod:`sglang_patch.layer_output`: the layer's
+  ``(hidden_states, residual)`` summed up to 0.5.20, SGLang's own residual-stream snapshot
+  from 0.5.21);
+- id 0: the output of ``embed_tokens`` (layer 0's input), cloned;
+- the final slot: the output of the last layer, read the same way, before ``model.norm``.
 
 Each request of an EXTEND pass (rid from ``forward_batch.rids``) gets
-``<dump_dir>/<rid>.safetensors`` with ``hidden_states [seq_len, n_aux + 1, hidden]`` in the
-model dtype and ``token_ids [seq_len]``, written by :class:`sglang_patch.dump_writer.DumpWriter`
-(host copy, background thread, atomic files). Only tensor-parallel rank 0 writes; health-check
-requests and decode/idle passes are skipped; a request whose pass reuses a cached prefix
-(``extend_prefix_len > 0``) would give a short dump, so it gets ``<rid>.error.json`` instead.
+``<dump_dir>/<rid>.safetensors`` with ``hidden_states [seq_len, n_aux + 1, hidden]`` in the run's
+storage dtype (bf16, or fp8 with per-token scales) and ``token_ids [seq_len]``, written by
+:class:`sglang_patch.dump_writer.DumpWriter` (encoded on the GPU, host copy, background thread,
+atomic files). Only tensor-parallel rank 0 writes; where reading a layer's state is a collective
+(an owed TP sum completed on a copy), every rank reads it at the same point and discards it.
+Health-check requests and decode/idle passes are skipped; a request whose pass reuses a cached
+prefix (``extend_prefix_len > 0``) would give a short dump, so it gets ``<rid>.error.json``.
 
 The factory refuses an SGLang outside :data:`sglang_patch.hook_spec.SUPPORTED_RANGE`.
 """
@@ -36,9 +39,11 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from sglang_patch.hook_spec import DUMP_DIR_ENV, HOOK_NAME, UnsupportedSGLangVersion, check_supported_version
+from sglang_patch.hook_spec import DUMP_DIR_ENV, HOOK_NAME, UnsupportedSGLangVersion
 from sglang_patch.layer_ids import validate_aux_layer_ids
+from sglang_patch.layer_output import LayerOutputReader, LayerTupleReader, reader_for
 from sglang_patch.request_ids import is_captured
+from sglang_patch.sample_format import DEFAULT_HIDDEN_STATES_DTYPE, HiddenStatesDtype, check_hidden_states_dtype
 
 if TYPE_CHECKING:  # torch is imported where it is used: importing this module stays cheap
     import torch
@@ -70,10 +75,11 @@ def capture_hook_factory(config: dict[str, Any] | None) -> HiddenStateCapture:
     Refuses an unsupported SGLang (the server then fails at start-up with the message,
     rather than producing wrong dumps for hours). Config keys: ``aux_layer_ids`` (list of
     ints), ``num_layers`` (the model's decoder-layer count), ``dump_dir`` (else the
-    ``SGLANG_HS_DUMP_DIR`` environment variable), optional ``max_pending`` (writer queue bound).
+    ``SGLANG_HS_DUMP_DIR`` environment variable), optional ``hidden_states_dtype`` (``bf16``,
+    the default, or ``fp8``) and ``max_pending`` (writer queue bound).
     """
     version = installed_sglang_version()
-    check_supported_version(version)
+    reader = reader_for(version)
     config = dict(config or {})
     missing = [key for key in ("aux_layer_ids", "num_layers") if key not in config]
     if missing:
@@ -87,10 +93,12 @@ def capture_hook_factory(config: dict[str, Any] | None) -> HiddenStateCapture:
         dump_dir=str(dump_dir),
         tp_rank=_sglang_tp_rank,
         max_pending=int(config.get("max_pending", 16)),
+        hidden_states_dtype=config.get("hidden_states_dtype", DEFAULT_HIDDEN_STATES_DTYPE),
+        reader=reader,
     )
     logger.info(
-        "eagleflow capture hook loaded (sglang %s): aux layer ids %s + final %d -> %s",
-        version, capture.aux_layer_ids, capture.num_layers, dump_dir,
+        "eagleflow capture hook loaded (sglang %s, %s API): aux layer ids %s + final %d as %s -> %s",
+        version, reader.api, capture.aux_layer_ids, capture.num_layers, capture.hidden_states_dtype, dump_dir,
     )
     return capture
 
@@ -104,9 +112,11 @@ class HiddenStateCapture:
     :param aux_layer_ids: layer ids to capture, in slot order (the final slot is added).
     :param num_layers: number of decoder layers of the model (id ``num_layers`` = final slot).
     :param dump_dir: where ``<rid>.safetensors`` / ``<rid>.error.json`` appear.
-    :param tp_rank: returns this process's tensor-parallel rank; only rank 0 captures.
+    :param tp_rank: returns this process's tensor-parallel rank; only rank 0 writes.
     :param writer_factory: builds the writer for ``dump_dir`` (the real DumpWriter by default).
     :param max_pending: bound of the writer's queue.
+    :param hidden_states_dtype: storage dtype of the dumps (``bf16`` or ``fp8``).
+    :param reader: reads a layer's residual-stream state (:func:`sglang_patch.layer_output.reader_for`).
     """
 
     def __init__(
@@ -117,8 +127,12 @@ class HiddenStateCapture:
         tp_rank: Callable[[], int],
         writer_factory: Callable[..., DumpWriter] | None = None,
         max_pending: int = 16,
+        hidden_states_dtype: HiddenStatesDtype = DEFAULT_HIDDEN_STATES_DTYPE,
+        reader: LayerOutputReader | None = None,
     ) -> None:
         self.aux_layer_ids = validate_aux_layer_ids(aux_layer_ids, num_layers)
+        self.hidden_states_dtype = check_hidden_states_dtype(hidden_states_dtype)
+        self._reader: LayerOutputReader = reader or LayerTupleReader()
         self.num_layers = num_layers
         self.dump_dir = str(dump_dir)
         self.n_slots = len(self.aux_layer_ids) + 1
@@ -148,20 +162,25 @@ class HiddenStateCapture:
         """``register_forward_hook`` signature; returns None so the output is left as it is."""
         if self._is_rank0 is None:
             self._is_rank0 = self._tp_rank() == 0
-        if not self._is_rank0:
+        if not (self._is_rank0 or self._reader.every_rank):
             return None
         batch = None
         try:
             if not isinstance(output, (tuple, list)):
-                self._on_embedding(output)
+                if self._is_rank0:
+                    self._on_embedding(output)
                 return None
             batch = _forward_batch_of(args)
-            if batch is self._batch and self._pass_done:
-                return None  # this pass already handed its dumps or error records over
-            self._on_layer(module, batch, output)
+            # First, and on every rank alike: a read may be a collective, so no rank may skip it
+            # for a reason of its own (an error, a finished pass) while the others go ahead.
+            state = self._read_state(module, batch, output)
+            if not self._is_rank0 or (batch is self._batch and self._pass_done):
+                return None  # another rank, or a pass that already handed its dumps or errors over
+            self._on_layer(module, batch, state)
         except Exception as exc:  # a capture bug must cost rows, not the server
             logger.exception("eagleflow capture hook failed on %s", type(module).__name__)
-            self._fail_batch(batch, f"capture hook error: {type(exc).__name__}: {exc}")
+            if self._is_rank0 and not (batch is not None and batch is self._batch and self._pass_done):
+                self._fail_batch(batch, f"capture hook error: {type(exc).__name__}: {exc}")  # the pass's first error
         return None
 
     def close(self) -> None:
@@ -178,7 +197,25 @@ class HiddenStateCapture:
         if self._embedding_slots:
             self._embedding = output.detach().clone()
 
-    def _on_layer(self, module: Any, batch: Any, output: Sequence[Any]) -> None:
+    def _read_state(self, module: Any, batch: Any, output: Sequence[Any]) -> torch.Tensor | None:
+        """This layer's residual-stream state when the pass captures it, else None.
+
+        Decided by what every TP rank sees alike (the pass mode, the layer), never by
+        rank 0's own bookkeeping, so every rank that must read reads at the same points.
+        """
+        if not _is_capture_pass(batch.forward_mode) or int(module.layer_id) not in self._slots_of_layer:
+            return None
+        if getattr(batch, "can_run_tbo", False):
+            raise RuntimeError(
+                "two-batch overlap runs this pass's later layers without calling them as modules, so their "
+                "hooks never fire: launch SGLang without --enable-two-batch-overlap"
+            )
+        try:
+            return self._reader.read(output, batch)
+        except RuntimeError as exc:
+            raise RuntimeError(f"layer {int(module.layer_id)}: {exc}") from exc
+
+    def _on_layer(self, module: Any, batch: Any, state: torch.Tensor | None) -> None:
         if not _is_capture_pass(batch.forward_mode):
             self._reset()
             return
@@ -186,17 +223,8 @@ class HiddenStateCapture:
         if batch is not self._batch:
             self._start_pass(module, batch)
         slots = self._slots_of_layer.get(layer_id)
-        if slots is None:
+        if slots is None or state is None:
             return  # a module this hook was not meant for (the patterns are exact, so: a second model)
-        hidden_states, residual = output[0], output[1]
-        if getattr(hidden_states, "_sglang_needs_allreduce_fusion", False):
-            # The MLP all-reduce is deferred into the next layer: this is a per-rank partial sum.
-            raise RuntimeError(
-                f"layer {layer_id} output is a per-rank partial sum (flashinfer all-reduce fusion); "
-                "launch SGLang with --enforce-disable-flashinfer-allreduce-fusion"
-            )
-        # A new tensor, computed now: the next layer's fused add+norm rewrites both in place.
-        state = hidden_states.detach() if residual is None else hidden_states.detach() + residual.detach()
         for slot in slots:
             self._slots[slot] = state
         if layer_id == self.num_layers - 1:
@@ -293,7 +321,7 @@ class HiddenStateCapture:
                 factory = self._writer_factory
                 if factory is None:
                     from sglang_patch.dump_writer import DumpWriter as factory
-                self._writer = factory(self.dump_dir, max_pending=self._max_pending)
+                self._writer = factory(self.dump_dir, max_pending=self._max_pending, hidden_states_dtype=self.hidden_states_dtype)
                 atexit.register(self.close)
             return self._writer
 

@@ -7,19 +7,23 @@ module whose qualified name matches a ``target_modules`` pattern. This module bu
 spec and owns the supported version range; :mod:`sglang_patch.hook` is the code that then
 runs inside the server. Standard library only, so the launcher imports it without torch.
 
-Supported SGLang: ``>=0.5.10,<0.5.21`` (:data:`SUPPORTED_RANGE`). Why these ends (checked
-against the wheels by ``tests/sglang_patch/test_sglang_source.py``):
+Supported SGLang: ``>=0.5.10,<0.5.24`` (:data:`SUPPORTED_RANGE`), in two layer-boundary APIs
+(:data:`LAYER_BOUNDARY_APIS`; :mod:`sglang_patch.layer_output` reads each). Checked against the
+wheels by ``tests/sglang_patch/test_sglang_source.py``:
 
 - 0.5.10 is the first release whose ForwardBatch carries ``rids`` (forward_batch_info.py);
   before it the hook cannot tell which request a token belongs to.
-- 0.5.21 folded the residual into the layer's hidden-state handle: DeepseekV2DecoderLayer.forward
-  lost its ``residual`` argument and returns ``(hidden_states, topk_indices)``, so
-  "hidden_states + residual at a layer's output" no longer exists as two tensors.
+- 0.5.10-0.5.20: every DeepSeek-V2/V3 decoder layer is called as ``layer(positions,
+  hidden_states, forward_batch, residual, ...)`` and returns ``(hidden_states, residual,
+  topk_indices)``.
+- 0.5.21-0.5.23: the layer lost ``residual`` and returns ``(hidden_states, topk_indices)``; the
+  residual lives in ``forward_batch.residual_stream`` and SGLang's ``residual.batch.snapshot``
+  gives ``hidden + residual``.
+- 0.5.24 is not supported until its wheel has been read: the layer-boundary package changes
+  from release to release.
 
-Within the range every DeepSeek-V2/V3 decoder layer is called positionally as
-``layer(positions, hidden_states, forward_batch, residual, ...)`` and returns
-``(hidden_states, residual, topk_indices)``, and Kimi-K2.5 (KimiK25ForConditionalGeneration)
-wraps the same DeepseekV3ForCausalLM as ``language_model``.
+Kimi-K2.5 (KimiK25ForConditionalGeneration) wraps the same DeepseekV3ForCausalLM as
+``language_model`` throughout.
 """
 
 from __future__ import annotations
@@ -31,10 +35,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from sglang_patch.layer_ids import validate_aux_layer_ids
+from sglang_patch.sample_format import DEFAULT_HIDDEN_STATES_DTYPE, HiddenStatesDtype, check_hidden_states_dtype
 
 SUPPORTED_MIN = (0, 5, 10)
-SUPPORTED_BELOW = (0, 5, 21)
-SUPPORTED_RANGE = ">=0.5.10,<0.5.21"
+SUPPORTED_BELOW = (0, 5, 24)
+SUPPORTED_RANGE = ">=0.5.10,<0.5.24"
+
+LAYER_TUPLE = "layer_tuple"
+RESIDUAL_STREAM = "residual_stream"
+# (first release, API) in release order: each API holds up to the next entry's first release.
+LAYER_BOUNDARY_APIS = (((0, 5, 10), LAYER_TUPLE), ((0, 5, 21), RESIDUAL_STREAM))
 
 HOOK_NAME = "eagleflow_hidden_states"
 HOOK_FACTORY = "sglang_patch.hook:capture_hook_factory"
@@ -51,13 +61,15 @@ MODEL_PREFIXES = (DEEPSEEK_V3_MODEL_PREFIX, KIMI_K25_MODEL_PREFIX)
 class UnsupportedSGLangVersion(RuntimeError):
     """The installed SGLang is outside :data:`SUPPORTED_RANGE`; carries the version found."""
 
-    def __init__(self, version: str) -> None:
+    def __init__(self, version: str, detail: str = "") -> None:
         self.version = version
+        why = detail or (
+            "Below 0.5.10 ForwardBatch has no rids (no way to name a request's dump); releases from "
+            f"{'.'.join(map(str, SUPPORTED_BELOW))} on have a layer-boundary API whose source the hook has not been checked against"
+        )
         super().__init__(
             f"eagleflow's hidden-state capture hook supports sglang {SUPPORTED_RANGE}, found sglang "
-            f"{version!r}. Below 0.5.10 ForwardBatch has no rids (no way to name a request's dump); "
-            "from 0.5.21 a decoder layer no longer returns (hidden_states, residual). "
-            f"Install a supported release, e.g. pip install 'sglang{SUPPORTED_RANGE}'."
+            f"{version!r}. {why}. Install a supported release, e.g. pip install 'sglang{SUPPORTED_RANGE}'."
         )
 
 
@@ -85,6 +97,13 @@ def check_supported_version(version: str) -> None:
         raise UnsupportedSGLangVersion(version)
 
 
+def layer_boundary_api(version: str) -> str:
+    """:data:`LAYER_TUPLE` or :data:`RESIDUAL_STREAM`: how SGLang ``version`` hands a layer's output over."""
+    check_supported_version(version)
+    parsed = parse_version(version)
+    return [api for since, api in LAYER_BOUNDARY_APIS if parsed >= since][-1]
+
+
 def target_module_names(aux_layer_ids: Sequence[int], num_layers: int) -> list[str]:
     """The module names the hook must be registered on, for DeepSeek-V3 and Kimi-K2.5 trees.
 
@@ -103,10 +122,17 @@ def target_module_names(aux_layer_ids: Sequence[int], num_layers: int) -> list[s
 
 
 def forward_hooks_spec(
-    aux_layer_ids: Sequence[int], num_layers: int, dump_dir: str | os.PathLike[str] | None = None
+    aux_layer_ids: Sequence[int],
+    num_layers: int,
+    dump_dir: str | os.PathLike[str] | None = None,
+    hidden_states_dtype: HiddenStatesDtype = DEFAULT_HIDDEN_STATES_DTYPE,
 ) -> list[dict[str, Any]]:
     """The ``--forward-hooks`` value (a JSON list) that switches the capture on."""
-    config: dict[str, Any] = {"aux_layer_ids": validate_aux_layer_ids(aux_layer_ids, num_layers), "num_layers": num_layers}
+    config: dict[str, Any] = {
+        "aux_layer_ids": validate_aux_layer_ids(aux_layer_ids, num_layers),
+        "num_layers": num_layers,
+        "hidden_states_dtype": check_hidden_states_dtype(hidden_states_dtype),
+    }
     if dump_dir is not None:
         config["dump_dir"] = str(dump_dir)
     return [
@@ -120,7 +146,11 @@ def forward_hooks_spec(
 
 
 def forward_hooks_argument(
-    aux_layer_ids: Sequence[int], num_layers: int, dump_dir: str | os.PathLike[str] | None = None
+    aux_layer_ids: Sequence[int],
+    num_layers: int,
+    dump_dir: str | os.PathLike[str] | None = None,
+    hidden_states_dtype: HiddenStatesDtype = DEFAULT_HIDDEN_STATES_DTYPE,
 ) -> str:
     """:func:`forward_hooks_spec` as the one argv element SGLang's ``json_list_type`` parses."""
-    return json.dumps(forward_hooks_spec(aux_layer_ids, num_layers, dump_dir), separators=(",", ":"))
+    spec = forward_hooks_spec(aux_layer_ids, num_layers, dump_dir, hidden_states_dtype)
+    return json.dumps(spec, separators=(",", ":"))

@@ -1,10 +1,11 @@
 """Request ids (rids) the pipeline sends and the capture skips: the one place their format lives.
 
 The extractor names each request after its dataset row, ``row{N}-{12 hex}`` (unique per
-attempt, the row readable back); the engine names its dump after the rid. SGLang's own health
-checks use the rid prefix ``HEALTH_CHECK`` (``sglang/srt/constants.py``; ``/health``'s rid is
-``f"{prefix}_{uuid}"``) and must never be captured. Standard library only: the hook imports
-this inside the SGLang server.
+attempt, the row readable back); the engine names its dump after the rid. Two kinds are never
+captured: SGLang's own health checks (rid prefix ``HEALTH_CHECK``, ``sglang/srt/constants.py``;
+``/health``'s rid is ``f"{prefix}_{uuid}"``) and the regeneration of a dataset's answers
+(``regen-…``), whose prefill is an extend pass like any other. Standard library only: the hook
+imports this inside the SGLang server.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import uuid
 from typing import Any
 
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK"
+REGENERATE_PREFIX = "regen-"
+NOT_CAPTURED_PREFIXES = (HEALTH_CHECK_PREFIX, REGENERATE_PREFIX)
 _ROW_RID = re.compile(r"^row(\d+)-")
 
 
@@ -33,6 +36,11 @@ def row_request_glob(row: int) -> str:
     return f"row{row}-*"
 
 
+def regenerate_request_id(row: int, turn: int) -> str:
+    """A new rid for regenerating assistant turn ``turn`` of dataset row ``row`` (never captured)."""
+    return f"{REGENERATE_PREFIX}row{row}-turn{turn}-{uuid.uuid4().hex[:8]}"
+
+
 def is_captured(rid: Any) -> bool:
-    """Whether a request's states are captured: every named request except SGLang's health checks."""
-    return rid is not None and not str(rid).startswith(HEALTH_CHECK_PREFIX)
+    """Whether a request's states are captured: every named request but health checks and regeneration."""
+    return rid is not None and not str(rid).startswith(NOT_CAPTURED_PREFIXES)

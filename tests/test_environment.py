@@ -22,4 +22,5 @@ def test_no_torchvision_or_torchaudio() -> None:
         except importlib.metadata.PackageNotFoundError:
             continue
         raise AssertionError(f"{name} is installed in the CPU environment")
-    assert importlib.metadata.version("speculators") == "0.8.1"
+    assert importlib.metadata.version("speculators") == "0.9.0"
+    assert importlib.metadata.version("hs-connectors") == "0.9.0"

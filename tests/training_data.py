@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from eagleflow.metrics.records import read_records
+
 REPO = Path(__file__).resolve().parents[1]
 DATA_CACHE = REPO / ".cache" / "test-data"
 AUX = [2, 4, 6]
@@ -144,3 +146,24 @@ def random_speculators_checkpoint(
                 parameter.copy_(torch.randn_like(parameter) * (1.0 if parameter.dim() == 1 else 0.1) + shift)
     model.save_pretrained(out)
     return out
+
+
+TRAIN_KEYS = {"kind", "step", "epoch", "lr", "loss", "tokens_per_s", "time"}
+VAL_KEYS = {"kind", "step", "epoch", "loss", "time"}
+
+
+def assert_records(metrics: Path, epochs: int) -> tuple[list[dict], list[dict]]:
+    """The metrics file holds one train record per step and one val record per epoch, every key present."""
+    records = list(read_records(metrics))
+    train = [r for r in records if r["kind"] == "train"]
+    val = [r for r in records if r["kind"] == "val"]
+    assert [r["step"] for r in train] == list(range(len(train))), "one record per step, in order, no repeats"
+    assert sorted({r["epoch"] for r in train}) == list(range(epochs))
+    assert [r["epoch"] for r in val] == list(range(epochs))
+    ttt = {f"{name}_{k}" for k in range(3) for name in ("loss", "full_acc", "cond_acc")}
+    for r in train:
+        assert set(r) == TRAIN_KEYS | ttt, set(r) ^ (TRAIN_KEYS | ttt)
+        assert isinstance(r["lr"], float) and isinstance(r["loss"], float) and r["tokens_per_s"] > 0
+    for r in val:
+        assert set(r) == VAL_KEYS | ttt
+    return train, val

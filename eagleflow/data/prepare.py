@@ -144,7 +144,8 @@ class ChatTokenizer:
         return ids, mask
 
 
-def _check_messages(messages: Any) -> str | None:
+def check_messages(messages: Any) -> str | None:
+    """Why ``messages`` is not a usable chat (None when it is): the rule prepare and regenerate share."""
     if not isinstance(messages, list) or not messages:
         return "messages must be a non-empty list"
     for i, message in enumerate(messages):
@@ -232,7 +233,7 @@ def _tokenize_one(record: dict[str, Any] | str, vocab_size: int, chat: LazyChatT
         else:
             mask = [1] * len(ids)
     elif "messages" in record:
-        problem = _check_messages(record["messages"])
+        problem = check_messages(record["messages"])
         if problem:
             return problem
         ids, mask = chat(record["messages"])

@@ -1,4 +1,8 @@
-"""``dataset-stats``: rows, tokens and the bytes the hidden states will take (DESIGN.md §1.3)."""
+"""``dataset-stats``: rows, tokens and the bytes the hidden states will take (DESIGN.md §1.3).
+
+The bytes per token come from the sample file format (:func:`sglang_patch.sample_file.bytes_per_token`):
+slots × hidden × 2 B in bf16, slots × hidden × 1 B plus a 4 B scale in fp8, and the 8 B token id.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +12,12 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from eagleflow.config import AuxLayerIds, add_model_arguments, model_from_args
+from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype, add_model_arguments, model_from_args
 from eagleflow.errors import UserError
 from eagleflow.data.verifier import config_int, resolve_aux_layer_ids
 from eagleflow.progress import format_bytes, format_table
 from eagleflow.results import emit_result
-
-BYTES_PER_VALUE = 2  # hidden states are stored as bf16
+from sglang_patch.sample_format import HiddenStatesDtype
 
 
 class StatsConfig(BaseModel):
@@ -23,11 +26,16 @@ class StatsConfig(BaseModel):
     dataset: Path = Field(description="training dataset folder (prepare-dataset output)")
     model: Path = Field(description="verifier model folder (its config.json gives the hidden size)")
     aux_layer_ids: AuxLayerIds = Field(description="captured layer ids; one more slot holds the final state")
+    hidden_states_dtype: StoredHiddenStatesDtype
 
 
-def dataset_stats(dataset_dir: Path, n_slots: int, hidden_size: int) -> dict[str, Any]:
-    """Rows, tokens, mean/max length and estimated hidden-state bytes (tokens × slots × hidden × 2)."""
+def dataset_stats(
+    dataset_dir: Path, n_slots: int, hidden_size: int, hidden_states_dtype: HiddenStatesDtype = "bf16"
+) -> dict[str, Any]:
+    """Rows, tokens, mean/max length and estimated hidden-state bytes (tokens × bytes per token)."""
     import datasets
+
+    from sglang_patch.sample_file import bytes_per_token
 
     try:
         lengths = list(datasets.load_from_disk(str(dataset_dir)).with_format(None)["seq_len"])
@@ -41,7 +49,9 @@ def dataset_stats(dataset_dir: Path, n_slots: int, hidden_size: int) -> dict[str
         "max_len": int(max(lengths)) if lengths else 0,
         "n_slots": n_slots,
         "hidden_size": hidden_size,
-        "estimated_bytes": tokens * n_slots * hidden_size * BYTES_PER_VALUE,
+        "hidden_states_dtype": hidden_states_dtype,
+        "bytes_per_token": bytes_per_token(n_slots, hidden_size, hidden_states_dtype),
+        "estimated_bytes": tokens * bytes_per_token(n_slots, hidden_size, hidden_states_dtype),
     }
 
 
@@ -52,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     cfg = model_from_args(StatsConfig, args)
     aux_layer_ids = resolve_aux_layer_ids(cfg.model, cfg.aux_layer_ids)
-    stats = dataset_stats(cfg.dataset, len(aux_layer_ids) + 1, config_int(cfg.model, "hidden_size"))
+    stats = dataset_stats(cfg.dataset, len(aux_layer_ids) + 1, config_int(cfg.model, "hidden_size"), cfg.hidden_states_dtype)
     print(
         format_table(
             [
@@ -60,6 +70,7 @@ def main(args: argparse.Namespace) -> int:
                 ("tokens", f"{stats['tokens']:,}"),
                 ("mean / max length", f"{stats['mean_len']} / {stats['max_len']}"),
                 ("slots × hidden", f"{stats['n_slots']} × {stats['hidden_size']}"),
+                ("stored as", f"{stats['hidden_states_dtype']}, {stats['bytes_per_token']:,} B per token"),
                 ("hidden states (est.)", format_bytes(stats["estimated_bytes"])),
             ]
         ),

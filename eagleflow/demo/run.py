@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from sglang_patch.sample_format import HiddenStatesDtype
+
 DEMO_ROWS = 120
 DEMO_RUN_NAME = "demo"  # make demo's folder; runs from the form get one each, named by run id
 
@@ -65,7 +67,9 @@ def make_demo_inputs(demo_dir: str | Path) -> dict[str, str]:
     return paths
 
 
-def run_summary(run_dir: str | Path, model_path: str | Path, aux_layer_ids: list[int]) -> dict[str, Any]:
+def run_summary(
+    run_dir: str | Path, model_path: str | Path, aux_layer_ids: list[int], hidden_states_dtype: HiddenStatesDtype = "bf16"
+) -> dict[str, Any]:
     """What a finished run produced: the run report, every row's file validated, tokens, step-0 accuracy."""
     from eagleflow.data.prepare import MARKER_FILE
     from eagleflow.data.verifier import config_int
@@ -87,12 +91,14 @@ def run_summary(run_dir: str | Path, model_path: str | Path, aux_layer_ids: list
         "charts": sorted(str(p) for p in layout.charts.glob("*.*")),
     }
     if layout.hidden_states.exists():
-        problems = validate_dataset(layout.dataset, len(aux_layer_ids) + 1, config_int(model_path, "hidden_size"))
+        hidden = config_int(model_path, "hidden_size")
+        problems = validate_dataset(layout.dataset, len(aux_layer_ids) + 1, hidden, hidden_states_dtype)
         summary["invalid_rows"] = problems[:20]
         summary["validated_rows"] = summary["rows"] - len(problems)
     prepared = layout.dataset / MARKER_FILE
     if prepared.exists():
-        summary["tokens"] = json.loads(prepared.read_text())["tokens"]
+        record = json.loads(prepared.read_text())
+        summary["tokens"], summary["prepared_from"] = record["tokens"], record["input"]
     if layout.train.metrics.exists():
         frame = read_metrics(layout.train.metrics)
         train = frame[frame["kind"] == "train"]

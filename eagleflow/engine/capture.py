@@ -21,8 +21,6 @@ if TYPE_CHECKING:  # torch stays out of `import eagleflow.engine.capture`
     import torch
     from torch import nn
 
-CAPTURE_DTYPE_NAME = "bfloat16"  # the sample file's dtype (sglang_patch.sample_file)
-
 
 def decoder_layers_and_norm(model: nn.Module) -> tuple[Sequence[nn.Module], nn.Module]:
     """The decoder-layer list and the final norm of a causal LM (``model.model.layers`` / ``.norm``).
@@ -93,7 +91,10 @@ class HiddenStateCapture:
         states = [self._records[k] for k in wanted]
         if states[0].dim() != 3 or states[0].shape[0] != 1:
             raise RuntimeError(f"capture expects one sequence (batch size 1), got states of shape {tuple(states[0].shape)}")
-        return torch.stack([s[0] for s in states], dim=1).to(getattr(torch, CAPTURE_DTYPE_NAME))
+        from sglang_patch.sample_file import STORAGE_DTYPES
+
+        # bf16, the dtype SGLang serves in: the dump writer stores it as is or quantises it to fp8.
+        return torch.stack([s[0] for s in states], dim=1).to(STORAGE_DTYPES["bf16"])
 
 
 class AuxStateCapture(HiddenStateCapture):

@@ -31,7 +31,8 @@ def engine_command(cfg: PipelineConfig, port: int, gpu_offset: int = 0) -> tuple
         from eagleflow.engine.reference.config import ReferenceEngineConfig
 
         engine = ReferenceEngineConfig(
-            model=model_dir(cfg), dump_dir=layout.dump_dir, aux_layers=aux_ids, host="127.0.0.1", port=port
+            model=model_dir(cfg), dump_dir=layout.dump_dir, aux_layers=aux_ids, host="127.0.0.1", port=port,
+            hidden_states_dtype=cfg.hidden_states_dtype,
         )
         argv = [sys.executable, "-u", "-m", "eagleflow", "serve-reference", *model_to_argv(engine)]
         return argv + list(cfg.server_extra_args), {"PYTHONUNBUFFERED": "1"}
@@ -45,6 +46,7 @@ def engine_command(cfg: PipelineConfig, port: int, gpu_offset: int = 0) -> tuple
         aux_layer_ids=aux_ids,
         dump_dir=str(layout.dump_dir),
         base_gpu_id=gpu_offset,
+        hidden_states_dtype=cfg.hidden_states_dtype,
         extra_args=list(cfg.server_extra_args),
     )
     return build_command(sglang)

@@ -8,6 +8,10 @@ A shard uses its own engine (shard index modulo the number of engines) while tha
 the shards of engines that are not are dealt out over the ready ones in turn. So the shards of
 an engine that died, and their retries, go to the engines that are up, and no shard waits for a
 dead one.
+
+The engine list travels between tasks as one XCom shape, read only by :func:`engines_from_xcom`:
+the mapped ``launch_server`` (and ``wait_server_ready``) tasks' return values, a list in engine
+order of :meth:`ServerInfo.as_dict` dicts, ``{url, pid, host, log_path, dump_dir, name}``.
 """
 
 from __future__ import annotations
@@ -43,11 +47,38 @@ def plan_engines(num_engines: int, server_urls: Sequence[str], server_port: int)
     ]
 
 
+def engines_from_xcom(value: Any) -> list[ServerInfo]:
+    """The run's engines, in engine order, from the engine-list XCom (see the module docstring).
+
+    A single dict (one engine's ``ServerInfo``) is taken as a list of one; ``None`` as no engine.
+    """
+    if value is None:
+        return []
+    if isinstance(value, dict):
+        return [ServerInfo.from_dict(value)]
+    return [ServerInfo.from_dict(dict(engine)) for engine in value]
+
+
 def unreachable_reason(engine: ServerInfo) -> str | None:
     """Why this machine cannot use ``engine`` at all: launched on another host and bound to its loopback."""
     if engine.pid is not None and not engine.is_local and urlsplit(engine.url).hostname in LOOPBACK_HOSTS:
         return f"{engine.describe()} runs on {engine.host}, reachable only there"
     return None
+
+
+def first_reachable(engines: Sequence[ServerInfo]) -> ServerInfo:
+    """The first engine this machine can send requests to (regeneration uses that one alone).
+
+    Not probed for readiness: the caller waits out its warmup.
+    :raises NoEngineReady: when the run has none this machine reaches.
+    """
+    reasons = []
+    for engine in engines:
+        reason = unreachable_reason(engine)
+        if reason is None:
+            return engine
+        reasons.append(reason)
+    raise NoEngineReady(reasons or ["the run has no engine (did launch_server run?)"])
 
 
 def choose_engine(

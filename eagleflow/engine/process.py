@@ -55,6 +55,11 @@ class ServerInfo:
         """``engine-1 at http://127.0.0.1:30001``: how logs and manifests name the engine."""
         return engine_label(self.name, self.url)
 
+    @classmethod
+    def at(cls, url: str, pid: int | None = None) -> ServerInfo:
+        """An engine known by its URL, and by its process id when it runs on this machine."""
+        return cls(url=url, pid=pid, host=socket.gethostname() if pid is not None else "", log_path="", dump_dir="")
+
     @property
     def is_local(self) -> bool:
         """Whether ``pid`` names a process on this machine (the triggerer may run elsewhere)."""
@@ -298,3 +303,25 @@ def _reap(pid: int) -> None:
     """Collect the exit status when the engine is our own child (in-process test runs)."""
     with contextlib.suppress(ChildProcessError, OSError):
         os.waitpid(pid, os.WNOHANG)
+
+
+class EngineGone(Exception):
+    """The engine died, or was not ready in time; the message ends with its log's tail."""
+
+
+def wait_until_ready(server: ServerInfo, timeout: float, poll: float = 1.0) -> None:
+    """Block until ``server`` is ready; raise :class:`EngineGone` (with the log tail) if it dies or times out.
+
+    For steps that need the engine themselves (evaluation, regeneration); the DAG's readiness
+    wait is the deferrable sensor, which polls with the same :func:`check_ready`.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        check = check_ready(server)
+        if check.state is Readiness.READY:
+            return
+        if check.state is Readiness.DEAD or time.monotonic() > deadline:
+            why = "died" if check.state is Readiness.DEAD else f"was not ready within {timeout:.0f}s"
+            tail = log_tail(server.log_path) if server.log_path else "(no local log)"
+            raise EngineGone(f"{why}: {check.message}\n--- {server.log_path or 'the engine'} ---\n{tail}")
+        time.sleep(poll)

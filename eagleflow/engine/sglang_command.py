@@ -17,7 +17,9 @@ list (never a shell string) and the environment variables to add — with:
 
 It refuses what would silently break capture: an SGLang outside the hook's supported range,
 ``--attention-backend flashinfer`` on an SM120 (Blackwell) GPU, extra arguments that override a
-flag this module owns, and flags under which the hook cannot see whole, full-rank states.
+flag this module owns, flags (or flag values) under which the hook cannot see whole, full-rank
+states (two-batch overlap, the deferred MoE finalize of ``--moe-runner-backend
+flashinfer_trtllm``, …), and mHC models, whose residual stream SGLang cannot snapshot.
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, field_validator
 
-from eagleflow.config import AuxLayerIds, add_model_arguments, model_from_args
+from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype, add_model_arguments, model_from_args
 from eagleflow.deploy import SGLANG_PYTHON_ENV
 from eagleflow.errors import UserError
-from eagleflow.data.verifier import config_int
+from eagleflow.data.verifier import config_int, text_config
 from sglang_patch import hook_spec
 
 # Seed tuning (90.0 tok/s single-stream on the reference node).
@@ -80,6 +82,14 @@ CAPTURE_BREAKING_FLAGS: dict[str, str] = {
     "--enforce-piecewise-cuda-graph": "prefill CUDA graphs replay without running Python hooks",
     "--enable-breakable-cuda-graph": "prefill CUDA graphs replay without running Python hooks",
 }
+# Flag values under which the hook cannot capture, and why (the flag itself is fine otherwise).
+CAPTURE_BREAKING_VALUES: dict[tuple[str, str], str] = {
+    ("--moe-runner-backend", "flashinfer_trtllm"): "its deferred MoE finalize hands the next layer an unfinished "
+    "output that SGLang's residual-stream snapshot cannot read (0.5.21+); use another --moe-runner-backend",
+}
+# The model config key of manifold-constrained hyper-connections (DeepSeek-V4, GLM-5-next):
+# their residual stream is several streams mixed by learned weights, which SGLang cannot snapshot.
+MHC_CONFIG_KEY = "hc_mult"
 
 
 class SGLangServerConfig(BaseModel):
@@ -91,6 +101,7 @@ class SGLangServerConfig(BaseModel):
         description="layer ids to capture (id k = the state entering decoder layer k); the final pre-norm "
         "state is always added as the last slot. Kimi-K2.5: 3,31,59"
     )
+    hidden_states_dtype: StoredHiddenStatesDtype
     num_layers: int | None = Field(
         None, description="decoder layers of the model; default: num_hidden_layers (or text_config's) from <model_path>/config.json"
     )
@@ -159,8 +170,9 @@ def build_command(
     if not hook_spec.is_supported_version(version):
         raise UserError(str(hook_spec.UnsupportedSGLangVersion(version)))
     num_layers = cfg.num_layers or read_num_layers(cfg.model_path)
+    check_residual_stream(cfg.model_path)
     try:
-        hooks_json = hook_spec.forward_hooks_argument(cfg.aux_layer_ids, num_layers, cfg.dump_dir)
+        hooks_json = hook_spec.forward_hooks_argument(cfg.aux_layer_ids, num_layers, cfg.dump_dir, cfg.hidden_states_dtype)
     except ValueError as exc:
         raise UserError(f"--aux-layer-ids: {exc}") from exc
     extra = [str(arg) for arg in cfg.extra_args]
@@ -242,6 +254,21 @@ def check_extra_args(extra: Sequence[str]) -> None:
             )
         if name in CAPTURE_BREAKING_FLAGS:
             raise UserError(f"extra argument {name} is refused for a capture server: {CAPTURE_BREAKING_FLAGS[name]}")
+    for (flag, value), why in CAPTURE_BREAKING_VALUES.items():
+        if value in flag_values(extra, [flag]):
+            raise UserError(f"extra argument {flag} {value} is refused for a capture server: {why}")
+
+
+def check_residual_stream(model_path: str) -> None:
+    """Refuse an mHC model (``hc_mult`` > 1 in its config): the hook cannot read its residual stream."""
+    if not (Path(model_path) / "config.json").is_file():
+        return  # a hub id: SGLang reads the config; the hook reports an mHC model per row instead
+    streams = text_config(model_path).get(MHC_CONFIG_KEY, 1)
+    if isinstance(streams, int) and streams > 1:
+        raise UserError(
+            f"{model_path} is an mHC model ({MHC_CONFIG_KEY}={streams} hyper-connection streams): SGLang cannot "
+            "snapshot its residual stream, so its hidden states cannot be captured"
+        )
 
 
 def query_compute_caps() -> list[str] | None:

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagleflow.engine.process import Readiness, ServerInfo, check_ready, log_tail, start_server, stop_server
+from eagleflow.engine.process import EngineGone, ServerInfo, start_server, stop_server, wait_until_ready
 from eagleflow.errors import UserError
 from eagleflow.evaluate.prompts import Prompt
+from eagleflow.extract.client import EngineClient, RowFailed, ServerGone
 from eagleflow.progress import Progress
 
 
@@ -66,53 +67,39 @@ def running_engine(argv: list[str], env: dict[str, str], folder: Path, port: int
     url = f"http://127.0.0.1:{port}"
     info = start_server(argv, env, folder / "server.log", folder / "server.json", url, folder / "dumps")
     try:
-        wait_ready(info, timeout)
+        try:
+            wait_until_ready(info, timeout)
+        except EngineGone as exc:
+            raise EngineFailed(f"the evaluation engine {exc}") from exc
         yield info
     finally:
         print(f"evaluate: {stop_server(int(info.pid or 0), grace=30.0)}", flush=True)
 
 
-def wait_ready(info: ServerInfo, timeout: float) -> None:
-    """Poll readiness; a dead engine or the timeout raises :class:`EngineFailed` with the log tail."""
-    deadline = time.monotonic() + timeout
-    while True:
-        check = check_ready(info)
-        if check.state is Readiness.READY:
-            return
-        if check.state is Readiness.DEAD or time.monotonic() > deadline:
-            why = "died" if check.state is Readiness.DEAD else f"was not ready within {timeout:.0f}s"
-            raise EngineFailed(f"the evaluation engine {why}: {check.message}\n--- {info.log_path} ---\n{log_tail(info.log_path)}")
-        time.sleep(1.0)
-
-
-def generate(url: str, prompt: Prompt, max_new_tokens: int, label: str, timeout: float = 3600.0) -> Generation:
+def generate(client: EngineClient, prompt: Prompt, max_new_tokens: int, label: str) -> Generation:
     """One greedy generation of ``prompt``; a failed request is an error naming the row."""
-    import requests
-
-    body = {
-        "rid": f"eval-{label}-{prompt.row}-{uuid.uuid4().hex[:8]}",
-        "input_ids": prompt.input_ids,
-        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
-    }
     began = time.monotonic()
-    response = requests.post(f"{url}/generate", json=body, timeout=timeout)
+    try:
+        answer = client.complete(
+            f"eval-{label}-{prompt.row}-{uuid.uuid4().hex[:8]}", prompt.input_ids, max_new_tokens, 0.0, row=prompt.row
+        )
+    except (RowFailed, ServerGone) as exc:
+        raise UserError(f"row {prompt.row}: the {label} engine failed: {exc}") from exc
     seconds = time.monotonic() - began
-    if response.status_code != 200:
-        raise UserError(f"row {prompt.row}: the {label} engine answered {response.status_code}: {response.text[:300]}")
-    answer = response.json()
     return Generation(prompt.row, list(answer.get("output_ids") or []), seconds, dict(answer.get("meta_info") or {}))
 
 
 def measure(url: str, prompts: Sequence[Prompt], max_new_tokens: int, concurrency: int, label: str) -> EngineMeasurement:
     """The prompts one at a time (with a progress line), then all of them with ``concurrency`` in flight."""
+    client = EngineClient(url, request_timeout=3600.0)
     result = EngineMeasurement()
     progress = Progress(len(prompts), label=f"{label} prompts", every=max(1, len(prompts) // 4), interval=30.0)
     for prompt in prompts:
-        result.single.append(generate(url, prompt, max_new_tokens, label))
+        result.single.append(generate(client, prompt, max_new_tokens, label))
         progress.advance(extra=f"{result.single_tokens_per_s:.1f} tokens/s")
     began = time.monotonic()
     with ThreadPoolExecutor(concurrency, thread_name_prefix=f"eval-{label}") as pool:
-        result.concurrent = list(pool.map(lambda p: generate(url, p, max_new_tokens, label), prompts))
+        result.concurrent = list(pool.map(lambda p: generate(client, p, max_new_tokens, label), prompts))
     result.concurrent_seconds = time.monotonic() - began
     print(
         f"evaluate: {label}: {result.single_tokens_per_s:.1f} tokens/s one at a time, "

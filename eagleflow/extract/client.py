@@ -63,9 +63,19 @@ class EngineClient:
         return True
 
     def generate(self, row: int, input_ids: list[int]) -> tuple[str, dict[str, Any]]:
-        """Send one prefill-only request; return ``(rid, meta_info)`` or raise."""
+        """Send one prefill-only request for dataset row ``row``; return ``(rid, meta_info)`` or raise."""
         rid = row_request_id(row)
-        body = {"rid": rid, "input_ids": input_ids, "sampling_params": {"max_new_tokens": 0, "temperature": 0}}
+        answer = self.complete(rid, input_ids, max_new_tokens=0, temperature=0.0, row=row)
+        return rid, answer.get("meta_info", {})
+
+    def complete(
+        self, rid: str, input_ids: list[int], max_new_tokens: int, temperature: float, row: int | None = None
+    ) -> dict[str, Any]:
+        """One ``/generate`` request; SGLang's answer (``text``, ``output_ids``, ``meta_info``) or raise.
+
+        :param row: the dataset row the request is for, named in a 4xx error.
+        """
+        body = {"rid": rid, "input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature}}
         post = self._post or self._session().post
         try:
             response = post(f"{self.url}/generate", json=body, timeout=self.request_timeout)
@@ -79,13 +89,11 @@ class EngineClient:
             raise RowFailed(f"engine answered {response.status_code}: {error_message(response)}", retryable=True)
         if response.status_code >= 400:
             raise RowFailed(
-                f"engine rejected the request for row {row} with {response.status_code}: {error_message(response)} "
-                "(request fields sent: rid, input_ids, sampling_params)"
+                f"engine rejected the request{'' if row is None else f' for row {row}'} with {response.status_code}: "
+                f"{error_message(response)} (request fields sent: rid, input_ids, sampling_params)"
             )
         answer = response.json()
-        if isinstance(answer, list):
-            answer = answer[0]
-        return rid, answer.get("meta_info", {})
+        return answer[0] if isinstance(answer, list) else answer
 
 
 def error_message(response: Any) -> str:

@@ -1,8 +1,9 @@
 """The hidden-state sample store: open, validate and publish ``hs_{row}.safetensors`` files.
 
 The file format itself is defined once in :mod:`sglang_patch.sample_file` (the capture hook
-inside SGLang writes it too); this module adds what the pipeline needs around it: where a
-row's file lives, whether it is complete, and moving a server dump into place.
+inside SGLang writes it too), in either storage dtype (``bf16``, or ``fp8`` with per-token
+scales); this module adds what the pipeline needs around it: where a row's file lives, whether
+it is complete in the run's storage dtype, and moving a server dump into place.
 """
 
 from __future__ import annotations
@@ -21,13 +22,18 @@ import torch
 from eagleflow.files import atomic_path
 from eagleflow.layout import hidden_states_dir
 from sglang_patch.sample_file import (
-    HIDDEN_STATES_DTYPE,
     HIDDEN_STATES_KEY,
+    SCALES_DTYPE,
+    SCALES_KEY,
+    STORAGE_DTYPES,
     TOKEN_IDS_DTYPE,
     TOKEN_IDS_KEY,
     sample_file_name,
+    sample_keys,
+    storage_dtype_of,
     write_sample_file,
 )
+from sglang_patch.sample_format import DEFAULT_HIDDEN_STATES_DTYPE, HiddenStatesDtype
 
 __all__ = [
     "SampleState",
@@ -35,6 +41,7 @@ __all__ = [
     "load_sample",
     "publish_dump",
     "sample_path",
+    "stored_dtype",
     "validate",
     "validate_dataset",
     "write_sample",
@@ -67,17 +74,34 @@ def sample_path(hidden_states_dir: str | os.PathLike[str], row: int) -> Path:
 
 
 def write_sample(
-    hidden_states_dir: str | os.PathLike[str], row: int, hidden_states: torch.Tensor, token_ids: torch.Tensor
+    hidden_states_dir: str | os.PathLike[str],
+    row: int,
+    hidden_states: torch.Tensor,
+    token_ids: torch.Tensor,
+    hidden_states_dtype: HiddenStatesDtype = DEFAULT_HIDDEN_STATES_DTYPE,
 ) -> Path:
-    """Write row ``row``'s sample atomically and return its path."""
-    return write_sample_file(sample_path(hidden_states_dir, row), hidden_states, token_ids)
+    """Write row ``row``'s sample atomically in ``hidden_states_dtype`` and return its path."""
+    return write_sample_file(sample_path(hidden_states_dir, row), hidden_states, token_ids, hidden_states_dtype)
 
 
 def load_sample(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Read a sample file into ``{"hidden_states", "token_ids"}``."""
+    """Read a sample file into its tensors (``hidden_states``, ``token_ids``, for fp8 the scales)."""
     from safetensors.torch import load_file
 
     return load_file(str(path))
+
+
+def stored_dtype(path: str | os.PathLike[str]) -> HiddenStatesDtype | None:
+    """The storage dtype of a sample file, from its header alone; None when it is neither (or unreadable)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            name = handle.get_slice(HIDDEN_STATES_KEY).get_dtype()
+    except Exception:  # missing, truncated or without hidden_states: the caller names the file
+        return None
+    dtype = _SAFETENSORS_DTYPES.get(name)
+    return storage_dtype_of(dtype) if dtype is not None else None
 
 
 def validate(
@@ -85,14 +109,16 @@ def validate(
     expected_token_ids: Sequence[int] | torch.Tensor,
     n_slots: int,
     hidden: int,
+    hidden_states_dtype: HiddenStatesDtype = DEFAULT_HIDDEN_STATES_DTYPE,
     check_values: bool = True,
 ) -> Validation:
     """Tell whether ``path`` holds a complete sample for ``expected_token_ids``.
 
-    Complete means: the file opens, has exactly the two tensors with the §3.2 dtypes, shapes
-    ``[seq_len, n_slots, hidden]`` / ``[seq_len]`` with ``seq_len == len(expected_token_ids)``,
-    the same token ids, and (with ``check_values``) no NaN or Inf. Anything else is
-    ``CORRUPT`` with a reason.
+    Complete means: the file opens, holds exactly the tensors of ``hidden_states_dtype``
+    (:func:`~sglang_patch.sample_file.sample_keys`) with their dtypes, shapes ``[seq_len,
+    n_slots, hidden]`` / ``[seq_len]`` (fp8: scales ``[seq_len, 1, 1]``) with ``seq_len ==
+    len(expected_token_ids)``, the same token ids, and (with ``check_values``) no NaN or Inf
+    and, for fp8, every scale finite and positive. Anything else is ``CORRUPT`` with a reason.
 
     ``check_values=False`` reads only the header and the token ids: enough for a file that
     was published by rename after a full check (a file that exists is complete, §3.2), and
@@ -110,34 +136,65 @@ def validate(
     def corrupt(reason: str) -> Validation:
         return Validation(SampleState.CORRUPT, reason, num_bytes=size)
 
-    if set(tensors) != {HIDDEN_STATES_KEY, TOKEN_IDS_KEY}:
-        return corrupt(f"tensors {sorted(tensors)} != {sorted([HIDDEN_STATES_KEY, TOKEN_IDS_KEY])}")
-    states, tokens = tensors[HIDDEN_STATES_KEY], tensors[TOKEN_IDS_KEY]
+    states = tensors.get(HIDDEN_STATES_KEY)
+    stored = storage_dtype_of(states.dtype) if states is not None else None
+    if stored is not None and stored != hidden_states_dtype:
+        return corrupt(f"hidden states stored as {stored}, this run stores {hidden_states_dtype} (hidden_states_dtype)")
+    if set(tensors) != sample_keys(hidden_states_dtype):
+        return corrupt(f"tensors {sorted(tensors)} != {sorted(sample_keys(hidden_states_dtype))}")
+    tokens = tensors[TOKEN_IDS_KEY]
     expected = torch.as_tensor(expected_token_ids, dtype=TOKEN_IDS_DTYPE)
     seq_len = expected.shape[0]
-    if states.dtype != HIDDEN_STATES_DTYPE:
-        return corrupt(f"hidden_states dtype {states.dtype}, expected {HIDDEN_STATES_DTYPE}")
+    if states.dtype != STORAGE_DTYPES[hidden_states_dtype]:
+        return corrupt(f"hidden_states dtype {states.dtype}, expected {STORAGE_DTYPES[hidden_states_dtype]}")
     if tokens.dtype != TOKEN_IDS_DTYPE:
         return corrupt(f"token_ids dtype {tokens.dtype}, expected {TOKEN_IDS_DTYPE}")
     if tuple(states.shape) != (seq_len, n_slots, hidden):
         return corrupt(f"hidden_states shape {tuple(states.shape)}, expected {(seq_len, n_slots, hidden)}")
     if tuple(tokens.shape) != (seq_len,):
         return corrupt(f"token_ids shape {tuple(tokens.shape)}, expected {(seq_len,)}")
+    scales = tensors.get(SCALES_KEY)
+    if scales is not None and (scales.dtype != SCALES_DTYPE or tuple(scales.shape) != (seq_len, 1, 1)):
+        return corrupt(f"{SCALES_KEY} {scales.dtype} {tuple(scales.shape)}, expected {SCALES_DTYPE} {(seq_len, 1, 1)}")
     if not torch.equal(tokens, expected):
         first = int((tokens != expected).nonzero()[0, 0])
         return corrupt(f"token mismatch at position {first}: {int(tokens[first])} != {int(expected[first])}")
     if not check_values:
         return Validation(SampleState.COMPLETE, num_tokens=seq_len, num_bytes=size)
-    finite = torch.isfinite(states)
-    if not bool(finite.all()):
-        n_nan = int(torch.isnan(states).sum())
-        n_inf = int(torch.isinf(states).sum())
-        slots = sorted({int(s) for s in (~finite).nonzero()[:, 1].tolist()})
-        return corrupt(f"non-finite values: {n_nan} NaN, {n_inf} Inf in slots {slots}")
+    bad_values = _non_finite(states)
+    if bad_values:
+        return corrupt(bad_values)
+    if scales is not None:
+        bad = ~(torch.isfinite(scales) & (scales > 0))
+        if bool(bad.any()):
+            tokens_bad = bad.flatten().nonzero()[:, 0].tolist()
+            return corrupt(f"{len(tokens_bad)} {SCALES_KEY} not finite and positive, first at token {tokens_bad[0]}")
     return Validation(SampleState.COMPLETE, num_tokens=seq_len, num_bytes=size)
 
 
-def validate_dataset(dataset_dir: str | os.PathLike[str], n_slots: int, hidden: int) -> list[tuple[int, str]]:
+def _non_finite(states: torch.Tensor) -> str:
+    """Why ``states`` holds a NaN or Inf, naming the slots; empty when every value is finite."""
+    if states.dtype == STORAGE_DTYPES["fp8"]:
+        # float8_e4m3fn has no Inf, and its only NaNs are the bit patterns S.1111.111.
+        finite = (states.view(torch.uint8) & 0x7F) != 0x7F
+        counts = f"{int((~finite).sum())} NaN"
+    else:
+        finite = torch.isfinite(states)
+        if bool(finite.all()):
+            return ""
+        counts = f"{int(torch.isnan(states).sum())} NaN, {int(torch.isinf(states).sum())} Inf"
+    if bool(finite.all()):
+        return ""
+    slots = sorted({int(s) for s in (~finite).nonzero()[:, 1].tolist()})
+    return f"non-finite values: {counts} in slots {slots}"
+
+
+def validate_dataset(
+    dataset_dir: str | os.PathLike[str],
+    n_slots: int,
+    hidden: int,
+    hidden_states_dtype: HiddenStatesDtype = DEFAULT_HIDDEN_STATES_DTYPE,
+) -> list[tuple[int, str]]:
     """Check every row of a prepared dataset against its hidden-state file (full check).
 
     Returns ``(row, reason)`` for each row whose file is missing or corrupt; empty when the
@@ -149,7 +206,7 @@ def validate_dataset(dataset_dir: str | os.PathLike[str], n_slots: int, hidden: 
     rows = datasets.load_from_disk(str(dataset_dir)).with_format(None)["input_ids"]
     problems = []
     for row, ids in enumerate(rows):
-        check = validate(sample_path(hidden_states_dir(dataset_dir), row), ids, n_slots, hidden)
+        check = validate(sample_path(hidden_states_dir(dataset_dir), row), ids, n_slots, hidden, hidden_states_dtype)
         if not check.ok:
             problems.append((row, f"{check.state.value}: {check.reason}"))
     return problems
@@ -162,7 +219,10 @@ class _HeaderOnly:
         self.shape, self.dtype = torch.Size(shape), dtype
 
 
-_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64, "I32": torch.int32}
+_SAFETENSORS_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn,
+    "I64": torch.int64, "I32": torch.int32,
+}
 
 
 def _load_header_and_tokens(path: Path) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, Field, field_validator
 
-from eagleflow.config import AuxLayerIds, add_model_arguments, model_from_args
+from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype, add_model_arguments, model_from_args
 from eagleflow.data.verifier import config_int, resolve_aux_layer_ids
 from eagleflow.engine.process import engine_label, pid_alive
 from eagleflow.errors import UserError
@@ -54,6 +54,7 @@ class ExtractConfig(BaseModel):
     rows: str = Field(description="START:END, end exclusive")
     model: Path = Field(description="verifier model folder (hidden size)")
     aux_layer_ids: AuxLayerIds = Field(description="captured layer ids; the files hold one more slot, the final state")
+    hidden_states_dtype: StoredHiddenStatesDtype
     manifest: Path | None = Field(None, description="shard manifest path; default: the run folder's shards/rows_S-E.json beside --dataset")
     concurrency: int = Field(8, ge=1, le=256, description="requests kept in flight")
     server_pid: int | None = Field(None, description="engine process id on this machine, watched so a dead engine stops the shard at once")
@@ -147,7 +148,10 @@ class ShardExtractor:
         todo = []
         for offset, ids in enumerate(rows):
             row = self.start + offset
-            check = validate(sample_path(self.hidden_dir, row), ids, self.n_slots, self.hidden_size, check_values=False)
+            check = validate(
+                sample_path(self.hidden_dir, row), ids, self.n_slots, self.hidden_size, self.cfg.hidden_states_dtype,
+                check_values=False,
+            )
             if check.ok:
                 self.report.skipped += 1
                 continue
@@ -240,7 +244,7 @@ class ShardExtractor:
             if prompt_tokens is not None and int(prompt_tokens) != len(ids):
                 raise RowFailed(f"engine counted {prompt_tokens} prompt tokens, the row has {len(ids)}")
             dump = self._wait_for_dump(rid)
-            check = validate(dump, ids, self.n_slots, self.hidden_size)
+            check = validate(dump, ids, self.n_slots, self.hidden_size, self.cfg.hidden_states_dtype)
             if not check.ok:
                 raise RowFailed(f"dump {dump.name} is not usable: {check.reason}")
             publish_dump(dump, sample_path(self.hidden_dir, row))

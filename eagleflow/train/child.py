@@ -21,6 +21,8 @@ from eagleflow.errors import UserError
 from eagleflow.export.targets import serving_target
 from eagleflow.layout import TrainLayout
 from eagleflow.train.config import TrainConfig
+from eagleflow.train.speculators_support import SpeculatorsRelease
+from sglang_patch.sample_format import HiddenStatesDtype
 
 
 class TrainingFailed(Exception):
@@ -75,8 +77,25 @@ class TrainLog:
         self.handle.close()
 
 
-def speculators_flags(cfg: TrainConfig, verifier: Path, device: Device, paths: TrainLayout) -> list[str]:
-    """speculators ``train`` flags for this run (an argv list; nothing goes through a shell)."""
+def speculators_flags(
+    cfg: TrainConfig,
+    verifier: Path,
+    device: Device,
+    paths: TrainLayout,
+    release: SpeculatorsRelease,
+    stored_dtype: HiddenStatesDtype = "bf16",
+) -> list[str]:
+    """speculators ``train`` flags for this run (an argv list; nothing goes through a shell).
+
+    :param release: the installed speculators; 0.8.1 takes ``--noise-std`` itself, later
+        releases get the noise from the child entry instead (:func:`child_command`).
+    :param stored_dtype: how the dataset's hidden states are stored; fp8 needs the fp8 backend.
+    """
+    if stored_dtype == "fp8" and not release.fp8_backend:
+        raise UserError(
+            f"the dataset's hidden states are stored as fp8, which speculators {release.version} cannot read "
+            "(its hs-connectors has no fp8 backend); install speculators 0.9.0 or extract with hidden_states_dtype bf16"
+        )
     on_gpu = device.kind == "cuda"
     loss = cfg.loss_implementation if cfg.loss_implementation != "auto" else ("fused" if on_gpu else "eager")
     attn = cfg.draft_attn_impl if cfg.draft_attn_impl != "auto" else ("simple_flex_attention" if on_gpu else "sdpa")
@@ -92,7 +111,6 @@ def speculators_flags(cfg: TrainConfig, verifier: Path, device: Device, paths: T
         "--optimizer", cfg.optimizer,
         "--total-seq-len", str(cfg.total_seq_len),
         "--ttt-steps", str(cfg.ttt_steps),
-        "--noise-std", str(cfg.noise_std),
         "--scheduler-type", cfg.scheduler_type,
         "--scheduler-warmup-ratio", str(cfg.scheduler_warmup_ratio),
         "--num-workers", str(cfg.num_workers),
@@ -100,7 +118,7 @@ def speculators_flags(cfg: TrainConfig, verifier: Path, device: Device, paths: T
         "--log-freq", str(cfg.log_freq),
         "--seed", str(cfg.seed),
         "--mask-token-id", str(cfg.mask_token_id),
-        "--hidden-states-dtype", cfg.hidden_states_dtype,
+        "--hidden-states-dtype", cfg.compute_dtype,
         "--loss-implementation", loss,
         "--draft-attn-impl", attn,
         # Every epoch: resume needs them. (--save-best would keep only the best one; without it
@@ -110,6 +128,10 @@ def speculators_flags(cfg: TrainConfig, verifier: Path, device: Device, paths: T
         # What the serving engine's draft layer computes (eagleflow.export.targets).
         "--norm-before-residual" if serving_target(cfg.serve_with).norm_before_residual else "--no-norm-before-residual",
     ]
+    if release.noise_std_flag:
+        flags += ["--noise-std", str(cfg.noise_std)]
+    if stored_dtype == "fp8":
+        flags += ["--hidden-states-backend", "fp8"]  # dequantises to bf16 as it loads each sample
     if cfg.draft_config is not None:
         flags += ["--draft-config", str(cfg.draft_config.absolute())]
     else:
@@ -119,10 +141,13 @@ def speculators_flags(cfg: TrainConfig, verifier: Path, device: Device, paths: T
     return flags
 
 
-def child_command(device: Device, paths: TrainLayout, flags: list[str]) -> list[str]:
-    """``python -m eagleflow.train.speculators_entry …``, under torchrun for more than one GPU."""
+def child_command(device: Device, paths: TrainLayout, flags: list[str], noise_std: float = 0.0) -> list[str]:
+    """``python -m eagleflow.train.speculators_entry …``, under torchrun for more than one GPU.
+
+    :param noise_std: eagleflow's own noise augmentation, for releases without ``--noise-std``.
+    """
     entry = ["-m", "eagleflow.train.speculators_entry", "--metrics", str(paths.metrics.absolute()),
-             "--summary", str(paths.drafter.absolute()), "--"]
+             "--summary", str(paths.drafter.absolute()), "--noise-std", str(noise_std), "--"]
     if device.kind == "cuda" and device.gpus > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={device.gpus}"]
         return launcher + entry + flags

@@ -42,7 +42,9 @@ class TrainConfig(BaseModel):
     lr: float = Field(3e-5, gt=0, description="peak learning rate (AdamW)")
     total_seq_len: int = Field(2048, ge=16, description="tokens packed into one training sequence")
     ttt_steps: int = Field(3, ge=1, description="test-time-training steps the draft is unrolled over")
-    noise_std: float = Field(0.05, ge=0, description="standard deviation of the noise added to hidden states")
+    noise_std: float = Field(
+        0.05, ge=0, description="noise added to training samples' aux hidden states: uniform in [-noise_std, noise_std]"
+    )
     scheduler_type: Literal["cosine", "linear", "none"] = Field("cosine", description="learning-rate schedule")
     scheduler_warmup_ratio: float = Field(0.01, ge=0, le=1, description="warmup as a fraction of all steps")
     num_workers: int = Field(4, ge=0, description="data-loader worker processes")
@@ -66,7 +68,9 @@ class TrainConfig(BaseModel):
         0, ge=0, description="given so speculators does not load the verifier's tokenizer; EAGLE-3 does not use it"
     )
     trust_remote_code: bool = Field(False, description="let transformers run the verifier's own config code")
-    hidden_states_dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="compute dtype of hidden states")
+    compute_dtype: Literal["bfloat16", "float32"] = Field(
+        "bfloat16", description="dtype hidden states are trained in (speculators --hidden-states-dtype); storage is the dataset's"
+    )
     loss_implementation: Literal["auto", "fused", "eager"] = Field(
         "auto", description="speculators loss kernel; auto: fused on GPU, eager on CPU"
     )

@@ -1,10 +1,12 @@
 """In-child launcher of ``speculators`` training: CPU shims, metric capture, then speculators' own entry.
 
-``python -m eagleflow.train.speculators_entry --metrics M [--summary S] -- <speculators train flags>``
+``python -m eagleflow.train.speculators_entry --metrics M [--summary S] [--noise-std X] -- <speculators train flags>``
 (or the same module under ``torchrun``). It is what ``python -m eagleflow train`` starts as its
 child; it can also run in-process through :func:`run`.
 
-Three things happen before speculators' ``cli.main(TrainConfig.resolve(argv))``:
+First the installed speculators must be a release whose internals these patches were checked
+against (:mod:`eagleflow.train.speculators_support`). Then, before speculators'
+``cli.main(TrainConfig.resolve(argv))``:
 
 * Without CUDA, the three device look-ups speculators makes are pointed at the CPU
   (:func:`apply_cpu_shims`); with CUDA nothing is changed.
@@ -15,6 +17,8 @@ Three things happen before speculators' ``cli.main(TrainConfig.resolve(argv))``:
   a readable line per step, so the root handlers need not print raw dict reprs.
 * Plain log lines: when nothing configured the root logger yet, it gets a plain stdout handler
   instead of speculators' Rich handler, whose 80-column wrapping shreds lines in a task log.
+* ``--noise-std`` (releases without speculators' own, 0.9.0 on): eagleflow's noise augmentation
+  of the training split's aux hidden states (:mod:`eagleflow.train.noise`).
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from eagleflow.errors import UserError
 from eagleflow.files import atomic_write_json
 from eagleflow.train.recorder import MetricsRecorder
+from eagleflow.train.speculators_support import check_internals, installed_release
 
 METRICS_LOGGER = "speculators.metrics"
 
@@ -121,10 +127,10 @@ def install(metrics_path: Path, summary_path: Path | None = None) -> Callable[[]
                 atomic_write_json(summary_path, summary)
         return model
 
-    def train_epoch_with_progress(self: Any, epoch: int) -> Any:
+    def train_epoch_with_progress(self: Any, epoch: int, *args: Any, **kwargs: Any) -> Any:
         for recorder in recorders:
             recorder.begin_epoch(epoch, self.config.num_epochs, len(self.train_loader), self.global_step)
-        return train_epoch(self, epoch)
+        return train_epoch(self, epoch, *args, **kwargs)
 
     cli.setup_metric_logger = setup_metric_logger_then_attach
     cli.setup_root_logger = _plain_root_logger
@@ -142,35 +148,58 @@ def install(metrics_path: Path, summary_path: Path | None = None) -> Callable[[]
     return restore
 
 
-def run(argv: Sequence[str], metrics_path: Path, summary_path: Path | None = None) -> None:
-    """Train with speculators' own entry point on ``argv`` (its flags), capturing metrics."""
+def run(argv: Sequence[str], metrics_path: Path, summary_path: Path | None = None, noise_std: float = 0.0) -> None:
+    """Train with speculators' own entry point on ``argv`` (its flags), capturing metrics.
+
+    :param noise_std: eagleflow's noise on the training split's aux states, for releases
+        without ``--noise-std`` (give that release's own flag in ``argv`` instead).
+    :raises UnsupportedSpeculators: another speculators release than those supported.
+    """
     import torch
 
+    release = installed_release()
+    check_internals(release)
+    if noise_std and release.noise_std_flag:
+        raise UserError(f"speculators {release.version} adds the noise itself: pass --noise-std among its flags")
     if not torch.cuda.is_available():
         apply_cpu_shims()
-    restore = install(Path(metrics_path), summary_path)
+    undo = [install(Path(metrics_path), summary_path)]
+    if noise_std:
+        from eagleflow.train.noise import install_noise
+
+        undo.append(install_noise(noise_std))
     from speculators.train.cli import main as speculators_main
     from speculators.train.config import TrainConfig
 
     try:
         speculators_main(TrainConfig.resolve(list(argv)))
     finally:
-        restore()
+        for restore in reversed(undo):
+            restore()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
-        print("usage: python -m eagleflow.train.speculators_entry --metrics PATH [--summary PATH] -- <speculators flags>", file=sys.stderr)
+        print(
+            "usage: python -m eagleflow.train.speculators_entry --metrics PATH [--summary PATH] [--noise-std X] "
+            "-- <speculators flags>",
+            file=sys.stderr,
+        )
         return 2
     split = argv.index("--")
     parser = argparse.ArgumentParser(prog="python -m eagleflow.train.speculators_entry")
     parser.add_argument("--metrics", type=Path, required=True, help="metrics.jsonl to append records to")
     parser.add_argument("--summary", type=Path, help="JSON file for the drafter's parameter counts")
+    parser.add_argument("--noise-std", type=float, default=0.0, help="eagleflow's noise on the training split's aux states")
     ours = parser.parse_args(argv[:split])
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    run(argv[split + 1 :], ours.metrics, ours.summary)
+    try:
+        run(argv[split + 1 :], ours.metrics, ours.summary, ours.noise_std)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 

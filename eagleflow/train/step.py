@@ -29,22 +29,25 @@ from eagleflow.results import emit_result
 from eagleflow.train.child import TrainingFailed, TrainLog, child_command, child_env, resolve_device, run_child, speculators_flags
 from eagleflow.train.config import TrainConfig
 from eagleflow.train.resume import best_checkpoint, epoch_dirs, prepare_checkpoints
+from eagleflow.train.speculators_support import installed_release
 from sglang_patch.sample_file import HIDDEN_STATES_KEY
+from sglang_patch.sample_format import HiddenStatesDtype
 
 
-def check_dataset(cfg: TrainConfig, hidden_size: int) -> int:
-    """Fail early, naming the file or row, on what speculators would trip over mid-run; return rows.
+def check_dataset(cfg: TrainConfig, hidden_size: int) -> tuple[int, HiddenStatesDtype]:
+    """Fail early, naming the file or row, on what speculators would trip over mid-run.
 
     Checks: the folder is a ``datasets`` folder saved in torch format (speculators compares
-    each row's ``input_ids`` with ``torch.equal``), every row has its ``hs_{row}`` file, the
-    first file has ``len(aux_layer_ids) + 1`` slots of the verifier's hidden size, and both the
-    train and the validation split get at least one row.
+    each row's ``input_ids`` with ``torch.equal``), every row has its ``hs_{row}`` file, all in
+    one storage dtype (read from each header: the dtype decides how speculators reads them),
+    the first file has ``len(aux_layer_ids) + 1`` slots of the verifier's hidden size, and both
+    the train and the validation split get at least one row. Returns the rows and the dtype.
     """
     import datasets
 
     from safetensors import safe_open
 
-    from eagleflow.extract.sample_store import sample_path
+    from eagleflow.extract.sample_store import sample_path, stored_dtype
 
     state = cfg.dataset / "state.json"
     if not state.exists():
@@ -63,11 +66,22 @@ def check_dataset(cfg: TrainConfig, hidden_size: int) -> int:
     hs_dir = hidden_states_dir(cfg.dataset)
     missing = [row for row in range(rows) if not sample_path(hs_dir, row).exists()]
     if missing:
-        shown = ", ".join(str(r) for r in missing[:10]) + (" …" if len(missing) > 10 else "")
         raise UserError(
             f"--dataset {cfg.dataset}: {len(missing)} of {rows} rows have no hidden states in {hs_dir} "
-            f"(rows {shown}); finish extraction first"
+            f"(rows {_rows_text(missing)}); finish extraction first"
         )
+    stored_as: dict[HiddenStatesDtype | None, list[int]] = {}
+    for row in range(rows):
+        stored_as.setdefault(stored_dtype(sample_path(hs_dir, row)), []).append(row)
+    if len(stored_as) > 1 or None in stored_as:
+        kinds = "; ".join(
+            f"{dtype or 'unreadable or another dtype'}: rows {_rows_text(found)}" for dtype, found in stored_as.items()
+        )
+        raise UserError(
+            f"--dataset {cfg.dataset}: the hidden-state files are not all stored alike ({kinds}); "
+            "re-extract the odd rows with the run's hidden_states_dtype"
+        )
+    (dtype,) = stored_as
     first = sample_path(hs_dir, 0)
     with safe_open(str(first), framework="pt") as handle:
         shape = list(handle.get_slice(HIDDEN_STATES_KEY).get_shape())
@@ -82,7 +96,11 @@ def check_dataset(cfg: TrainConfig, hidden_size: int) -> int:
         raise UserError(
             f"--train-data-ratio {cfg.train_data_ratio} of {rows} rows leaves the train or the validation split empty"
         )
-    return rows
+    return rows, dtype  # type: ignore[return-value]  # None was refused above
+
+
+def _rows_text(rows: list[int]) -> str:
+    return ", ".join(str(r) for r in rows[:10]) + (" …" if len(rows) > 10 else "")
 
 
 def _format_count(n: int) -> str:
@@ -138,13 +156,14 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
         text = text_config(cfg.verifier)
         hidden, layers, vocab = int(text["hidden_size"]), int(text["num_hidden_layers"]), int(text["vocab_size"])
         resolve_aux_layer_ids(cfg.verifier, cfg.aux_layer_ids)
-        rows = check_dataset(cfg, hidden)
+        release = installed_release()
+        rows, stored = check_dataset(cfg, hidden)
         if cfg.draft_vocab_size > vocab:
             raise UserError(f"--draft-vocab-size {cfg.draft_vocab_size} exceeds the verifier vocabulary ({vocab})")
         device = resolve_device(cfg)
         log.say(
-            f"{rows} rows; verifier: {layers} layers, hidden {hidden}, vocab {vocab}; "
-            f"device {device.kind}" + (f" x{device.gpus}" if device.kind == "cuda" else "")
+            f"{rows} rows, hidden states stored as {stored}; verifier: {layers} layers, hidden {hidden}, vocab {vocab}; "
+            f"device {device.kind}" + (f" x{device.gpus}" if device.kind == "cuda" else "") + f"; speculators {release.version}"
         )
 
         resume = prepare_checkpoints(cfg, paths, log)
@@ -158,8 +177,9 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
                 log.say(f"starting fresh: {cfg.epochs} epochs, checkpoints in {paths.checkpoints}")
             target = serving_target(cfg.serve_with)
             log.say(f"serving with {target.name}: norm_before_residual {target.norm_before_residual} ({target.why})")
-            flags = speculators_flags(cfg, verifier, device, paths)
-            returncode, forwarded = run_child(child_command(device, paths, flags), child_env(device), log)
+            flags = speculators_flags(cfg, verifier, device, paths, release, stored)
+            noise = 0.0 if release.noise_std_flag else cfg.noise_std  # else speculators adds it itself
+            returncode, forwarded = run_child(child_command(device, paths, flags, noise), child_env(device), log)
             if forwarded is not None:
                 name = signal.Signals(forwarded).name
                 raise TrainingFailed(f"training stopped by {name}; rerun the step to resume", 128 + forwarded)

@@ -35,7 +35,9 @@ ROWS = 24
 SHARD_OF_4 = [f"rows_{s}-{s + 4}" for s in range(0, ROWS, 4)]
 SHARD_OF_12 = [f"rows_{s}-{s + 12}" for s in range(0, ROWS, 12)]
 RUN_TIMEOUT = 900.0
-GPU_TASKS = {"launch_server", "wait_server_ready", "extract_shard", "stop_server", "train_drafter", "evaluate_drafter"}
+GPU_TASKS = {
+    "launch_server", "wait_server_ready", "regenerate_dataset", "extract_shard", "stop_server", "train_drafter", "evaluate_drafter"
+}
 
 
 def _seconds(stamp: str) -> float:

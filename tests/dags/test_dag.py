@@ -21,8 +21,9 @@ def test_the_dag_tells_the_story(eagleflow_dag) -> None:
     dag = eagleflow_dag
     tasks = dag.task_dict
     assert set(tasks) == {
-        "plan_engines", "launch_server", "wait_server_ready", "prepare_dataset", "dataset_stats", "check_disk",
-        "plan_shards", "extract_shard", "stop_server", "build_vocab", "train_drafter", "plot_metrics", "export_drafter",
+        "plan_engines", "launch_server", "wait_server_ready", "regenerate_dataset", "prepare_dataset", "dataset_stats",
+        "check_disk", "plan_shards", "extract_shard", "stop_server", "build_vocab", "train_drafter", "plot_metrics",
+        "export_drafter",
         "evaluate_drafter",
     }
     assert tasks["launch_server"].is_setup and tasks["wait_server_ready"].is_setup and tasks["stop_server"].is_teardown
@@ -34,9 +35,13 @@ def test_the_dag_tells_the_story(eagleflow_dag) -> None:
     assert tasks["wait_server_ready"].map_index_template == "{{ task.server['name'] }}"
     assert tasks["extract_shard"].upstream_task_ids == {"wait_server_ready", "plan_shards", "check_disk"}
     assert tasks["stop_server"].upstream_task_ids >= {"extract_shard"}
-    # dataset work runs beside the warmup: nothing of it waits for the server
-    for name in ("prepare_dataset", "dataset_stats", "check_disk", "plan_shards"):
-        assert not tasks[name].get_flat_relative_ids(upstream=True) & {"launch_server", "wait_server_ready"}
+    # dataset work runs beside the warmup: nothing of it waits for the engine to be ready (the
+    # regeneration, when on, waits inside its own task; off, it returns at once after the launch)
+    # every engine's launch: regeneration takes the engine list and uses the first it reaches
+    assert tasks["regenerate_dataset"].upstream_task_ids == {"launch_server"}
+    assert tasks["prepare_dataset"].upstream_task_ids == {"regenerate_dataset"}
+    for name in ("regenerate_dataset", "prepare_dataset", "dataset_stats", "check_disk", "plan_shards"):
+        assert "wait_server_ready" not in tasks[name].get_flat_relative_ids(upstream=True)
     assert tasks["build_vocab"].upstream_task_ids == {"extract_shard", "stop_server"}
     assert tasks["train_drafter"].upstream_task_ids == {"build_vocab"}
     assert tasks["plot_metrics"].upstream_task_ids == {"train_drafter"}
@@ -56,6 +61,10 @@ def test_engine_extraction_and_training_run_on_the_gpu_queue_and_pool(eagleflow_
     for task in eagleflow_dag.tasks:
         if task.task_id not in on_gpu:
             assert task.pool != GPU_POOL
+    # regeneration talks to a launched engine, which listens on its GPU node's loopback: same
+    # queue, no GPU slot
+    regenerate = eagleflow_dag.task_dict["regenerate_dataset"]
+    assert (regenerate.queue, regenerate.pool) == (GPU_QUEUE, "default_pool")
 
 
 def test_every_param_has_a_title_and_description(eagleflow_dag) -> None:
@@ -63,7 +72,8 @@ def test_every_param_has_a_title_and_description(eagleflow_dag) -> None:
     for name in ("engine", "model_path", "dataset_input", "output_root", "run_name", "shard_size", "aux_layer_ids",
                  "max_len", "concurrency", "server_port", "server_extra_args", "num_engines", "server_urls", "epochs", "lr",
                  "noise_std", "ttt_steps", "draft_vocab_size", "serve_with", "eval_rows", "eval_max_new_tokens",
-                 "eval_concurrency"):
+                 "eval_concurrency", "regenerate_responses", "regen_temperature", "regen_max_new_tokens",
+                 "regen_concurrency"):
         param = params.get_param(name)
         assert param.schema.get("title") and param.description, name
     assert params.get_param("shard_size").value == 2000

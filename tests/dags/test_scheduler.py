@@ -26,7 +26,9 @@ SHARD_NAMES = [f"rows_{s}-{s + SHARD_SIZE}" for s in range(0, ROWS, SHARD_SIZE)]
 # One engine: its setups and teardown are the single instance (map index 0) of each engine task.
 SETUPS_AND_TEARDOWN = [("launch_server", 0), ("wait_server_ready", 0), ("stop_server", 0)]
 DOWNSTREAM = [(task, -1) for task in ("build_vocab", "train_drafter", "plot_metrics", "export_drafter", "evaluate_drafter")]
-UNTOUCHED = [(task, -1) for task in ("plan_engines", "prepare_dataset", "dataset_stats", "check_disk", "plan_shards")]
+UNTOUCHED = [
+    (task, -1) for task in ("plan_engines", "regenerate_dataset", "prepare_dataset", "dataset_stats", "check_disk", "plan_shards")
+]
 RUN_TIMEOUT = 600.0
 
 
@@ -156,16 +158,16 @@ def test_bad_aux_layer_ids_are_refused_at_trigger_or_by_the_first_tasks(
         assert "aux_layer_ids" in json.dumps(refused), refused
         airflow_stack.request("GET", f"/dags/{DAG_ID}/dagRuns/bad-aux-{ids[0]}", expect=404)
 
-    # The verifier's depth (8 layers) lives in its folder, on the workers: the first tasks that
-    # start read it and fail, naming the Param; nothing downstream of them runs.
+    # The verifier's depth (8 layers) lives in its folder, on the workers: the first task that
+    # reads it (the engine's launch) fails, naming the Param; nothing after it runs (preparation
+    # waits for the launch, through regenerate_dataset).
     run_id = "bad-aux-depth"
     airflow_stack.trigger(run_id, {**conf, "aux_layer_ids": [2, 9]})
     assert airflow_stack.wait_for_run(run_id, RUN_TIMEOUT) == "failed", airflow_stack.describe(run_id)
     tis = airflow_stack.task_instances(run_id)
-    for root, map_index in (("launch_server", 0), ("prepare_dataset", -1)):
-        assert tis[(root, map_index)]["state"] == "failed", airflow_stack.describe(run_id)
-        log = airflow_stack.task_log(run_id, root, tis[(root, map_index)]["try_number"], map_index)
-        assert "Param aux_layer_ids: aux layer ids [9] are outside 0..8" in log, log[-2000:]
+    assert tis[("launch_server", 0)]["state"] == "failed", airflow_stack.describe(run_id)
+    log = airflow_stack.task_log(run_id, "launch_server", tis[("launch_server", 0)]["try_number"], 0)
+    assert "Param aux_layer_ids: aux layer ids [9] are outside 0..8" in log, log[-2000:]
     ran = {task for (task, _), ti in tis.items() if ti["state"] not in ("upstream_failed", "skipped", None)}
-    assert ran <= {"plan_engines", "launch_server", "prepare_dataset", "stop_server"}, airflow_stack.describe(run_id)
+    assert ran <= {"plan_engines", "launch_server", "stop_server"}, airflow_stack.describe(run_id)
     assert not (tmp_path / "runs" / "bad-aux" / "dataset").exists()

@@ -93,3 +93,4 @@ def test_only_a_lost_engine_or_a_killed_step_is_retried(
 def test_the_host_of_a_launched_engine_is_this_machine_when_local() -> None:
     local = ServerInfo(url="http://127.0.0.1:1", pid=1, host=socket.gethostname(), log_path="", dump_dir="")
     assert local.is_local and local.describe() == "engine-0 at http://127.0.0.1:1"
+

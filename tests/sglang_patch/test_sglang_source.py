@@ -7,9 +7,10 @@ executed is ``hook_manager.py`` (standard library + torch.nn), to register the h
 SGLang-shaped stand-ins exactly as a server would.
 
 Checked versions: both ends of the supported range, the last release before the CUDA-graph flag
-change (0.5.13.post1) and the first after it (0.5.14), and the pin in pyproject.toml; plus the
-releases just outside the range, to show why the range ends where it does. Set
-``EAGLEFLOW_SGLANG_SOURCE_VERSIONS=0.5.10,0.5.11,...`` to check other supported releases.
+change (0.5.13.post1) and the first after it (0.5.14), both ends of each layer-boundary API
+(0.5.20 | 0.5.21 … 0.5.23) and the pin in pyproject.toml; plus the release just below the
+range, to show why it starts where it does. Set ``EAGLEFLOW_SGLANG_SOURCE_VERSIONS=0.5.10,
+0.5.11,...`` to check other supported releases.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import enum
 import json
 import os
 import re
-import sys
 import types
 from pathlib import Path
 
@@ -30,14 +30,15 @@ from safetensors.torch import load_file
 import sglang_fakes as fakes
 from sglang_wheels import Wheel, cli_flags, find_class, find_function, get_wheel, pinned_version
 from eagleflow.engine import sglang_command
+from eagleflow.errors import UserError
 from sglang_patch import hook as capture_hook
 from sglang_patch import hook_spec, request_ids
 from sglang_patch.dump_writer import dump_path
+from sglang_patch.layer_output import SNAPSHOT_MODULE
 
 pytestmark = pytest.mark.sglang_source
 
 BELOW_RANGE = "0.5.9"  # newest release under the range
-ABOVE_RANGE = "0.5.21"  # oldest release over it
 
 HOOK_MANAGER = "sglang/srt/model_executor/hook_manager.py"
 DEEPSEEK = "sglang/srt/models/deepseek_v2.py"
@@ -46,16 +47,22 @@ FORWARD_BATCH = "sglang/srt/model_executor/forward_batch_info.py"
 PARALLEL_STATE = "sglang/srt/distributed/parallel_state.py"
 CONSTANTS = "sglang/srt/constants.py"
 HTTP_SERVER = "sglang/srt/entrypoints/http_server.py"
+SNAPSHOT_FILE = SNAPSHOT_MODULE.replace(".", "/") + ".py"
+STREAM_FILE = "sglang/srt/layers/layer_boundary/residual/stream.py"
+
 
 
 def checked_versions() -> list[str]:
     override = os.environ.get("EAGLEFLOW_SGLANG_SOURCE_VERSIONS")
     if override:
         return [v.strip() for v in override.split(",") if v.strip()]
-    return sorted({"0.5.10", "0.5.13.post1", "0.5.14", pinned_version()}, key=hook_spec.parse_version)
+    versions = {"0.5.10", "0.5.13.post1", "0.5.14", "0.5.20", "0.5.21", "0.5.22", "0.5.23", pinned_version()}
+    return sorted(versions, key=hook_spec.parse_version)
+
 
 
 # -- ast helpers ------------------------------------------------------------------------------
+
 
 
 def params(fn: ast.FunctionDef) -> list[str]:
@@ -78,6 +85,7 @@ def self_assignments(fn: ast.FunctionDef) -> dict[str, list[ast.AST]]:
                 if isinstance(elt, ast.Attribute) and isinstance(elt.value, ast.Name) and elt.value.id == "self":
                     out.setdefault(elt.attr, []).append(node.value)
     return out
+
 
 
 def field_annotation(wheel: Wheel, field: str) -> str:
@@ -199,15 +207,21 @@ def test_decoder_layer_interface(wheel: Wheel) -> None:
     tree = wheel.tree(DEEPSEEK)
     layer = find_class(tree, "DeepseekV2DecoderLayer")
     forward = find_function(layer, "forward")
-    assert params(forward)[:5] == ["self", "positions", "hidden_states", "forward_batch", "residual"], wheel.where(DEEPSEEK, forward)
     returned = forward.body[-1]
     assert isinstance(returned, ast.Return) and isinstance(returned.value, ast.Tuple)
-    assert [ast.unparse(e) for e in returned.value.elts[:2]] == ["hidden_states", "residual"], wheel.where(DEEPSEEK, returned)
+    if hook_spec.layer_boundary_api(wheel.version) == hook_spec.LAYER_TUPLE:
+        assert params(forward)[:5] == ["self", "positions", "hidden_states", "forward_batch", "residual"], wheel.where(DEEPSEEK, forward)
+        assert [ast.unparse(e) for e in returned.value.elts[:2]] == ["hidden_states", "residual"], wheel.where(DEEPSEEK, returned)
+        # The marker the hook checks for a per-rank partial sum.
+        assert "hidden_states._sglang_needs_allreduce_fusion = True" in ast.unparse(forward)
+    else:
+        # No residual in or out: (hidden_states, topk_indices), the residual in forward_batch's stream.
+        assert params(forward)[:5] == ["self", "positions", "hidden_states", "forward_batch", "zero_allocator"], wheel.where(DEEPSEEK, forward)
+        assert "residual" not in params(forward)
+        assert [ast.unparse(e) for e in returned.value.elts] == ["hidden_states", "topk_indices"], wheel.where(DEEPSEEK, returned)
     assigned = self_assignments(find_function(layer, "__init__"))
     assert [ast.unparse(v) for v in assigned["layer_id"]] == ["layer_id"]
     assert [ast.unparse(v) for v in assigned["config"]] == ["config"]
-    # The marker the hook checks for a per-rank partial sum.
-    assert "hidden_states._sglang_needs_allreduce_fusion = True" in ast.unparse(forward)
 
 
 def test_model_tree_and_call_order(wheel: Wheel) -> None:
@@ -215,14 +229,27 @@ def test_model_tree_and_call_order(wheel: Wheel) -> None:
     model = find_class(tree, "DeepseekV2Model")
     assigned = self_assignments(find_function(model, "__init__"))
     assert any(ast.unparse(v).startswith("VocabParallelEmbedding(") for v in assigned["embed_tokens"])
-    assert any(ast.unparse(v).startswith("make_layers(") for v in assigned["layers"])
+    # make_pp_layers from 0.5.22: the same ModuleList under "layers", PPMissingLayer where another stage holds one.
+    layers = [ast.unparse(v) for v in assigned["layers"]]
+    assert any(v.startswith(("make_layers(", "make_pp_layers(")) and "add_prefix('layers', prefix)" in v for v in layers), layers
     assert any(ast.unparse(v).startswith("RMSNorm(") for v in assigned["norm"])
     forward = find_function(model, "forward")
     assert [ast.unparse(a) for a in calls(forward, "self.embed_tokens")[0].args] == ["input_ids"]
     (layer_call,) = calls(forward, "layer")
     positional = [ast.unparse(a) for a in layer_call.args]
-    assert positional[:4] == ["positions", "hidden_states", "forward_batch", "residual"], wheel.where(DEEPSEEK, layer_call)
-    assert any([ast.unparse(a) for a in c.args] == ["hidden_states", "residual"] for c in calls(forward, "self.norm"))
+    if hook_spec.layer_boundary_api(wheel.version) == hook_spec.LAYER_TUPLE:
+        assert positional[:4] == ["positions", "hidden_states", "forward_batch", "residual"], wheel.where(DEEPSEEK, layer_call)
+        assert any([ast.unparse(a) for a in c.args] == ["hidden_states", "residual"] for c in calls(forward, "self.norm"))
+    else:
+        assert positional[:4] == ["positions", "hidden_states", "forward_batch", "zero_allocator"], wheel.where(DEEPSEEK, layer_call)
+        # A fresh stream per pass, the last layer's owed output completed, then the fused final norm.
+        imports = [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == "sglang.srt.layers.layer_boundary.residual"]
+        assert any((a.name, a.asname) == ("batch", "residual_batch") for n in imports for a in n.names)
+        assert [ast.unparse(a) for a in calls(forward, "residual_batch.start")[0].args] == ["forward_batch"]
+        (complete,) = calls(forward, "residual_batch.complete_output")
+        assert [ast.unparse(a) for a in complete.args] == ["hidden_states", "forward_batch"]
+        final = calls(forward, "residual_batch.norm") + calls(forward, "residual_batch.final_norm")
+        assert [[ast.unparse(a) for a in c.args] for c in final] == [["hidden_states", "forward_batch", "self.norm"]]
     causal = find_class(tree, "DeepseekV2ForCausalLM")
     assert any(ast.unparse(v).startswith("DeepseekV2Model(") for v in self_assignments(find_function(causal, "__init__"))["model"])
     assert [ast.unparse(b) for b in find_class(tree, "DeepseekV3ForCausalLM").bases] == ["DeepseekV2ForCausalLM"]
@@ -249,7 +276,12 @@ def test_forward_batch_fields(wheel: Wheel) -> None:
     batch = find_class(tree, "ForwardBatch")
     fields = {s.target.id for s in batch.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
     needed = {"forward_mode", "input_ids", "rids", "extend_seq_lens", "extend_prefix_lens", "extend_seq_lens_cpu", "extend_prefix_lens_cpu"}
+    if hook_spec.layer_boundary_api(wheel.version) == hook_spec.RESIDUAL_STREAM:
+        needed.add("residual_stream")
     assert needed <= fields, f"missing {needed - fields} in sglang {wheel.version}"
+    # The two-batch-overlap flag the hook reads to name --enable-two-batch-overlap.
+    can_run_tbo = find_function(batch, "can_run_tbo")
+    assert [ast.unparse(d) for d in can_run_tbo.decorator_list] == ["property"]
     init_new = find_function(batch, "init_new")
     rid_kw = [k for c in calls(init_new, "cls") for k in c.keywords if k.arg == "rids"]  # ret = cls(...)
     assert [ast.unparse(k.value) for k in rid_kw] == ["[req.rid for req in batch.reqs]"]
@@ -270,16 +302,7 @@ def test_tensor_parallel_rank_and_health_check_names(wheel: Wheel) -> None:
 @pytest.mark.parametrize("kind", ["deepseek", "kimi", "kimi-aliased"])
 def test_real_hook_manager_registers_the_launcher_spec(wheel: Wheel, kind: str, tmp_path: Path, monkeypatch) -> None:
     """The launcher's --forward-hooks value, registered by SGLang's own code, captures the right states."""
-    root = types.ModuleType("sglang")
-    root.__version__ = wheel.version
-    parallel_state = types.ModuleType("sglang.srt.distributed.parallel_state")
-    parallel_state.get_tensor_model_parallel_rank = lambda: 0
-    for name, module in {
-        "sglang": root, "sglang.srt": types.ModuleType("sglang.srt"),
-        "sglang.srt.distributed": types.ModuleType("sglang.srt.distributed"),
-        "sglang.srt.distributed.parallel_state": parallel_state,
-    }.items():
-        monkeypatch.setitem(sys.modules, name, module)
+    fakes.FakeSGLang(monkeypatch).install(wheel.version)
     num_layers, aux = 6, [0, 2, 4]
     cfg = sglang_command.SGLangServerConfig(
         model_path="unused", dump_dir=tmp_path, aux_layer_ids=aux, num_layers=num_layers,
@@ -287,7 +310,7 @@ def test_real_hook_manager_registers_the_launcher_spec(wheel: Wheel, kind: str, 
     )
     argv, env = sglang_command.build_command(cfg, compute_caps=lambda: None)
     specs = json.loads(argv[argv.index("--forward-hooks") + 1])
-    model = fakes.build_model(kind, num_layers)
+    model = fakes.build_model(kind, num_layers, layer_api=hook_spec.layer_boundary_api(wheel.version))
     load_real_hook_manager(wheel).register_forward_hooks(model, specs)
     requests = {"row0-a": [1, 2, 3, 4], "HEALTH_CHECK_x": [5], "row1-b": [6, 7]}
     fakes.run(model, fakes.extend_batch(requests))
@@ -301,6 +324,66 @@ def test_real_hook_manager_registers_the_launcher_spec(wheel: Wheel, kind: str, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["row0-a.safetensors", "row1-b.safetensors"]
 
 
+# -- the residual stream (0.5.21 on) -----------------------------------------------------------
+
+
+def stream_wheels() -> list[str]:
+    return [v for v in checked_versions() if hook_spec.layer_boundary_api(v) == hook_spec.RESIDUAL_STREAM]
+
+
+@pytest.mark.parametrize("version", stream_wheels())
+def test_snapshot_is_a_fresh_hidden_plus_residual_completed_on_a_copy(version: str) -> None:
+    """What the hook relies on (and sglang_fakes.ResidualStream.snapshot reproduces), read in the wheel."""
+    wheel = get_wheel(version)
+    snapshot = find_function(wheel.tree(SNAPSHOT_FILE), "snapshot")
+    assert params(snapshot) == ["hidden_states", "forward_batch"]
+    assert isinstance(snapshot.body[-1], ast.Return)
+    assert re.fullmatch(r"\w+\(forward_batch\)\.snapshot\(hidden_states\)", ast.unparse(snapshot.body[-1].value))
+
+    stream = find_class(wheel.tree(STREAM_FILE), "ResidualStream")
+    method = find_function(stream, "snapshot")
+    source = ast.unparse(method)
+    assert "self.check(hidden)" in source
+    assert "if pending is None:\n        return hidden.clone()" in source
+    # An owed sum is completed on a copy of this rank's partial: the stream itself stays owed.
+    assert re.search(r"value = pending\.owed\.complete\(pending\.value\.clone\(\)\)", source) or re.search(
+        r"replace\(pending\.owed, partial=pending\.value\.clone\(\)\)\.complete\(\)", source
+    )
+    refusals = [ast.unparse(n.exc) for n in ast.walk(method) if isinstance(n, ast.Raise)]
+    assert refusals and all(r.startswith("NotImplementedError(") for r in refusals), refusals
+    assert ast.unparse(method.body[-1]) == "return value.clone() if self.residual is None else value + self.residual"
+    # Completing a declared sum is the group's all-reduce: a collective, so every TP rank must take part.
+    declared = find_function(find_class(wheel.tree(STREAM_FILE), "DeclaredSum"), "complete")
+    assert "all_reduce(value)" in ast.unparse(declared)
+
+
+@pytest.mark.parametrize("version", stream_wheels())
+def test_refused_flag_values_and_the_mhc_key_are_sglangs_own(version: str) -> None:
+    """The launcher refuses --moe-runner-backend flashinfer_trtllm and hc_mult > 1: both are SGLang's names."""
+    wheel = get_wheel(version)
+    flags = cli_flags(wheel)
+    for (flag, value), _ in sglang_command.CAPTURE_BREAKING_VALUES.items():
+        assert flag in flags, f"sglang {version} has no {flag}"
+        field = flag.removeprefix("--").replace("-", "_").upper() + "_CHOICES"  # MOE_RUNNER_BACKEND_CHOICES
+        choices = [
+            ast.literal_eval(node.value)
+            for name in wheel.under("sglang/srt/") if field in wheel.text(name)
+            for node in ast.walk(wheel.tree(name))
+            if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == [field]
+        ]
+        assert choices and all(value in c for c in choices), (field, choices)
+    model_config = wheel.text("sglang/srt/configs/model_config.py")
+    assert f'getattr(self.hf_text_config, "{sglang_command.MHC_CONFIG_KEY}", 1)' in model_config
+
+
+def test_the_residual_stream_arrived_in_0_5_21() -> None:
+    """Where LAYER_BOUNDARY_APIS draws its line: 0.5.20 has no snapshot module, 0.5.21 has it."""
+    assert SNAPSHOT_FILE not in get_wheel("0.5.20").names
+    assert SNAPSHOT_FILE in get_wheel("0.5.21").names
+    assert hook_spec.layer_boundary_api("0.5.20") == hook_spec.LAYER_TUPLE
+    assert hook_spec.layer_boundary_api("0.5.21") == hook_spec.RESIDUAL_STREAM
+
+
 # -- why the range ends where it does ---------------------------------------------------------
 
 
@@ -312,10 +395,9 @@ def test_below_the_range_forward_batch_has_no_rids() -> None:
     assert not hook_spec.is_supported_version(BELOW_RANGE)
 
 
-def test_above_the_range_layers_no_longer_return_the_residual() -> None:
-    wheel = get_wheel(ABOVE_RANGE)
-    forward = find_function(find_class(wheel.tree(DEEPSEEK), "DeepseekV2DecoderLayer"), "forward")
-    assert "residual" not in params(forward)
-    returned = forward.body[-1]
-    assert isinstance(returned, ast.Return) and "residual" not in ast.unparse(returned.value)
-    assert not hook_spec.is_supported_version(ABOVE_RANGE)
+@pytest.mark.parametrize("version", ["0.5.24", "0.5.24.post1", "0.6.0"])
+def test_releases_not_yet_read_are_refused_by_name(version: str, tmp_path: Path) -> None:
+    """0.5.24 and later: the layer-boundary package changes every release; refused until its wheel is read."""
+    assert not hook_spec.is_supported_version(version)
+    with pytest.raises(UserError, match=re.escape(f"found sglang {version!r}")):
+        launcher_argv(version, tmp_path)

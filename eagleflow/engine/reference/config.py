@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from eagleflow.config import AuxLayerIds
+from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype
 
 
 class ReferenceEngineConfig(BaseModel):
@@ -23,6 +23,7 @@ class ReferenceEngineConfig(BaseModel):
         description="layer ids to capture (with --dump-dir), comma-separated: id k = the state entering decoder layer k, "
         "n = the last layer's output before the final norm; the final pre-norm state is always added as the last slot",
     )
+    hidden_states_dtype: StoredHiddenStatesDtype
     host: str = Field("127.0.0.1", description="address to bind (keep 127.0.0.1 unless a remote client must reach it)")
     port: int = Field(30000, ge=0, le=65535, description="TCP port to bind (SGLang's default 30000; 0 = any free port, printed at start)")
     warmup_seconds: float = Field(
@@ -30,7 +31,7 @@ class ReferenceEngineConfig(BaseModel):
     )
     device: Literal["cpu", "cuda"] = Field("cpu", description="where the model runs")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        "auto", description="model dtype; auto = the dtype in the model's config.json (dumps are always bf16)"
+        "auto", description="model dtype; auto = the dtype in the model's config.json (dumps: --hidden-states-dtype)"
     )
     threads: int = Field(
         0, ge=0, description="CPU threads for torch (0 = torch's default, one per core); 1 avoids thrashing on a shared small machine"

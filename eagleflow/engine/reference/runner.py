@@ -74,7 +74,9 @@ class ReferenceEngine:
         self.eos_token_ids = _eos_token_ids(model)
         # Only the last position's logits are needed; older/remote modelling code may lack the knob.
         self._logits_kwargs = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-        self.writer = DumpWriter(config.dump_dir) if config.dump_dir is not None else None
+        self.writer = (
+            DumpWriter(config.dump_dir, hidden_states_dtype=config.hidden_states_dtype) if config.dump_dir is not None else None
+        )
         self.speculative = speculative_decoder(model, config) if config.speculative_algorithm else None
         self.ready = threading.Event()
         self.shutting_down = False

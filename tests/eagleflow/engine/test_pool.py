@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from eagleflow.engine.pool import NoEngineReady, choose_engine, plan_engines
+from eagleflow.engine.pool import NoEngineReady, choose_engine, engines_from_xcom, first_reachable, plan_engines
 from eagleflow.engine.process import ServerInfo, free_port
 
 
@@ -80,3 +80,20 @@ def test_no_ready_engine_says_why_for_each(health) -> None:
     assert "engine-1" in none.value.reasons[1] and "not accepting connections" in none.value.reasons[1]
     with pytest.raises(NoEngineReady, match="has no engine"):
         choose_engine([], shard_index=0)
+
+
+def test_the_engine_list_xcom_reads_back_in_engine_order() -> None:
+    engines = [engine("engine-0", "http://a:1"), engine("engine-1", "http://b:2")]
+    assert engines_from_xcom([e.as_dict() for e in engines]) == engines
+    assert engines_from_xcom(engines[1].as_dict()) == [engines[1]]  # one engine's dict: a list of one
+    assert engines_from_xcom(None) == []
+
+
+def test_regeneration_takes_the_first_engine_this_machine_reaches() -> None:
+    elsewhere = engine("engine-0", "http://127.0.0.1:30000", pid=4242, host="gpu-node-2")
+    remote = engine("engine-1", "http://gpu-node-3:30000")
+    assert first_reachable([elsewhere, remote]) == remote
+    with pytest.raises(NoEngineReady, match="engine-0 .* runs on gpu-node-2"):
+        first_reachable([elsewhere])
+    with pytest.raises(NoEngineReady, match="has no engine"):
+        first_reachable([])

@@ -314,12 +314,16 @@ def test_other_bad_requests_get_400(ready: Engine, body: object, fragment: str) 
     assert not list(ready.dump_dir.glob("*escape*")) and not (ready.dump_dir.parent / "escape.safetensors").exists()
 
 
-def test_health_check_requests_write_no_dump(ready: Engine) -> None:
+def test_health_check_and_regeneration_requests_write_no_dump(ready: Engine) -> None:
+    from sglang_patch.request_ids import regenerate_request_id
+
     before = set(os.listdir(ready.dump_dir))
     assert ready.get("/health_generate").status_code == 200  # runs a real HEALTH_CHECK_… request
     assert ready.get("/health").status_code == 200
     answer = ready.post({"rid": "HEALTH_CHECK_by_hand", "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
     assert answer.status_code == 200 and len(answer.json()["output_ids"]) == 1
+    regen = ready.post({"rid": regenerate_request_id(7, 1), "input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 2}})
+    assert regen.status_code == 200 and len(regen.json()["output_ids"]) == 2
     assert set(os.listdir(ready.dump_dir)) == before
 
 

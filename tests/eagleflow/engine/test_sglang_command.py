@@ -19,7 +19,7 @@ from sglang_patch import hook_spec
 def config(tmp_path: Path, **overrides) -> sglang_command.SGLangServerConfig:
     values = dict(
         model_path=str(tmp_path / "kimi"), dump_dir=tmp_path / "dumps", aux_layer_ids=[3, 31, 59], num_layers=61,
-        sglang_version="0.5.20", python="/opt/sglang/bin/python", hook_pythonpath="",
+        sglang_version="0.5.23", python="/opt/sglang/bin/python", hook_pythonpath="",
     )
     values.update(overrides)
     return sglang_command.SGLangServerConfig(**values)
@@ -59,7 +59,11 @@ def test_forward_hooks_spec_points_at_the_hook(tmp_path: Path) -> None:
     (spec,) = json.loads(option(argv, "--forward-hooks"))
     assert set(spec) == {"name", "target_modules", "hook_factory", "config"}
     assert spec["hook_factory"] == "sglang_patch.hook:capture_hook_factory"
-    assert spec["config"] == {"aux_layer_ids": [3, 31, 59], "num_layers": 61, "dump_dir": str(tmp_path / "dumps")}
+    assert spec["config"] == {
+        "aux_layer_ids": [3, 31, 59], "num_layers": 61, "dump_dir": str(tmp_path / "dumps"), "hidden_states_dtype": "bf16",
+    }
+    argv, _ = build(config(tmp_path, hidden_states_dtype="fp8"))
+    assert json.loads(option(argv, "--forward-hooks"))[0]["config"]["hidden_states_dtype"] == "fp8"
     # Both module layouts: DeepSeek-V3 (model.layers.N) and Kimi-K2.5 (language_model.model.layers.N).
     assert "model.layers.60" in spec["target_modules"]
     assert "language_model.model.layers.60" in spec["target_modules"]
@@ -73,6 +77,7 @@ def test_forward_hooks_spec_points_at_the_hook(tmp_path: Path) -> None:
         ("0.5.13.post1", ["--disable-cuda-graph", "--disable-piecewise-cuda-graph"], ["--cuda-graph-backend-prefill"]),
         ("0.5.14", ["--cuda-graph-backend-decode", "--cuda-graph-backend-prefill"], ["--disable-piecewise-cuda-graph"]),
         ("0.5.20", ["--cuda-graph-backend-decode", "--cuda-graph-backend-prefill"], ["--disable-cuda-graph"]),
+        ("0.5.23", ["--cuda-graph-backend-decode", "--cuda-graph-backend-prefill"], ["--disable-cuda-graph"]),
     ],
 )
 def test_cuda_graph_flags_follow_the_version(tmp_path: Path, version: str, present: list[str], absent: list[str]) -> None:
@@ -83,10 +88,11 @@ def test_cuda_graph_flags_follow_the_version(tmp_path: Path, version: str, prese
         assert flag not in argv
 
 
-@pytest.mark.parametrize("version", ["0.5.9", "0.5.21", "0.5.23", "0.4.10"])
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.24", "0.5.24.post1", "0.6.0", "0.4.10"])
 def test_unsupported_versions_are_refused_naming_the_range(tmp_path: Path, version: str) -> None:
-    with pytest.raises(UserError, match=r">=0\.5\.10,<0\.5\.21"):
+    with pytest.raises(UserError, match=r">=0\.5\.10,<0\.5\.24") as info:
         build(config(tmp_path, sglang_version=version))
+    assert repr(version) in str(info.value)
 
 
 def test_version_is_asked_from_the_server_interpreter_when_not_given(tmp_path: Path) -> None:
@@ -163,12 +169,29 @@ def test_gpu_probe_is_not_run_for_other_backends(tmp_path: Path) -> None:
         (["--enable-two-batch-overlap"], "never fire"),
         (["--pp-size", "2"], "pipeline"),
         (["--enable-piecewise-cuda-graph"], "replay"),
+        (["--moe-runner-backend", "flashinfer_trtllm"], "deferred MoE finalize"),
+        (["--moe-runner-backend=flashinfer_trtllm"], "deferred MoE finalize"),
     ],
 )
 def test_extra_args_that_would_break_capture_are_refused(tmp_path: Path, extra: list[str], message: str) -> None:
     with pytest.raises(UserError, match=message) as info:
         build(config(tmp_path, extra_args=extra))
     assert extra[0].partition("=")[0] in str(info.value)
+
+
+def test_other_moe_runner_backends_are_kept(tmp_path: Path) -> None:
+    argv, _ = build(config(tmp_path, extra_args=["--moe-runner-backend", "triton"]))
+    assert argv[-2:] == ["--moe-runner-backend", "triton"]
+
+
+def test_mhc_models_are_refused_before_the_server_starts(tmp_path: Path) -> None:
+    model = tmp_path / "dsv4"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "deepseek_v4", "num_hidden_layers": 8, "hc_mult": 4}))
+    with pytest.raises(UserError, match=r"mHC model \(hc_mult=4 .*cannot be captured"):
+        build(config(tmp_path, model_path=str(model), num_layers=None, aux_layer_ids=[2]))
+    (model / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "num_hidden_layers": 8, "hc_mult": 1}))
+    build(config(tmp_path, model_path=str(model), num_layers=None, aux_layer_ids=[2]))
 
 
 def test_layer_count_from_config_json(tmp_path: Path) -> None:

@@ -196,3 +196,117 @@ def test_validate_dataset_names_each_incomplete_row(tmp_path: Path) -> None:
     assert validate_dataset(tmp_path / "ds", SLOTS, HIDDEN) == [(2, "missing: no file")]
     write_sample(tmp_path / "ds" / "hidden_states", 2, *rows[2])
     assert validate_dataset(tmp_path / "ds", SLOTS, HIDDEN) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8 storage: float8_e4m3fn states and one float32 scale per token (speculators 0.9's fp8 backend)
+
+
+def test_fp8_files_are_hs_connectors_quantisation_byte_for_byte(tmp_path: Path) -> None:
+    from hs_connectors.fp8_utils import dequantize_fp8_tensor, quantize_tensor_to_fp8
+
+    states, ids = make_sample()
+    states[2] = 0  # an all-zero token still gets a usable scale
+    for source in (states, states.float() * 3.7):
+        before = source.clone()
+        path = write_sample(tmp_path, 0, source, ids, "fp8")
+        assert torch.equal(source, before), "the caller's states are left as they were"
+        loaded = load_sample(path)
+        values, scales = quantize_tensor_to_fp8(source)
+        assert set(loaded) == {"hidden_states", "hidden_states_scales", "token_ids"}
+        assert loaded["hidden_states"].dtype == torch.float8_e4m3fn and loaded["hidden_states_scales"].shape == (SEQ, 1, 1)
+        assert torch.equal(loaded["hidden_states"].view(torch.uint8), values.view(torch.uint8))
+        assert torch.equal(loaded["hidden_states_scales"], scales)
+        restored = dequantize_fp8_tensor(loaded["hidden_states"], loaded["hidden_states_scales"])
+        torch.testing.assert_close(restored.float(), source.float(), rtol=0.07, atol=1e-6)
+        check = validate(path, ids, SLOTS, HIDDEN, "fp8")
+        assert check.ok and check.num_tokens == SEQ
+
+
+def test_a_file_of_the_other_storage_dtype_is_not_complete(tmp_path: Path) -> None:
+    states, ids = make_sample()
+    fp8 = write_sample(tmp_path, 0, states, ids, "fp8")
+    bf16 = write_sample(tmp_path, 1, states, ids, "bf16")
+    for check_values in (True, False):
+        wrong = validate(fp8, ids, SLOTS, HIDDEN, "bf16", check_values=check_values)
+        assert wrong.state is SampleState.CORRUPT and "stored as fp8, this run stores bf16" in wrong.reason
+        assert "stored as bf16, this run stores fp8" in validate(bf16, ids, SLOTS, HIDDEN, "fp8", check_values=check_values).reason
+    assert validate(fp8, ids, SLOTS, HIDDEN, "fp8", check_values=False).ok
+
+
+@pytest.mark.parametrize(
+    ("case", "reason"),
+    [
+        ("zero_scale", "hidden_states_scales not finite and positive, first at token 3"),
+        ("negative_scale", "not finite and positive"),
+        ("nan_scale", "not finite and positive"),
+        ("inf_scale", "not finite and positive"),
+        ("scale_shape", "hidden_states_scales torch.float32 (7, 1)"),
+        ("scale_dtype", "hidden_states_scales torch.bfloat16"),
+        ("no_scales", "tensors ['hidden_states', 'token_ids']"),
+        ("nan_value", "non-finite values: 1 NaN in slots [1]"),
+    ],
+)
+def test_each_corrupt_fp8_case_is_detected_with_its_reason(tmp_path: Path, case: str, reason: str) -> None:
+    states, ids = make_sample()
+    tensors = load_sample(write_sample(tmp_path, 0, states, ids, "fp8"))
+    scales = tensors["hidden_states_scales"]
+    if case == "zero_scale":
+        scales[3] = 0
+    elif case == "negative_scale":
+        scales[0] = -scales[0]
+    elif case == "nan_scale":
+        scales[5] = float("nan")
+    elif case == "inf_scale":
+        scales[1] = float("inf")
+    elif case == "scale_shape":
+        tensors["hidden_states_scales"] = scales[:, :, 0].contiguous()
+    elif case == "scale_dtype":
+        tensors["hidden_states_scales"] = scales.to(torch.bfloat16)
+    elif case == "no_scales":
+        del tensors["hidden_states_scales"]
+    elif case == "nan_value":
+        raw = tensors["hidden_states"].view(torch.uint8)
+        raw[4, 1, 2] = 0x7F  # float8_e4m3fn's NaN
+    path = _write_raw(tmp_path / "hs_0.safetensors", tensors)
+    check = validate(path, ids, SLOTS, HIDDEN, "fp8")
+    assert check.state is SampleState.CORRUPT
+    assert reason in check.reason, check.reason
+
+
+def test_fp8_takes_about_half_the_bytes_per_token(tmp_path: Path) -> None:
+    from sglang_patch.sample_file import bytes_per_token
+
+    seq, slots, hidden = 512, 4, 1024
+    states = torch.randn(seq, slots, hidden).to(torch.bfloat16)
+    ids = torch.arange(seq)
+    sizes = {dtype: write_sample(tmp_path, i, states, ids, dtype).stat().st_size for i, dtype in enumerate(("bf16", "fp8"))}
+    for dtype, size in sizes.items():
+        assert 0 <= size - seq * bytes_per_token(slots, hidden, dtype) < 512, (dtype, size)  # the header on top
+    assert sizes["fp8"] / sizes["bf16"] < 0.51
+    assert bytes_per_token(slots, hidden, "bf16") == slots * hidden * 2 + 8
+    assert bytes_per_token(slots, hidden, "fp8") == slots * hidden + 4 + 8
+
+
+def test_speculators_fp8_backend_reads_a_stored_fp8_sample(tmp_path: Path) -> None:
+    """speculators' fp8 backend (hs_connectors FP8Transfer) inside its own ArrowDataset dequantises our files."""
+    from hs_connectors.fp8_utils import dequantize_fp8_tensor
+    from hs_connectors.transfer import FP8Transfer
+    from speculators.train.data import ArrowDataset
+
+    from eagleflow.data.prepare import write_training_dataset
+
+    rows = [make_sample(5), make_sample(9)]
+    dataset = tmp_path / "dataset"
+    write_training_dataset([ids.tolist() for _, ids in rows], [[1] * 5, [1] * 9], dataset)
+    for row, (states, ids) in enumerate(rows):
+        write_sample(dataset / "hidden_states", row, states, ids, "fp8")
+    data = ArrowDataset(max_len=64, datapath=str(dataset), on_missing="raise", transfer=FP8Transfer(dataset / "hidden_states"))
+    for row, (states, ids) in enumerate(rows):
+        stored = load_sample(sample_path(dataset / "hidden_states", row))
+        expected = dequantize_fp8_tensor(stored["hidden_states"], stored["hidden_states_scales"])
+        item = data[row]
+        assert item["hidden_states"].dtype == torch.bfloat16
+        assert torch.equal(item["hidden_states"], expected[:, :-1].flatten(1))
+        assert torch.equal(item["verifier_last_hidden_states"], expected[:, -1])
+        torch.testing.assert_close(item["verifier_last_hidden_states"], states[:, -1], rtol=0.07, atol=1e-3)

@@ -108,6 +108,37 @@ def test_shard_extracts_every_row_then_a_rerun_skips_them_without_reading_them(d
         assert (now.st_ino, now.st_mtime_ns) == (stat.st_ino, stat.st_mtime_ns)
 
 
+def test_an_fp8_engine_writes_the_quantised_bf16_states_and_the_extractor_takes_only_fp8(
+    dataset, engine, random_tiny_model, tmp_path: Path
+) -> None:
+    """The reference engine's dump writer quantises what it would store as bf16 (hs-connectors' bytes);
+    an fp8 run redoes a row left in bf16 by an earlier run, instead of mixing storage dtypes."""
+    from hs_connectors.fp8_utils import quantize_tensor_to_fp8
+
+    path, rows = dataset
+    fp8_dataset = tmp_path / "run" / "dataset"
+    first = 10
+    ShardExtractor(config(path, engine, random_tiny_model, f"{first}:{first + 4}")).run()  # bf16 (skips rows done)
+    write_training_dataset(rows[first : first + 4], [[1] * len(r) for r in rows[first : first + 4]], fp8_dataset)
+    hidden = fp8_dataset / "hidden_states"
+    write_sample(hidden, 0, torch.zeros(len(rows[first]), len(AUX) + 1, HIDDEN), torch.tensor(rows[first]))  # bf16 leftover
+    fp8_engine = launch_engine(random_tiny_model, tmp_path / "dumps", tmp_path / "server.log", "--hidden-states-dtype", "fp8")
+    try:
+        report = ShardExtractor(config(fp8_dataset, fp8_engine, random_tiny_model, "0:4", hidden_states_dtype="fp8")).run()
+    finally:
+        stop_server(fp8_engine.pid, grace=10)
+    assert (report.done, report.skipped, report.failed) == (4, 0, [])
+    for row in range(4):
+        assert validate(sample_path(hidden, row), rows[first + row], len(AUX) + 1, HIDDEN, "fp8").ok
+        stored = load_file(sample_path(hidden, row))
+        bf16 = load_file(sample_path(path / "hidden_states", first + row))["hidden_states"]  # the bf16 engine's, same rows
+        values, scales = quantize_tensor_to_fp8(bf16)
+        assert torch.equal(stored["hidden_states"].view(torch.uint8), values.view(torch.uint8))
+        assert torch.equal(stored["hidden_states_scales"], scales)
+    fp8_bytes, bf16_bytes = report.bytes, sum(sample_path(path / "hidden_states", first + r).stat().st_size for r in range(4))
+    assert fp8_bytes < 0.6 * bf16_bytes
+
+
 class CountingClient(EngineClient):
     """The real client, counting the rows it sends."""
 

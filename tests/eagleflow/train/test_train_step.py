@@ -29,14 +29,11 @@ from eagleflow.train.child import Device, TrainLog, child_command, speculators_f
 from eagleflow.train.config import TrainConfig
 from eagleflow.train.recorder import MetricsRecorder
 from eagleflow.train.resume import CHECKPOINT_FILES, prepare_checkpoints, truncate_for_resume
+from eagleflow.train.speculators_support import RELEASES
 from eagleflow.train.step import check_dataset
 from eagleflow.train.verifier_head import EMBED, HEAD_MANIFEST, LM_HEAD, NORM, locate_weights, prepare_verifier
 
-from training_data import AUX, DRAFT_VOCAB, REPO, ROWS, TrainedRun, copy_dataset, train_argv
-
-TRAIN_KEYS = {"kind", "step", "epoch", "lr", "loss", "tokens_per_s", "time"}
-VAL_KEYS = {"kind", "step", "epoch", "loss", "time"}
-
+from training_data import AUX, DRAFT_VOCAB, REPO, ROWS, TrainedRun, assert_records, copy_dataset, train_argv
 
 @pytest.fixture(autouse=True)
 def _one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -50,22 +47,6 @@ def assert_checkpoint_set(checkpoints: Path, epochs: int) -> None:
         for name in CHECKPOINT_FILES:
             assert (checkpoints / str(epoch) / name).is_file(), f"{checkpoints / str(epoch) / name} missing"
     assert (checkpoints / "checkpoint_best").exists()
-
-
-def assert_records(metrics: Path, epochs: int) -> tuple[list[dict], list[dict]]:
-    records = list(read_metrics(metrics))
-    train = [r for r in records if r["kind"] == "train"]
-    val = [r for r in records if r["kind"] == "val"]
-    assert [r["step"] for r in train] == list(range(len(train))), "one record per step, in order, no repeats"
-    assert sorted({r["epoch"] for r in train}) == list(range(epochs))
-    assert [r["epoch"] for r in val] == list(range(epochs))
-    ttt = {f"{name}_{k}" for k in range(3) for name in ("loss", "full_acc", "cond_acc")}
-    for r in train:
-        assert set(r) == TRAIN_KEYS | ttt, set(r) ^ (TRAIN_KEYS | ttt)
-        assert isinstance(r["lr"], float) and isinstance(r["loss"], float) and r["tokens_per_s"] > 0
-    for r in val:
-        assert set(r) == VAL_KEYS | ttt
-    return train, val
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,6 +215,7 @@ logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="HOST %(name)s
 logging.getLogger("speculators.metrics").addHandler(logging.StreamHandler(sys.stderr))  # dropped by dictConfig
 from eagleflow.train.child import Device, speculators_flags
 from eagleflow.train.config import TrainConfig
+from eagleflow.train.speculators_support import RELEASES
 from eagleflow.layout import TrainLayout
 from eagleflow.train.verifier_head import prepare_verifier
 from eagleflow.data.vocab import VocabConfig, build_vocab
@@ -244,7 +226,8 @@ cfg = TrainConfig(dataset=Path({str(dataset)!r}), verifier=Path({str(kimi)!r}), 
 paths = TrainLayout(cfg.out)
 build_vocab(VocabConfig(dataset=cfg.dataset, draft_vocab_size=cfg.draft_vocab_size, verifier=cfg.verifier))
 head = prepare_verifier(cfg.verifier, paths.verifier_head)
-speculators_entry.run(speculators_flags(cfg, head, Device("cpu", 0), paths), paths.metrics, paths.drafter)
+release = RELEASES["0.9.0"]
+speculators_entry.run(speculators_flags(cfg, head, Device("cpu", 0), paths, release), paths.metrics, paths.drafter, cfg.noise_std)
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -278,7 +261,8 @@ def test_defaults_are_the_seed_run_and_flags_reach_speculators(tmp_path: Path) -
     for field, info in TrainConfig.model_fields.items():
         assert info.description, f"{field} has no description"
 
-    flags = speculators_flags(cfg, Path("/abs/verifier"), Device("cpu", 0), TrainLayout(tmp_path / "o"))
+    paths = TrainLayout(tmp_path / "o")
+    flags = speculators_flags(cfg, Path("/abs/verifier"), Device("cpu", 0), paths, RELEASES["0.9.0"])
     assert flags[flags.index("--target-layer-ids") + 1 : flags.index("--target-layer-ids") + 4] == ["3", "31", "59"]
     assert flags.count("--target-layer-ids") == 1
     pairs = dict(zip(flags[::1], flags[1::1]))
@@ -286,25 +270,39 @@ def test_defaults_are_the_seed_run_and_flags_reach_speculators(tmp_path: Path) -
     assert pairs["--loss-implementation"] == "eager" and pairs["--draft-attn-impl"] == "sdpa"
     assert pairs["--on-missing"] == "raise" and pairs["--mask-token-id"] == "0"
     assert pairs["--save-path"] == str((tmp_path / "o" / "checkpoints").absolute())
+    # 0.9.0 has no --noise-std (an argparse error): the child entry adds eagleflow's noise instead.
+    assert "--noise-std" not in flags and "--hidden-states-backend" not in flags
+    cpu = child_command(Device("cpu", 0), paths, flags, cfg.noise_std)
+    assert cpu[:4] == [sys.executable, "-u", "-m", "eagleflow.train.speculators_entry"]
+    assert cpu[cpu.index("--noise-std") + 1] == "0.05" and cpu.index("--noise-std") < cpu.index("--")
 
-    # Every flag we pass is one speculators' own parser accepts.
+    # Every flag we pass is one speculators' own parser accepts (0.9.0, the installed release).
     from speculators.train.config import TrainConfig as SpeculatorsConfig
 
     parsed = SpeculatorsConfig.resolve(flags)
     assert parsed.draft.target_layer_ids == [3, 31, 59] and parsed.optimizer.lr == 3e-5
-    assert parsed.data.noise_std == 0.05 and parsed.scheduler.scheduler_warmup_ratio == 0.01
+    assert parsed.scheduler.scheduler_warmup_ratio == 0.01 and parsed.data.hidden_states_backend == "file"
+    fp8 = speculators_flags(cfg, Path("/abs/verifier"), Device("cpu", 0), paths, RELEASES["0.9.0"], "fp8")
+    assert SpeculatorsConfig.resolve(fp8).data.hidden_states_backend == "fp8"
+    with pytest.raises(SystemExit):  # what 0.9.0 says to 0.8.1's noise flag
+        SpeculatorsConfig.resolve([*flags, "--noise-std", "0.05"])
     # serve_with decides what speculators trains: SGLang's function by default, its own default for vLLM.
     assert parsed.draft.norm_before_residual is False
     vllm = cfg.model_copy(update={"serve_with": "vllm"})
-    assert SpeculatorsConfig.resolve(speculators_flags(vllm, Path("/v"), Device("cpu", 0), TrainLayout(tmp_path))).draft.norm_before_residual
+    vllm_flags = speculators_flags(vllm, Path("/v"), Device("cpu", 0), paths, RELEASES["0.9.0"])
+    assert SpeculatorsConfig.resolve(vllm_flags).draft.norm_before_residual
 
-    gpu = speculators_flags(cfg, Path("/abs/verifier"), Device("cuda", 8), TrainLayout(tmp_path / "o"))
+    # 0.8.1 still gets its own noise flag, and cannot read fp8 files.
+    old = speculators_flags(cfg, Path("/abs/verifier"), Device("cpu", 0), paths, RELEASES["0.8.1"])
+    assert old[old.index("--noise-std") + 1] == "0.05" and "--hidden-states-backend" not in old
+    with pytest.raises(UserError, match="stored as fp8, which speculators 0.8.1 cannot read"):
+        speculators_flags(cfg, Path("/abs/verifier"), Device("cpu", 0), paths, RELEASES["0.8.1"], "fp8")
+
+    gpu = speculators_flags(cfg, Path("/abs/verifier"), Device("cuda", 8), paths, RELEASES["0.9.0"])
     assert "fused" in gpu and "simple_flex_attention" in gpu
-    command = child_command(Device("cuda", 8), TrainLayout(tmp_path / "o"), gpu)
+    command = child_command(Device("cuda", 8), paths, gpu)
     assert command[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8"]
     assert command[5:7] == ["-m", "eagleflow.train.speculators_entry"] and command[-len(gpu):] == gpu
-    cpu = child_command(Device("cpu", 0), TrainLayout(tmp_path / "o"), flags)
-    assert cpu[:4] == [sys.executable, "-u", "-m", "eagleflow.train.speculators_entry"]
 
     with pytest.raises(ValueError, match=r"aux layer ids \[2, 2\] repeat \[2\]"):
         TrainConfig(dataset=tmp_path, verifier=tmp_path, out=tmp_path, aux_layer_ids=[2, 2])
@@ -324,15 +322,28 @@ def test_defaults_are_the_seed_run_and_flags_reach_speculators(tmp_path: Path) -
 def test_dataset_checks_name_the_problem(trained_data: Path, tmp_path: Path) -> None:
     dataset = copy_dataset(trained_data, tmp_path / "dataset")
     cfg = TrainConfig(dataset=dataset, verifier=tmp_path, out=tmp_path / "o", aux_layer_ids=AUX)
-    assert check_dataset(cfg, hidden_size=64) == ROWS
+    assert check_dataset(cfg, hidden_size=64) == (ROWS, "bf16")
 
     with pytest.raises(UserError, match=r"need \[seq_len, 3, 64\]"):
         check_dataset(cfg.model_copy(update={"aux_layer_ids": [2, 4]}), hidden_size=64)
     with pytest.raises(UserError, match=r"need \[seq_len, 4, 32\]"):
         check_dataset(cfg, hidden_size=32)
-    (dataset / "hidden_states" / "hs_7.safetensors").unlink()
-    (dataset / "hidden_states" / "hs_9.safetensors").unlink()
-    with pytest.raises(UserError, match=r"2 of 120 rows have no hidden states .*\(rows 7, 9\)"):
+    # One row re-extracted in the other storage dtype: speculators would read it wrong, so it is refused.
+    from eagleflow.extract.sample_store import load_sample, write_sample
+
+    hs_dir = dataset / "hidden_states"
+    original = load_sample(hs_dir / "hs_3.safetensors")
+    write_sample(hs_dir, 3, original["hidden_states"], original["token_ids"], "fp8")
+    with pytest.raises(UserError, match=r"not all stored alike \(bf16: rows 0, 1, 2, 4, .* …; fp8: rows 3\)"):
+        check_dataset(cfg, hidden_size=64)
+    (hs_dir / "hs_5.safetensors").write_bytes(b"garbage")
+    with pytest.raises(UserError, match=r"unreadable or another dtype: rows 5\)"):
+        check_dataset(cfg, hidden_size=64)
+    write_sample(hs_dir, 3, original["hidden_states"], original["token_ids"])
+    (hs_dir / "hs_5.safetensors").unlink()
+    (hs_dir / "hs_7.safetensors").unlink()
+    (hs_dir / "hs_9.safetensors").unlink()
+    with pytest.raises(UserError, match=r"3 of 120 rows have no hidden states .*\(rows 5, 7, 9\)"):
         check_dataset(cfg, hidden_size=64)
     state = json.loads((dataset / "state.json").read_text())
     (dataset / "state.json").write_text(json.dumps({**state, "_format_type": None}))

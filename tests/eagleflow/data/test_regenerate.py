@@ -1,0 +1,247 @@
+"""Regeneration through a real reference engine: the verifier's greedy answers, resumable, no dumps.
+
+One reference engine (float32, so its greedy tokens are the ones ``transformers`` computes in this
+process) serves the module, with a dump folder and aux layers like a run's engine: regeneration
+requests must leave nothing in it while an extraction request still does. Each regeneration runs
+``python -m eagleflow regenerate`` as its own process, the way the DAG's task runs it, so it can be
+killed for real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from training_data import AUX
+
+from eagleflow.data.regenerate import (
+    CONVERSATIONS_FILE,
+    SKIPPED_FILE,
+    SUMMARY_FILE,
+    RegenerateConfig,
+    regenerate,
+    row_file,
+)
+from eagleflow.demo.synthetic_data import generate_conversations
+from eagleflow.engine.process import (
+    ServerInfo,
+    free_port,
+    start_server,
+    stop_server,
+    wait_until_ready,
+)
+from eagleflow.errors import UserError
+from eagleflow.extract.client import EngineClient
+
+REPO = Path(__file__).resolve().parents[3]
+MAX_NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    # The engine and this process share 2 cores; two busy OpenMP pools slow both by seconds.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def launch_engine(model: Path, folder: Path, port: int | None = None) -> ServerInfo:
+    """The reference engine as the launch step starts it (own session, log file), float32, ready."""
+    port = port or free_port()
+    argv = [sys.executable, "-m", "eagleflow", "serve-reference", "--model", str(model), "--dump-dir", str(folder / "dumps"),
+            "--aux-layers", ",".join(map(str, AUX)), "--port", str(port), "--threads", "1", "--dtype", "float32",
+            "--warmup-seconds", "0"]
+    info = start_server(argv, {"PYTHONUNBUFFERED": "1"}, folder / "server.log", folder / "server.json",
+                        f"http://127.0.0.1:{port}", folder / "dumps")
+    wait_until_ready(info, timeout=120, poll=0.2)
+    return info
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerInfo]:
+    info = launch_engine(tiny_model, tmp_path_factory.mktemp("engine"))
+    yield info
+    stop_server(info.pid)
+
+
+@pytest.fixture(scope="module")
+def verifier(tiny_model: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(str(tiny_model))
+
+
+def write_conversations(path: Path, rows: int, seed: int) -> list[dict]:
+    conversations = generate_conversations(rows, seed)
+    path.write_text("".join(json.dumps(c) + "\n" for c in conversations))
+    return conversations
+
+
+def regenerate_argv(data: Path, model: Path, out: Path, server: ServerInfo, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "eagleflow", "regenerate", "--input", str(data), "--tokenizer", str(model), "--out", str(out),
+            "--server", server.url, "--server-pid", str(server.pid), "--regen-max-new-tokens", str(MAX_NEW_TOKENS), *extra]
+
+
+def run_regenerate(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def greedy_answer(verifier, messages: list[dict]) -> str:
+    """The verifier's greedy continuation of ``messages``, by ``transformers.generate`` in this process."""
+    model, tokenizer = verifier
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.inference_mode():
+        out = model.generate(**prompt, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+    return tokenizer.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def dumps_in(server: ServerInfo) -> list[str]:
+    return sorted(p.name for p in Path(server.dump_dir).iterdir())
+
+
+def test_answers_are_the_verifiers_greedy_continuations_and_leave_no_dump(engine: ServerInfo, tiny_model: Path, verifier, tmp_path: Path) -> None:
+    source = write_conversations(tmp_path / "chat.jsonl", rows=8, seed=5)
+    assert any(sum(m["role"] == "assistant" for m in c["messages"]) > 1 for c in source), "no multi-turn conversation to test"
+    out = tmp_path / "regenerated"
+
+    done = run_regenerate(regenerate_argv(tmp_path / "chat.jsonl", tiny_model, out, engine, "--regen-concurrency", "3"))
+
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert re.search(r"conversations: 8/8 .*/s.* ETA", done.stdout), done.stdout  # the last progress line
+    regenerated = [json.loads(line) for line in (out / CONVERSATIONS_FILE).read_text().splitlines()]
+    assert [r["source_row"] for r in regenerated] == list(range(len(source)))
+    changed = 0
+    for original, new in zip(source, regenerated):
+        assert [m["role"] for m in new["messages"]] == [m["role"] for m in original["messages"]]
+        for turn, message in enumerate(new["messages"]):
+            if message["role"] != "assistant":
+                assert message == original["messages"][turn]
+                continue
+            # Each answer continues the conversation as regenerated so far, not the original.
+            expected = greedy_answer(verifier, new["messages"][:turn])
+            assert message["content"] == expected, f"row {new['source_row']} turn {turn}"
+            changed += message["content"] != original["messages"][turn]["content"]
+    assert changed, "every answer equals the dataset's: the test would pass without regeneration"
+    summary = json.loads((out / SUMMARY_FILE).read_text())
+    assert summary["source"] == str(tmp_path / "chat.jsonl") and summary["rows"] == len(source)
+    assert summary["regenerated"] == str(out / CONVERSATIONS_FILE)
+
+    # Regeneration's prefills are extend passes like extraction's: only the rid keeps them out.
+    assert dumps_in(engine) == []
+    rid, _ = EngineClient(engine.url, 60).generate(0, [5, 6, 7, 8])
+    assert any(name.startswith(rid) for name in dumps_in(engine)), "the engine captures nothing: the check above proves nothing"
+    for name in dumps_in(engine):
+        (Path(engine.dump_dir) / name).unlink()
+
+
+def test_killed_run_resumes_without_redoing_finished_rows(engine: ServerInfo, tiny_model: Path, tmp_path: Path) -> None:
+    source = write_conversations(tmp_path / "chat.jsonl", rows=24, seed=9)
+    out = tmp_path / "regenerated"
+    argv = regenerate_argv(tmp_path / "chat.jsonl", tiny_model, out, engine, "--regen-concurrency", "1")
+    process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while len(list((out / "rows").glob("*.json"))) < 3:
+        assert process.poll() is None, "regeneration ended before it could be killed"
+        assert time.monotonic() < deadline, "no rows regenerated in 300 s"
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    finished = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (out / "rows").glob("*.json")}
+    assert 3 <= len(finished) < len(source), f"killed too late to test resuming: {len(finished)} rows done"
+    assert not (out / CONVERSATIONS_FILE).exists()
+
+    rerun = run_regenerate(argv)
+
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert f"{len(finished)} already regenerated, {len(source) - len(finished)} to do" in rerun.stdout
+    for name, identity in finished.items():
+        path = out / "rows" / name
+        assert (path.stat().st_ino, path.stat().st_mtime_ns) == identity, f"{name} was redone"
+    lines = (out / CONVERSATIONS_FILE).read_text().splitlines()
+    assert [json.loads(line)["source_row"] for line in lines] == list(range(len(source)))
+    assert not list(out.rglob("*.tmp*")), "a half-written file was left behind"
+
+
+def test_engine_lost_mid_run_names_the_rows_and_a_rerun_after_restart_finishes(tiny_model: Path, tmp_path: Path) -> None:
+    write_conversations(tmp_path / "chat.jsonl", rows=16, seed=3)
+    out = tmp_path / "regenerated"
+    server = launch_engine(tiny_model, tmp_path / "engine")
+    port = int(server.url.rsplit(":", 1)[1])
+    try:
+        process = subprocess.Popen(
+            regenerate_argv(tmp_path / "chat.jsonl", tiny_model, out, server, "--regen-concurrency", "1"),
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        deadline = time.monotonic() + 300
+        while not list((out / "rows").glob("*.json")):
+            assert process.poll() is None and time.monotonic() < deadline, "no row regenerated"
+            time.sleep(0.05)
+        os.killpg(server.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate(timeout=300)
+    finally:
+        stop_server(server.pid)
+
+    assert process.returncode == 2, stdout[-3000:] + stderr[-3000:]
+    assert "could not be regenerated (row " in stderr and "refuses connections" in stderr, stderr
+    assert f"kept in {out / 'rows'}" in stderr
+    kept = len(list((out / "rows").glob("*.json")))
+    assert 1 <= kept < 16
+
+    restarted = launch_engine(tiny_model, tmp_path / "engine", port)
+    try:
+        rerun = run_regenerate(regenerate_argv(tmp_path / "chat.jsonl", tiny_model, out, restarted))
+    finally:
+        stop_server(restarted.pid)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert f"{kept} already regenerated" in rerun.stdout
+    assert len((out / CONVERSATIONS_FILE).read_text().splitlines()) == 16
+
+
+def test_rows_that_are_not_chat_rows_are_named_or_listed_when_skipped(tiny_model: Path, tmp_path: Path) -> None:
+    data = tmp_path / "mixed.jsonl"
+    good = generate_conversations(1, seed=1)[0]
+    data.write_text("\n".join([json.dumps(good), json.dumps({"input_ids": [1, 2, 3]}), "{not json", json.dumps(good)]) + "\n")
+    cfg = RegenerateConfig(input=data, tokenizer=tiny_model, out=tmp_path / "out", server="http://127.0.0.1:9")
+
+    with pytest.raises(UserError, match=r"2 row\(s\) of .*mixed\.jsonl cannot be regenerated \(row 1: no 'messages'.*row 2: "):
+        regenerate(cfg)
+    assert not (tmp_path / "out").exists(), "nothing is written before the input is known good"
+
+    # With --skip-bad-rows and the good rows already done, nothing needs the (absent) engine.
+    for row in (0, 3):
+        row_file(cfg.out, row).parent.mkdir(parents=True, exist_ok=True)
+        row_file(cfg.out, row).write_text(json.dumps({"source_row": row, "messages": good["messages"]}))
+    summary = regenerate(cfg.model_copy(update={"skip_bad_rows": True}))
+
+    assert summary["rows"] == 2 and summary["skipped_rows"] == 2
+    skipped = [json.loads(line) for line in (cfg.out / SKIPPED_FILE).read_text().splitlines()]
+    assert [s["row"] for s in skipped] == [1, 2] and "no 'messages'" in skipped[0]["reason"]
+    assert [json.loads(line)["source_row"] for line in (cfg.out / CONVERSATIONS_FILE).read_text().splitlines()] == [0, 3]
+
+
+def test_a_run_with_regeneration_prepares_the_regenerated_file_and_keeps_the_source(tiny_model: Path, tmp_path: Path) -> None:
+    from eagleflow.pipeline import PipelineConfig
+
+    params = {"model_path": str(tiny_model), "dataset_input": str(tmp_path / "chat.jsonl"), "output_root": str(tmp_path / "runs"),
+              "run_name": "r", "regen_temperature": 0.7, "regen_max_new_tokens": 64, "regen_concurrency": 2}
+    off = PipelineConfig.from_params(params)
+    on = PipelineConfig.from_params({**params, "regenerate_responses": True})
+
+    assert off.prepare_input == str(tmp_path / "chat.jsonl")
+    assert on.prepare_input == str(on.layout.regenerated / CONVERSATIONS_FILE)
+    cfg = on.regenerate_config("http://127.0.0.1:30000", 1234)
+    assert cfg.input == tmp_path / "chat.jsonl" and cfg.out == on.layout.regenerated and cfg.tokenizer == tiny_model
+    assert (cfg.regen_temperature, cfg.regen_max_new_tokens, cfg.regen_concurrency, cfg.server_pid) == (0.7, 64, 2, 1234)
+    with pytest.raises(UserError, match="regen_concurrency"):
+        PipelineConfig.from_params({**params, "regenerate_responses": True, "regen_concurrency": 0}).regenerate_config("u", None)
