@@ -59,6 +59,22 @@ def _pool(slots: int) -> dict[str, Any]:
     return {"pool": "gpu", "slots": slots, "include_deferred": False}
 
 
+def _slow_run(run_inputs: Any, tmp_path: Path, run_id: str, **params: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """Inputs, run folder and Params of a ROWS-row run whose engine is slow enough to be caught mid-shard.
+
+    Each request takes at least 1.5 s, two at a time, on one torch thread: a shard runs for
+    several seconds, so the test can act while one is in flight.
+    """
+    from eagleflow.layout import RunLayout
+
+    inputs = run_inputs(ROWS)
+    conf = inputs.conf(
+        tmp_path / "runs", run_id, concurrency=2,
+        server_extra_args=["--warmup-seconds", "3", "--threads", "1", "--min-request-seconds", "1.5"], **params,
+    )
+    return inputs, RunLayout.of(tmp_path / "runs", run_id), conf
+
+
 def _wait_while_running(stack: Any, run_id: str, deadline: float) -> None:
     assert time.monotonic() < deadline, stack.describe(run_id)
     assert stack.request("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}")["state"] in ("queued", "running"), stack.describe(run_id)
@@ -69,16 +85,10 @@ def test_two_engines_serve_one_run_on_celery_and_losing_one_mid_shard_loses_noth
     celery_stack: Any, run_inputs: Any, in_flight: Any, tmp_path: Path
 ) -> None:
     from eagleflow.engine.process import pid_alive
-    from eagleflow.layout import RunLayout
 
     started = time.monotonic()
-    inputs = run_inputs(ROWS)
     run_id = "celery-two-engines"
-    layout = RunLayout.of(tmp_path / "runs", run_id)
-    conf = inputs.conf(
-        tmp_path / "runs", run_id, shard_size=4, concurrency=2, num_engines=2,
-        server_extra_args=["--warmup-seconds", "3", "--threads", "1", "--min-request-seconds", "1.5"],
-    )
+    inputs, layout, conf = _slow_run(run_inputs, tmp_path, run_id, shard_size=4, num_engines=2)
     # Two engines feed two shards at once: the GPU pool gets a slot per engine, as README says.
     celery_stack.request("PATCH", "/pools/gpu", json=_pool(2), params={"update_mask": ["slots"]})
     try:
@@ -142,16 +152,9 @@ def test_two_engines_serve_one_run_on_celery_and_losing_one_mid_shard_loses_noth
 def test_the_run_survives_losing_the_gpu_worker_mid_shard(
     celery_stack: Any, run_inputs: Any, in_flight: Any, tmp_path: Path
 ) -> None:
-    from eagleflow.layout import RunLayout
-
     started = time.monotonic()
-    inputs = run_inputs(ROWS)
     run_id = "celery-lost-worker"
-    layout = RunLayout.of(tmp_path / "runs", run_id)
-    conf = inputs.conf(
-        tmp_path / "runs", run_id, shard_size=12, concurrency=2,
-        server_extra_args=["--warmup-seconds", "3", "--threads", "1", "--min-request-seconds", "1.5"],
-    )
+    inputs, layout, conf = _slow_run(run_inputs, tmp_path, run_id, shard_size=12)
     celery_stack.trigger(run_id, conf)
     deadline = time.monotonic() + RUN_TIMEOUT
     while (shard := in_flight(layout.root, min_rows=2)) is None:
