@@ -23,7 +23,9 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, create_model, model_validator
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, Field, create_model, field_validator, model_validator
 
 from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype, build_model
 from eagleflow.data.regenerate import CONVERSATIONS_FILE, RegenerateConfig
@@ -130,25 +132,46 @@ class PipelineConfig(BaseModel):
     warmup_timeout_minutes: float = Field(
         45.0, gt=0, title="Warmup timeout (minutes)", description="Fail the readiness wait after this long."
     )
-    server_url: str | None = Field(
-        None,
-        title="Remote server URL",
-        description="Use an engine that is already running (e.g. http://gpu-node:30000): launch and stop do nothing and the readiness wait polls this URL.",
+    num_engines: int = Field(
+        1,
+        ge=1,
+        le=64,
+        title="Engines to launch",
+        description="Engines this run launches, each by its own launch_server task on the GPU queue (ports "
+        "server_port, server_port+1, …); shards are spread over them and an engine that dies fails only its "
+        "shards, whose retries go to one that is up. Give the gpu pool as many slots. Ignored with server_urls.",
+    )
+    server_urls: list[str] = Field(
+        default_factory=list,
+        title="Remote engine URLs",
+        description="Use engines that are already running, e.g. one per GPU node (http://gpu-node-1:30000, …): "
+        "launch and stop do nothing, the readiness wait polls each, shards are spread over them.",
     )
     server_dump_dir: str | None = Field(
         None,
-        title="Remote server dump folder",
-        description="With a remote server: the folder its capture hook writes to, as seen from the workers.",
+        title="Remote engines' dump folder",
+        description="With remote engines: the one folder their capture hooks write to, as seen from the workers.",
     )
 
     # Not a Param itself: the steps' Params as given (checked by from_params); see train_config(),
     # evaluate_config().
     step_params: dict[str, Any] = Field(default_factory=dict)
 
+    @field_validator("server_urls")
+    @classmethod
+    def _engine_urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
+                raise ValueError(f"{url!r} is not an engine URL like http://gpu-node-1:30000")
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"engines listed twice: {sorted({u for u in urls if urls.count(u) > 1})}")
+        return [url.rstrip("/") for url in urls]
+
     @model_validator(mode="after")
     def _remote_needs_dump_dir(self) -> PipelineConfig:
-        if self.server_url and not self.server_dump_dir:
-            raise ValueError("server_dump_dir is required with server_url (where the remote hook writes its dumps)")
+        if self.server_urls and not self.server_dump_dir:
+            raise ValueError("server_dump_dir is required with server_urls (where the remote hooks write their dumps)")
         return self
 
     @classmethod
@@ -160,7 +183,7 @@ class PipelineConfig(BaseModel):
         """
         params = dict(params)
         values = {k: v for k, v in params.items() if k in PIPELINE_PARAMS}
-        for name in ("run_name", "server_url", "server_dump_dir", "aux_layer_ids"):
+        for name in ("run_name", "server_dump_dir", "aux_layer_ids"):
             if values.get(name) in ("", []):
                 values[name] = None
         values["step_params"] = {k: params[k] for k in STEP_PARAMS if params.get(k) is not None}
@@ -169,6 +192,17 @@ class PipelineConfig(BaseModel):
         if cfg.run_name is None:
             cfg = cfg.model_copy(update={"run_name": run_name_from_run_id(run_id)})
         return cfg
+
+    @property
+    def remote(self) -> bool:
+        """Remote mode: the engines run elsewhere; the run launches and stops none."""
+        return bool(self.server_urls)
+
+    def engine_plan(self) -> list[dict[str, Any]]:
+        """The run's engines, ``[{name, index, url, port}]`` (:func:`eagleflow.engine.pool.plan_engines`)."""
+        from eagleflow.engine.pool import plan_engines
+
+        return plan_engines(self.num_engines, self.server_urls, self.server_port)
 
     @property
     def layout(self) -> RunLayout:
@@ -220,8 +254,8 @@ class PipelineConfig(BaseModel):
         }
         return build_model(RegenerateConfig, values, param_name)
 
-    def verify_capture_config(self, server_url: str, dump_dir: str) -> VerifyCaptureConfig:
-        """The capture check's config: its Params plus this run's dataset, verifier and aux ids, for the engine at ``server_url``."""
+    def verify_capture_config(self, server_url: str, dump_dir: str, engine: str) -> VerifyCaptureConfig:
+        """The capture check's config: its Params plus this run's dataset, verifier and aux ids, for engine ``engine`` at ``server_url``."""
         values = {
             **self.step_values(VerifyCaptureConfig),
             "dataset": self.layout.dataset,
@@ -230,7 +264,7 @@ class PipelineConfig(BaseModel):
             "model": model_dir(self),
             "aux_layer_ids": self.resolved_aux_layer_ids(),
             "hidden_states_dtype": self.hidden_states_dtype,
-            "out": self.layout.capture_check,
+            "out": self.layout.capture_check(engine),
         }
         return build_model(VerifyCaptureConfig, values, param_name)
 

@@ -84,12 +84,11 @@ def main() -> int:
         print(f"  on disk      {summary['hidden_state_bytes'] / summary['tokens']:.1f} B of hidden states per token")
     print(f"  validated    {summary.get('validated_rows', 0)}/{summary['rows']} rows' hidden-state files"
           + (f"; problems: {summary['invalid_rows']}" if summary.get("invalid_rows") else ""))
-    check = summary.get("capture_check")
-    if check:
+    for check in summary.get("capture_checks", []):
         worst = check["worst"]
-        print(f"  capture      {'passed' if check['passed'] else 'FAILED'} on {check['rows']} rows: final slot worst logprob "
-              f"error {worst.get('error', float('nan')):.3f} (tolerance {worst.get('tolerance', float('nan')):.3f}), top-1 "
-              f"agreement {check['top1_agreement'] or 0:.1%}; report {cfg.layout.capture_check_report}")
+        print(f"  capture      {check['name']} {'passed' if check['passed'] else 'FAILED'} on {check['rows']} rows: final slot "
+              f"worst logprob error {worst.get('error', float('nan')):.3f} (tolerance {worst.get('tolerance', float('nan')):.3f}), "
+              f"top-1 agreement {check['top1_agreement'] or 0:.1%}; report {cfg.layout.capture_check_report(check['name'])}")
     print(f"  checkpoint   {summary['checkpoint']}")
     print(f"  charts       {', '.join(summary['charts'])}")
     if "step0_acc_last" in summary:

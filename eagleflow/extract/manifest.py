@@ -20,13 +20,15 @@ class ShardManifest:
     """What happened to one shard: DESIGN.md §3.5's shard result plus per-row failures.
 
     ``state`` is ``running``, ``success`` or ``failed``; ``failed`` lists ``{"row", "reason"}``;
-    ``error`` says why the whole shard stopped (e.g. the engine went away).
+    ``error`` says why the whole shard stopped (e.g. the engine went away); ``engine`` names the
+    engine of the latest attempt (``engine-1 at http://…``).
     """
 
     name: str
     start: int = 0
     end: int = 0
     state: str = "running"
+    engine: str = ""
     done: int = 0
     skipped: int = 0
     failed: list[dict[str, Any]] = field(default_factory=list)

@@ -27,7 +27,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype, add_model_arguments, model_from_args
 from eagleflow.data.verifier import config_int, resolve_aux_layer_ids
-from eagleflow.engine.process import pid_alive
+from eagleflow.engine.process import engine_label, pid_alive
 from eagleflow.errors import UserError
 from eagleflow.extract.client import EngineClient, RowFailed, ServerGone, wait_for_dump
 from eagleflow.extract.manifest import ShardManifest
@@ -39,6 +39,8 @@ from sglang_patch.dump_writer import dump_path, error_path
 from sglang_patch.request_ids import row_request_glob
 
 MAX_LISTED_FAILURES = 20
+# Exit status when the engine went away mid-shard (EX_TEMPFAIL): a retry on another engine may succeed.
+EXIT_ENGINE_GONE = 75
 
 
 class ExtractConfig(BaseModel):
@@ -46,6 +48,7 @@ class ExtractConfig(BaseModel):
 
     dataset: Path = Field(description="training dataset folder (prepare-dataset output)")
     server: str = Field(description="engine base URL, e.g. http://127.0.0.1:30000")
+    engine: str = Field("", description="the engine's name (engine-0, …), for the log and the manifest")
     dump_dir: Path = Field(description="folder where the engine writes <rid>.safetensors")
     rows: str = Field(description="START:END, end exclusive")
     model: Path = Field(description="verifier model folder (hidden size)")
@@ -93,7 +96,8 @@ class ShardExtractor:
         self.hidden_size = config_int(cfg.model, "hidden_size")
         self.client = client or EngineClient(cfg.server, cfg.request_timeout)
         self.sleep = sleep
-        self.report = ShardManifest(self.name, self.start, self.end)
+        self.engine = engine_label(cfg.engine, cfg.server)
+        self.report = ShardManifest(self.name, self.start, self.end, engine=self.engine)
         self._stop = threading.Event()
         self._gone: str | None = None
         self._lock = threading.Lock()
@@ -117,7 +121,7 @@ class ShardExtractor:
         todo = self._skip_complete(rows)
         print(
             f"shard {self.name}: {len(rows)} rows, {self.report.skipped} already complete, {len(todo)} to extract "
-            f"from {self.cfg.server} with {self.cfg.concurrency} in flight",
+            f"from {self.engine} with {self.cfg.concurrency} in flight",
             flush=True,
         )
         self._write_manifest()
@@ -290,8 +294,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         report = extractor.run()
     except ServerGone as exc:
-        print(f"error: shard {extractor.name} stopped: {exc.reason}", flush=True)
-        os._exit(1)  # worker threads may still sit in a dead connection; the manifest is written
+        print(f"error: shard {extractor.name} stopped: {exc.reason}; a retry resumes on an engine that is up", flush=True)
+        os._exit(EXIT_ENGINE_GONE)  # worker threads may still sit in a dead connection; the manifest is written
     except KeyboardInterrupt:
         print(f"shard {extractor.name} interrupted; finished rows are kept, a rerun resumes", flush=True)
         os._exit(1)

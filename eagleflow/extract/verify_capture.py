@@ -51,7 +51,7 @@ from eagleflow.extract.client import EngineClient, RowFailed, ServerGone, wait_f
 from eagleflow.extract.sample_store import load_sample, validate
 from eagleflow.extract.verify_config import VerifyCaptureConfig
 from eagleflow.files import atomic_write_json
-from eagleflow.layout import CAPTURE_CHECK_REPORT, RunLayout
+from eagleflow.layout import CAPTURE_CHECK_REPORT, RunLayout, engine_name
 from eagleflow.results import emit_result
 from sglang_patch.dump_writer import dump_path, error_path
 from eagleflow.train.verifier_head import locate_weights, read_weight
@@ -300,7 +300,7 @@ class CaptureCheck:
 
 def verify_capture(cfg: VerifyCaptureConfig) -> dict[str, Any]:
     """Run the checks, write ``report.json``, and return the report."""
-    out = cfg.out or RunLayout(cfg.dataset.parent).capture_check
+    out = cfg.out or RunLayout(cfg.dataset.parent).capture_check(engine_name(0))
     report = CaptureCheck(cfg).run()
     atomic_write_json(out / CAPTURE_CHECK_REPORT, report)
     report["report_path"] = str(out / CAPTURE_CHECK_REPORT)

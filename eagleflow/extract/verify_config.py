@@ -39,7 +39,7 @@ class VerifyCaptureConfig(BaseModel):
         None, ge=0, description="log-probability tolerance per position, times that position's largest |logit|; "
         f"default by --hidden-states-dtype: {LOGPROB_RTOL} (their rounding)",
     )
-    out: Path | None = Field(None, description="folder for report.json; default: the run folder's verify/ beside --dataset")
+    out: Path | None = Field(None, description="folder for report.json; default: the run folder's verify/engine-0/ beside --dataset")
     request_timeout: float = Field(600.0, gt=0, description="seconds to wait for one /generate answer")
     dump_wait: float = Field(60.0, ge=0, description="seconds to wait for a dump to appear after the answer")
 

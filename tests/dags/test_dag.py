@@ -22,19 +22,25 @@ def test_the_dag_tells_the_story(eagleflow_dag) -> None:
     dag = eagleflow_dag
     tasks = dag.task_dict
     assert set(tasks) == {
-        "launch_server", "wait_server_ready", "regenerate_dataset", "prepare_dataset", "dataset_stats", "check_disk",
-        "plan_shards", "verify_capture", "extract_shard", "stop_server", "build_vocab", "train_drafter", "plot_metrics",
-        "export_drafter", "evaluate_drafter",
+        "plan_engines", "launch_server", "wait_server_ready", "regenerate_dataset", "prepare_dataset", "dataset_stats",
+        "check_disk", "plan_shards", "verify_capture", "extract_shard", "stop_server", "build_vocab", "train_drafter",
+        "plot_metrics", "export_drafter", "evaluate_drafter",
     }
     # The capture check is a setup too: clearing a shard re-checks the restarted engine.
     assert all(tasks[name].is_setup for name in ("launch_server", "wait_server_ready", "verify_capture"))
     assert tasks["stop_server"].is_teardown
+    # one instance of each engine task per engine, named after it
+    assert tasks["launch_server"].upstream_task_ids == {"plan_engines"}
     assert tasks["wait_server_ready"].upstream_task_ids == {"launch_server"}
     assert tasks["verify_capture"].upstream_task_ids == {"wait_server_ready", "prepare_dataset"}
+    assert tasks["stop_server"].upstream_task_ids >= {"plan_engines", "launch_server", "wait_server_ready", "verify_capture"}
+    assert tasks["launch_server"].map_index_template == tasks["stop_server"].map_index_template == "{{ task.engine['name'] }}"
+    assert tasks["wait_server_ready"].map_index_template == tasks["verify_capture"].map_index_template == "{{ task.server['name'] }}"
     assert tasks["extract_shard"].upstream_task_ids == {"wait_server_ready", "verify_capture", "plan_shards", "check_disk"}
     assert tasks["stop_server"].upstream_task_ids >= {"extract_shard"}
     # dataset work runs beside the warmup: nothing of it waits for the engine to be ready (the
     # regeneration, when on, waits inside its own task; off, it returns at once after the launch)
+    # every engine's launch: regeneration takes the engine list and uses the first it reaches
     assert tasks["regenerate_dataset"].upstream_task_ids == {"launch_server"}
     assert tasks["prepare_dataset"].upstream_task_ids == {"regenerate_dataset"}
     for name in ("regenerate_dataset", "prepare_dataset", "dataset_stats", "check_disk", "plan_shards"):
@@ -45,6 +51,8 @@ def test_the_dag_tells_the_story(eagleflow_dag) -> None:
     assert tasks["export_drafter"].upstream_task_ids == {"train_drafter"}
     assert tasks["evaluate_drafter"].upstream_task_ids == {"export_drafter"}
     assert tasks["extract_shard"].map_index_template == "{{ task.shard['name'] }}"
+    # a shard whose engine or worker went away is retried (on an engine that is up)
+    assert tasks["extract_shard"].retries >= 1
 
 
 def test_engine_extraction_and_training_run_on_the_gpu_queue_and_pool(eagleflow_dag) -> None:
@@ -58,18 +66,23 @@ def test_engine_extraction_and_training_run_on_the_gpu_queue_and_pool(eagleflow_
     for task in eagleflow_dag.tasks:
         if task.task_id not in on_gpu:
             assert task.pool != GPU_POOL
+    # regeneration talks to a launched engine, which listens on its GPU node's loopback: same
+    # queue, no GPU slot
+    regenerate = eagleflow_dag.task_dict["regenerate_dataset"]
+    assert (regenerate.queue, regenerate.pool) == (GPU_QUEUE, "default_pool")
 
 
 def test_every_param_has_a_title_and_description(eagleflow_dag) -> None:
     params = eagleflow_dag.params
     for name in ("engine", "model_path", "dataset_input", "output_root", "run_name", "shard_size", "aux_layer_ids",
-                 "max_len", "concurrency", "server_port", "server_extra_args", "server_url", "epochs", "lr",
+                 "max_len", "concurrency", "server_port", "server_extra_args", "num_engines", "server_urls", "epochs", "lr",
                  "noise_std", "ttt_steps", "draft_vocab_size", "serve_with", "eval_rows", "eval_max_new_tokens",
                  "eval_concurrency", "regenerate_responses", "regen_temperature", "regen_max_new_tokens",
                  "regen_concurrency", "verify_rows"):
         param = params.get_param(name)
         assert param.schema.get("title") and param.description, name
     assert params.get_param("shard_size").value == 2000 and params.get_param("verify_rows").value == 4
+    assert params.get_param("num_engines").value == 1 and params.get_param("server_urls").value == []
     assert params.get_param("epochs").value == 5 and params.get_param("lr").value == 3e-5
 
 
@@ -94,9 +107,13 @@ def start_outside_engine(tmp_path: Path, model: Path, *extra: str) -> ServerInfo
     argv = [sys.executable, "-m", "eagleflow", "serve-reference", *model_to_argv(engine), "--threads", "1", *extra]
     info = start_server(argv, {}, tmp_path / "remote.log", tmp_path / "remote.json", f"http://127.0.0.1:{port}", tmp_path / "remote-dumps")
     deadline = time.monotonic() + 120
-    while check_ready(info).state is not Readiness.READY:
-        assert time.monotonic() < deadline and pid_alive(info.pid)
-        time.sleep(0.3)
+    try:
+        while check_ready(info).state is not Readiness.READY:
+            assert time.monotonic() < deadline and pid_alive(info.pid)
+            time.sleep(0.3)
+    except BaseException:  # never became ready: no engine outlives the test
+        stop_server(info.pid, grace=10)
+        raise
     return info
 
 
@@ -114,7 +131,7 @@ def remote_conf(tmp_path: Path, model: Path, engine: ServerInfo, run_name: str) 
     make_dataset(DatasetConfig(tokenizer=model, out=tmp_path / "conv.jsonl", rows=12))
     return {
         "model_path": str(model), "dataset_input": str(tmp_path / "conv.jsonl"), "output_root": str(tmp_path / "runs"),
-        "run_name": run_name, "shard_size": 5, "max_len": 256, "server_url": engine.url, "server_dump_dir": engine.dump_dir,
+        "run_name": run_name, "shard_size": 5, "max_len": 256, "server_urls": [engine.url], "server_dump_dir": engine.dump_dir,
     }
 
 
@@ -126,13 +143,14 @@ def test_remote_server_mode_launches_and_stops_nothing_and_extracts_everything(
     run = eagleflow_dag.test(run_conf=conf, mark_success_pattern="build_vocab|train_drafter|plot_metrics|export_drafter")
     tis = {(ti.task_id, ti.map_index): ti for ti in run.get_task_instances()}
     assert str(run.state) == "success", {k: ti.state for k, ti in tis.items()}
-    assert tis[("launch_server", -1)].xcom_pull(task_ids="launch_server") == {
+    assert tis[("launch_server", 0)].xcom_pull(task_ids="launch_server", map_indexes=0) == {
         "url": outside_engine.url, "pid": None, "host": "", "log_path": "", "dump_dir": outside_engine.dump_dir,
+        "name": "engine-0",
     }
-    assert tis[("stop_server", -1)].xcom_pull(task_ids="stop_server") == "remote server left running"
+    assert tis[("stop_server", 0)].xcom_pull(task_ids="stop_server", map_indexes=0) == "remote engine left running"
     assert pid_alive(outside_engine.pid)  # nobody stopped the remote engine
     assert tis[("evaluate_drafter", -1)].state == "skipped"  # no engine of this run to relaunch with the drafter
-    assert not (tmp_path / "runs" / "remote" / "server" / "server.log").exists()  # nobody launched one
+    assert not list((tmp_path / "runs" / "remote").glob("server/engine-*"))  # nobody launched one
     assert sorted(ti.rendered_map_index for (task, _), ti in tis.items() if task == "extract_shard") == [
         "rows_0-5", "rows_10-12", "rows_5-10",
     ]
@@ -157,6 +175,6 @@ def test_a_wrong_capture_stops_the_run_before_any_shard(eagleflow_dag, tmp_path:
     assert states["extract_shard"] == "upstream_failed" and states["stop_server"] == "success", states
     run_dir = tmp_path / "runs" / "wrong-capture"
     assert not list((run_dir / "dataset" / "hidden_states").glob("hs_*")) and not list((run_dir / "shards").glob("*.json"))
-    report = json.loads((run_dir / "verify" / "report.json").read_text())
+    report = json.loads((run_dir / "verify" / "engine-0" / "report.json").read_text())
     assert not report["passed"] and [f["check"] for f in report["findings"]] == ["final slot is pre-norm"]
     assert report["findings"][0]["cause"].startswith("post-norm final state")

@@ -43,6 +43,7 @@ def test_run_page_shows_shards_charts_and_metrics(client: TestClient) -> None:
     assert "9,120" in page and "3.17 rows/s" in page  # tokens; 38 rows in 12 s
     assert f"{9120 * 4 * 64 * 2 / 1e9:.3f}" in page  # GB
     assert "row 57" in page and "&lt;script&gt;" in page and "<script>" not in page  # escaped reasons
+    assert "<small>engine-1 at http://127.0.0.1:30001</small>" in page  # the engine that served the shard
     # Both charts, linked relative to the page so any mount prefix or base URL works.
     for chart in ("loss", "acc"):
         assert re.search(rf'<img src="demo/files/train-progress/{chart}\.png\?v=\d+"', page), chart
@@ -92,7 +93,7 @@ def test_the_drafter_evaluation_is_shown_once_it_ran(client: TestClient, output_
 
 
 def capture_report(passed: bool, findings: list[str]) -> dict[str, Any]:
-    """A ``verify/report.json`` shaped as ``verify-capture`` writes it (figures of a demo run's size)."""
+    """A ``verify/<engine>/report.json`` shaped as ``verify-capture`` writes it (figures of a demo run's size)."""
     slots = [
         {"slot": i, "layer_id": k, "mean_token_norm": n, "std": sd, "nearest_slot": near, "nearest_distance": d}
         for i, (k, n, sd, near, d) in enumerate([(0, 0.7821, 0.0978, 1, 0.6312), (2, 3.914, 0.4891, 0, 0.6312),
@@ -114,8 +115,8 @@ def capture_report(passed: bool, findings: list[str]) -> dict[str, Any]:
 
 def test_the_capture_check_is_shown_once_it_ran(client: TestClient, output_root: Path) -> None:
     assert "Not checked yet" in client.get("/runs/demo", headers=HTML).text
-    verify = output_root / "demo" / "verify"
-    verify.mkdir()
+    verify = output_root / "demo" / "verify" / "engine-0"
+    verify.mkdir(parents=True)
     (verify / "report.json").write_text(json.dumps(capture_report(True, [])))
     page = client.get("/runs/demo", headers=HTML).text
     assert "Capture check" in page and "Not checked yet" not in page and 'class="state success">passed' in page
@@ -127,8 +128,9 @@ def test_the_capture_check_is_shown_once_it_ran(client: TestClient, output_root:
     rows = re.findall(r"<tr><td>(\d+)</td><td>(\d+)</td><td>([\d.]+)</td>", page)
     assert rows == [("0", "0", "0.782"), ("1", "2", "3.914"), ("2", "5", "9.507"), ("3", "8", "12.180")]
     summary = client.get("/api/runs/demo").json()
-    assert summary["capture_check"]["passed"] and summary["capture_check"]["worst"]["error"] == 0.0053
-    assert "verify/report.json" in summary["files"]
+    (check,) = summary["capture_checks"]
+    assert check["name"] == "engine-0" and check["passed"] and check["worst"]["error"] == 0.0053
+    assert "verify/engine-0/report.json" in summary["files"] and "<h3>engine-0</h3>" not in page
 
     finding = "id 0 is the embedding slot 0 (layer id 0): differs by up to 0.25; likely cause (inferred): off-by-one <layer>"
     (verify / "report.json").write_text(json.dumps(capture_report(False, [finding])))

@@ -117,7 +117,7 @@ def load_real_hook_manager(wheel: Wheel) -> types.ModuleType:
 def launcher_argv(version: str, tmp: Path) -> list[str]:
     cfg = sglang_command.SGLangServerConfig(
         model_path=str(tmp / "model"), dump_dir=tmp / "dumps", aux_layer_ids=[3, 31, 59], num_layers=61,
-        sglang_version=version, python="python3", hook_pythonpath="",
+        sglang_version=version, python="python3", hook_pythonpath="", base_gpu_id=4,  # a second engine on the node
     )
     argv, _ = sglang_command.build_command(cfg, compute_caps=lambda: None)
     return argv

@@ -53,6 +53,12 @@ class ReferenceEngineConfig(BaseModel):
     speculative_draft_window_size: int | None = Field(
         None, ge=1, description="sliding window of the draft's attention (the drafter's, from the export)"
     )
+    min_request_seconds: float = Field(
+        0.0,
+        ge=0,
+        description="TEST ONLY: every captured /generate takes at least this long (a big model's prefill on a "
+        "small machine), so a test can act while a shard is in flight",
+    )
     fail_row: list[int] = Field(
         default_factory=list,
         description="TEST ONLY: comma list of rows whose requests (rid row{N}-…) answer 500, once across restarts "

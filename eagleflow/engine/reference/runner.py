@@ -149,6 +149,8 @@ class ReferenceEngine:
             raise
         if is_captured(rid):
             self._count(len(request.input_ids), failed=False)
+            # Off the forward lock: slowed requests still overlap, as a batching engine's do.
+            time.sleep(max(self.config.min_request_seconds - (time.time() - started), 0.0))
         return {
             "text": self._decode(output_ids),
             "output_ids": output_ids,

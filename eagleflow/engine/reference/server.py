@@ -125,6 +125,8 @@ def serve(config: ReferenceEngineConfig) -> int:
         print(f"TEST fault injection: requests for rows {sorted(engine.fail_rows_pending)} will answer 500", flush=True)
     if config.capture_fault:
         print(f"TEST fault injection: capturing wrongly on purpose (--capture-fault {config.capture_fault})", flush=True)
+    if config.min_request_seconds:
+        print(f"TEST slowdown: every captured request takes at least {config.min_request_seconds:g}s", flush=True)
     if stop_signals:  # stopped while the model was loading
         engine.close()
         sock.close()

@@ -32,7 +32,7 @@ from eagleflow.extract.capture_checks import (
 )
 from eagleflow.layout import RunLayout
 from eagleflow.results import find_result
-from eagleflow.run_report import capture_check_summary
+from eagleflow.run_report import capture_check_summaries
 
 REPO = Path(__file__).resolve().parents[3]
 ROWS = 6
@@ -160,10 +160,10 @@ def test_layer_ids_shifted_by_one_are_caught(gate_against: Callable[..., Gate], 
     (same,) = gate.findings("distinct slots")
     assert same["slot"] == 0 and "the same tensor as slot 1" in same["message"]
 
-    run_layout.capture_check.mkdir(parents=True, exist_ok=True)
-    run_layout.capture_check_report.write_text(json.dumps(gate.report))
-    summary = capture_check_summary(run_layout)
-    assert summary is not None and not summary["passed"] and summary["embedding"]["equal"] is False
+    run_layout.capture_check("engine-0").mkdir(parents=True, exist_ok=True)
+    run_layout.capture_check_report("engine-0").write_text(json.dumps(gate.report))
+    (summary,) = capture_check_summaries(run_layout)
+    assert summary["name"] == "engine-0" and not summary["passed"] and summary["embedding"]["equal"] is False
     assert summary["worst"] == gate.report["final_slot"]["worst"] and summary["positions"] > 0
     assert [s["layer_id"] for s in summary["slots"]] == [0, 2, 5, 8]
     assert len(summary["findings"]) == 3 and all("likely cause" in text for text in summary["findings"])
