@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from eagleflow.deploy import GPU_QUEUE  # noqa: E402  (after the repo is on sys.path)
-from eagleflow.engine.process import free_port, group_alive, pid_alive, process_tree  # noqa: E402
+from eagleflow.engine.process import group_alive, pid_alive, process_tree  # noqa: E402
 
 # The Airflow settings the Celery deployment shares on every machine (docker-compose.yaml loads it too).
 DEPLOYMENT_SETTINGS = REPO / "docker" / "airflow.env"

@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from eagleflow.engine.process import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 DAG_ID = "eagleflow"
 TERMINAL_RUN_STATES = ("success", "failed")
@@ -226,7 +228,7 @@ def airflow_stack(tmp_path_factory: pytest.TempPathFactory, scripts: Callable[[s
     airflow_env = scripts("airflow_env")
     home = tmp_path_factory.mktemp("airflow-home")
     env = airflow_env.airflow_env(
-        home, port=airflow_env.free_port(), parallelism=3, all_admins=True, inherit_airflow_settings=False
+        home, port=free_port(), parallelism=3, all_admins=True, inherit_airflow_settings=False
     )
     airflow_env.migrate_db(env)
     processes = airflow_env.AirflowProcesses(env, home / "component-logs")
@@ -262,7 +264,7 @@ def celery_stack(tmp_path_factory: pytest.TempPathFactory, scripts: Callable[[st
         pytest.skip(str(missing))
     home = tmp_path_factory.mktemp("airflow-celery-home")
     processes = None
-    api_port = airflow_env.free_port()
+    api_port = free_port()
     try:
         postgres.start()
         redis.start()
