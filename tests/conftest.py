@@ -78,6 +78,21 @@ os.environ["AIRFLOW__CORE__PLUGINS_FOLDER"] = str(REPO / "plugins")
 os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread in this process for a module's tests (``pytestmark = pytest.mark.usefixtures(...)``).
+
+    On a shared 2-core machine an engine subprocess and this process's busy-waiting OpenMP pools
+    slow each other down many times over (40 ms forwards took seconds).
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def airflow_db() -> Path:
     """An initialized (migrated) Airflow metadata DB for in-process ``dag.test()`` runs."""
