@@ -21,9 +21,9 @@ venv:
 test: venv
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-## the suite without the real-scheduler tests
+## the suite without the real-scheduler and Celery tests
 test-fast: venv
-	$(PY) -m pytest -m "not scheduler" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not scheduler and not celery" $(PYTEST_ARGS)
 
 ## the main job on CPU: tiny verifier, synthetic data, the whole DAG through Airflow
 demo: venv

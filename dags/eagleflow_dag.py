@@ -2,14 +2,19 @@
 
 The story of DESIGN.md §1, top to bottom:
 
-1. launch_server and wait_server_ready (setups) start the engine with the capture hook and
-   wait out its warmup without holding a worker slot;
+1. plan_engines lists the run's engines; launch_server and wait_server_ready (setups, one
+   instance per engine) start each with the capture hook and wait out its warmup without
+   holding a worker slot;
 2. meanwhile prepare_dataset, dataset_stats, check_disk and plan_shards get the rows ready
-   (with regenerate_responses, regenerate_dataset first has the verifier rewrite the answers);
-3. extract_shard runs once per shard (rows_0-2000, …), each retryable and clearable alone;
-4. stop_server (teardown) stops the engine, even when a shard fails;
-5. build_vocab, train_drafter and plot_metrics turn the hidden states into a drafter and charts;
-6. export_drafter writes the drafter as SGLang and vLLM load it, and evaluate_drafter serves it,
+   (with regenerate_responses, regenerate_dataset first has the verifier rewrite the answers
+   through the first engine this worker reaches);
+3. verify_capture (a setup too, one instance per engine) checks each live engine's capture on
+   the first rows;
+4. extract_shard runs once per shard (rows_0-2000, …) on one of the engines, each retryable
+   (on an engine that is up) and clearable alone;
+5. stop_server (teardown, one instance per engine) stops the engines, even when a shard fails;
+6. build_vocab, train_drafter and plot_metrics turn the hidden states into a drafter and charts;
+7. export_drafter writes the drafter as SGLang and vLLM load it, and evaluate_drafter serves it,
    measuring accept length and speedup on held-out prompts.
 """
 
@@ -25,9 +30,22 @@ from operators.dataset import (
     RegenerateOperator,
 )
 from operators.drafter import EvaluateOperator, ExportOperator
-from operators.extract import SHARD_MAP_INDEX_TEMPLATE, ShardExtractOperator
+from operators.extract import (
+    SHARD_MAP_INDEX_TEMPLATE,
+    SHARD_RETRIES,
+    SHARD_RETRY_DELAY,
+    ShardExtractOperator,
+    VerifyCaptureOperator,
+)
 from operators.params import GPU_POOL, GPU_QUEUE, form_defaults, pipeline_params
-from operators.server import ServerReadySensor, SGLangServerOperator, StopServerOperator
+from operators.server import (
+    ENGINE_MAP_INDEX_TEMPLATE,
+    SERVER_MAP_INDEX_TEMPLATE,
+    PlanEnginesOperator,
+    ServerReadySensor,
+    SGLangServerOperator,
+    StopServerOperator,
+)
 from operators.train import BuildVocabOperator, PlotOperator, TrainOperator
 
 with DAG(
@@ -40,25 +58,44 @@ with DAG(
     tags=["eagleflow", "speculative-decoding"],
     doc_md=__doc__,
 ) as dag:
-    # The engine, extraction, training and evaluation run on the GPU node: its Celery queue, one slot.
+    # The engines, extraction, training and evaluation run on the GPU node(s): their Celery queue and pool.
     on_gpu = {"queue": GPU_QUEUE, "pool": GPU_POOL}
 
-    launch_server = SGLangServerOperator(task_id="launch_server", **on_gpu)
-    wait_server_ready = ServerReadySensor(task_id="wait_server_ready", server=launch_server.output, **on_gpu)
+    # One instance per engine (map_index_template must be given to partial(): the scheduler and
+    # the task runner read it from the mapped task's partial kwargs, never from __init__).
+    plan_engines = PlanEnginesOperator(task_id="plan_engines")
+    launch_server = SGLangServerOperator.partial(
+        task_id="launch_server", map_index_template=ENGINE_MAP_INDEX_TEMPLATE, **on_gpu
+    ).expand(engine=plan_engines.output)
+    wait_server_ready = ServerReadySensor.partial(
+        task_id="wait_server_ready", map_index_template=SERVER_MAP_INDEX_TEMPLATE, **on_gpu
+    ).expand(server=launch_server.output)
 
-    regenerate_dataset = RegenerateOperator(task_id="regenerate_dataset", server=launch_server.output)
+    # On the GPU queue: a launched engine listens on its GPU node's 127.0.0.1 only. No GPU pool
+    # slot: it only sends requests, and with regeneration off it returns at once.
+    regenerate_dataset = RegenerateOperator(task_id="regenerate_dataset", engines=launch_server.output, queue=GPU_QUEUE)
     prepare_dataset = PrepareDatasetOperator(task_id="prepare_dataset")
     dataset_stats = DatasetStatsOperator(task_id="dataset_stats")
     check_disk = CheckDiskOperator(task_id="check_disk", stats=dataset_stats.output)
     plan_shards = PlanShardsOperator(task_id="plan_shards", prepared=prepare_dataset.output)
 
-    # map_index_template must be given to partial(): the scheduler and the task runner read it
-    # from the mapped task's partial kwargs, never from the operator's __init__.
+    # Each engine's capture checked live before hours of extraction (a setup: a restarted engine is re-checked).
+    verify_capture = VerifyCaptureOperator.partial(
+        task_id="verify_capture", map_index_template=SERVER_MAP_INDEX_TEMPLATE, **on_gpu
+    ).expand(server=wait_server_ready.output)
+
     extract_shard = ShardExtractOperator.partial(
-        task_id="extract_shard", server=wait_server_ready.output, map_index_template=SHARD_MAP_INDEX_TEMPLATE, **on_gpu
+        task_id="extract_shard",
+        engines=wait_server_ready.output,
+        map_index_template=SHARD_MAP_INDEX_TEMPLATE,
+        retries=SHARD_RETRIES,
+        retry_delay=SHARD_RETRY_DELAY,
+        **on_gpu,
     ).expand(shard=plan_shards.output)
 
-    stop_server = StopServerOperator(task_id="stop_server", server=launch_server.output, **on_gpu)
+    stop_server = StopServerOperator.partial(
+        task_id="stop_server", map_index_template=ENGINE_MAP_INDEX_TEMPLATE, **on_gpu
+    ).expand(engine=plan_engines.output)
 
     build_vocab = BuildVocabOperator(task_id="build_vocab")
     train_drafter = TrainOperator(task_id="train_drafter", **on_gpu)
@@ -67,7 +104,9 @@ with DAG(
     evaluate_drafter = EvaluateOperator(task_id="evaluate_drafter", **on_gpu)
 
     regenerate_dataset >> prepare_dataset >> dataset_stats >> check_disk >> plan_shards
-    launch_server >> wait_server_ready >> extract_shard >> stop_server.as_teardown(setups=[launch_server, wait_server_ready])
+    engine_setups = [launch_server, wait_server_ready, verify_capture]
+    launch_server >> wait_server_ready >> verify_capture >> extract_shard >> stop_server.as_teardown(setups=engine_setups)
+    prepare_dataset >> verify_capture
     check_disk >> extract_shard
     [extract_shard, stop_server] >> build_vocab >> train_drafter >> plot_metrics
     train_drafter >> export_drafter >> evaluate_drafter

@@ -29,6 +29,7 @@ STEPS: dict[str, tuple[str, str]] = {
     "prepare-dataset": ("eagleflow.data.prepare", "tokenize conversations into the training dataset"),
     "dataset-stats": ("eagleflow.data.stats", "rows, tokens and hidden-state bytes of a dataset"),
     "check-disk": ("eagleflow.data.disk_check", "fail early when the disk cannot hold the hidden states"),
+    "verify-capture": ("eagleflow.extract.verify_capture", "check the engine's capture on a few rows before extraction"),
     "extract": ("eagleflow.extract.shard", "extract hidden states for a range of rows"),
     "build-vocab": ("eagleflow.data.vocab", "build the draft vocabulary (d2t/t2d)"),
     "train": ("eagleflow.train.step", "train the EAGLE-3 drafter with speculators"),

@@ -6,7 +6,9 @@
       regenerated/                 the verifier's answers, when regeneration is on: rows/, conversations.jsonl, regenerate.json
       dataset/                     training dataset (§3.3) with hidden_states/; prepare.json names its input
       shards/rows_0-2000.json      per-shard manifest
-      server/server.log            engine output; server/dumps/ the hook's hand-off folder
+      server/engine-0.log          each engine's output (engine-0.json while it runs); server/dumps/
+                                   the hooks' hand-off folder
+      verify/engine-0/report.json  each engine's capture check before extraction (verify-capture)
       train/                       the training step's folder (:class:`TrainLayout`)
       train-progress/*.png, *.svg
       drafter/                     the exported drafter: sglang/, speculators/, export.json
@@ -29,6 +31,7 @@ RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 _RUN_NAME = re.compile(RUN_NAME_PATTERN)
 # speculators reads row i's states from <dataset>/hidden_states/hs_{i}.safetensors.
 HIDDEN_STATES_DIR = "hidden_states"
+CAPTURE_CHECK_REPORT = "report.json"  # in the capture check's folder, whichever --out it was given
 
 
 def check_run_name(run_name: str) -> str:
@@ -44,6 +47,14 @@ def check_run_name(run_name: str) -> str:
 def hidden_states_dir(dataset: str | Path) -> Path:
     """The folder of a training dataset that holds its rows' hidden-state files."""
     return Path(dataset) / HIDDEN_STATES_DIR
+
+
+ENGINE_PREFIX = "engine-"
+
+
+def engine_name(index: int) -> str:
+    """``engine-{index}``: the only place engine names are made (files, logs, manifests, the UI)."""
+    return f"{ENGINE_PREFIX}{index}"
 
 
 def shard_name(start: int, end: int) -> str:
@@ -98,22 +109,47 @@ class RunLayout:
     def server(self) -> Path:
         return self.root / "server"
 
-    @property
-    def server_log(self) -> Path:
-        return self.server / "server.log"
+    def engine_log(self, engine: str) -> Path:
+        """Output of engine ``engine`` (``engine-0``, …), appended by each start."""
+        return self.server / f"{engine}.log"
+
+    def engine_state(self, engine: str) -> Path:
+        """Where engine ``engine`` runs (``ServerInfo``) while it runs."""
+        return self.server / f"{engine}.json"
 
     @property
-    def server_state(self) -> Path:
-        return self.server / "server.json"
+    def engine_logs(self) -> list[Path]:
+        """Every engine's log, in engine order."""
+        return sorted(self.server.glob(f"{ENGINE_PREFIX}*.log"), key=lambda p: (len(p.name), p.name))
 
     @property
     def dump_dir(self) -> Path:
+        """The hooks' hand-off folder, one for all of the run's engines (request ids are unique)."""
         return self.server / "dumps"
 
     @property
     def regenerated(self) -> Path:
         """The verifier's own answers to the dataset's prompts (regeneration): rows/, conversations.jsonl."""
         return self.root / "regenerated"
+
+    @property
+    def capture_checks(self) -> Path:
+        """The capture checks' folder (``verify-capture``): one folder per engine, before any shard."""
+        return self.root / "verify"
+
+    def capture_check(self, engine: str) -> Path:
+        """Engine ``engine``'s capture check (``engine-0``, …)."""
+        return self.capture_checks / engine
+
+    def capture_check_report(self, engine: str) -> Path:
+        """What engine ``engine``'s capture check found: its figures, and on a failure the check, slot and likely cause."""
+        return self.capture_check(engine) / CAPTURE_CHECK_REPORT
+
+    @property
+    def capture_check_reports(self) -> list[Path]:
+        """Every engine's capture-check report, in engine order."""
+        reports = self.capture_checks.glob(f"{ENGINE_PREFIX}*/{CAPTURE_CHECK_REPORT}")
+        return sorted(reports, key=lambda p: (len(p.parent.name), p.parent.name))
 
     @property
     def drafter(self) -> Path:

@@ -4,10 +4,12 @@
 from the run's params (:meth:`PipelineConfig.from_params`) and turns it into the argv of its
 step. :func:`param_schemas` gives the JSON schema of every field, which the DAG turns into
 Airflow ``Param`` objects, so a knob's default, type, title and description live here only.
-The training and evaluation Params are fields of their steps' own configs (:data:`TRAIN_PARAMS`
-of :class:`~eagleflow.train.config.TrainConfig`, :data:`EVAL_PARAMS` of
-:class:`~eagleflow.evaluate.config.EvaluateConfig`); :meth:`PipelineConfig.train_config` and
-:meth:`PipelineConfig.evaluate_config` give those steps their typed configs.
+The capture check's, training and evaluation Params are fields of their steps' own configs
+(:data:`VERIFY_PARAMS` of :class:`~eagleflow.extract.verify_config.VerifyCaptureConfig`,
+:data:`TRAIN_PARAMS` of :class:`~eagleflow.train.config.TrainConfig`, :data:`EVAL_PARAMS` of
+:class:`~eagleflow.evaluate.config.EvaluateConfig`); :meth:`PipelineConfig.verify_capture_config`,
+:meth:`PipelineConfig.train_config` and :meth:`PipelineConfig.evaluate_config` give those steps
+their typed configs.
 
 Airflow validates a triggered run's conf against those JSON schemas before the run is
 created, so what a schema can say (types, bounds, distinct aux ids) is refused at trigger
@@ -21,11 +23,14 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
+from urllib.parse import urlsplit
+
 from pydantic import BaseModel, Field, create_model, field_validator, model_validator
 
 from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype, build_model
 from eagleflow.data.regenerate import CONVERSATIONS_FILE, RegenerateConfig
 from eagleflow.evaluate.config import EvaluateConfig
+from eagleflow.extract.verify_config import VerifyCaptureConfig
 from eagleflow.layout import RUN_NAME_PATTERN, RunLayout, check_run_name
 from eagleflow.train.config import TrainConfig
 
@@ -53,8 +58,11 @@ TRAIN_PARAMS = (
 EVAL_PARAMS = ("eval_rows", "eval_max_new_tokens", "eval_concurrency")
 # Regeneration knobs (used with regenerate_responses); RegenerateConfig's.
 REGEN_PARAMS = ("regen_temperature", "regen_max_new_tokens", "regen_concurrency")
+# The capture check's knob in the Params form; VerifyCaptureConfig's.
+VERIFY_PARAMS = ("verify_rows",)
 # Every step Param as a model of its own: checks them without a run folder.
 STEP_PARAMS: dict[str, type[BaseModel]] = {
+    **dict.fromkeys(VERIFY_PARAMS, VerifyCaptureConfig),
     **dict.fromkeys(TRAIN_PARAMS, TrainConfig),
     **dict.fromkeys(EVAL_PARAMS, EvaluateConfig),
     **dict.fromkeys(REGEN_PARAMS, RegenerateConfig),
@@ -133,15 +141,25 @@ class PipelineConfig(BaseModel):
     warmup_timeout_minutes: float = Field(
         45.0, gt=0, title="Warmup timeout (minutes)", description="Fail the readiness wait after this long."
     )
-    server_url: str | None = Field(
-        None,
-        title="Remote server URL",
-        description="Use an engine that is already running (e.g. http://gpu-node:30000): launch and stop do nothing and the readiness wait polls this URL.",
+    num_engines: int = Field(
+        1,
+        ge=1,
+        le=64,
+        title="Engines to launch",
+        description="Engines this run launches, each by its own launch_server task on the GPU queue (ports "
+        "server_port, server_port+1, …); shards are spread over them and an engine that dies fails only its "
+        "shards, whose retries go to one that is up. Give the gpu pool as many slots. Ignored with server_urls.",
+    )
+    server_urls: list[str] = Field(
+        default_factory=list,
+        title="Remote engine URLs",
+        description="Use engines that are already running, e.g. one per GPU node (http://gpu-node-1:30000, …): "
+        "launch and stop do nothing, the readiness wait polls each, shards are spread over them.",
     )
     server_dump_dir: str | None = Field(
         None,
-        title="Remote server dump folder",
-        description="With a remote server: the folder its capture hook writes to, as seen from the workers.",
+        title="Remote engines' dump folder",
+        description="With remote engines: the one folder their capture hooks write to, as seen from the workers.",
     )
 
     # Not a Param itself: the steps' Params as given (checked by from_params); see train_config(),
@@ -153,10 +171,21 @@ class PipelineConfig(BaseModel):
     def _plain_run_name(cls, run_name: str | None) -> str | None:
         return None if run_name is None else check_run_name(run_name)
 
+    @field_validator("server_urls")
+    @classmethod
+    def _engine_urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
+                raise ValueError(f"{url!r} is not an engine URL like http://gpu-node-1:30000")
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"engines listed twice: {sorted({u for u in urls if urls.count(u) > 1})}")
+        return [url.rstrip("/") for url in urls]
+
     @model_validator(mode="after")
     def _remote_needs_dump_dir(self) -> PipelineConfig:
-        if self.server_url and not self.server_dump_dir:
-            raise ValueError("server_dump_dir is required with server_url (where the remote hook writes its dumps)")
+        if self.server_urls and not self.server_dump_dir:
+            raise ValueError("server_dump_dir is required with server_urls (where the remote hooks write their dumps)")
         return self
 
     @classmethod
@@ -168,7 +197,7 @@ class PipelineConfig(BaseModel):
         """
         params = dict(params)
         values = {k: v for k, v in params.items() if k in PIPELINE_PARAMS}
-        for name in ("run_name", "server_url", "server_dump_dir", "aux_layer_ids"):
+        for name in ("run_name", "server_dump_dir", "aux_layer_ids"):
             if values.get(name) in ("", []):
                 values[name] = None
         values["step_params"] = {k: params[k] for k in STEP_PARAMS if params.get(k) is not None}
@@ -182,6 +211,17 @@ class PipelineConfig(BaseModel):
     def dump_queue_bytes(self) -> int | None:
         """The ``dump_queue_gb`` Param in bytes (None: the engine sizes it from its host's memory)."""
         return None if self.dump_queue_gb is None else int(self.dump_queue_gb * 1e9)
+
+    @property
+    def remote(self) -> bool:
+        """Remote mode: the engines run elsewhere; the run launches and stops none."""
+        return bool(self.server_urls)
+
+    def engine_plan(self) -> list[dict[str, Any]]:
+        """The run's engines, ``[{name, index, url, port}]`` (:func:`eagleflow.engine.pool.plan_engines`)."""
+        from eagleflow.engine.pool import plan_engines
+
+        return plan_engines(self.num_engines, self.server_urls, self.server_port)
 
     @property
     def layout(self) -> RunLayout:
@@ -233,6 +273,20 @@ class PipelineConfig(BaseModel):
         }
         return build_model(RegenerateConfig, values, param_name)
 
+    def verify_capture_config(self, server_url: str, dump_dir: str, engine: str) -> VerifyCaptureConfig:
+        """The capture check's config: its Params plus this run's dataset, verifier and aux ids, for engine ``engine`` at ``server_url``."""
+        values = {
+            **self.step_values(VerifyCaptureConfig),
+            "dataset": self.layout.dataset,
+            "server": server_url,
+            "dump_dir": dump_dir,
+            "model": model_dir(self),
+            "aux_layer_ids": self.resolved_aux_layer_ids(),
+            "hidden_states_dtype": self.hidden_states_dtype,
+            "out": self.layout.capture_check(engine),
+        }
+        return build_model(VerifyCaptureConfig, values, param_name)
+
     def evaluate_config(self) -> EvaluateConfig:
         """The evaluation step's config: its Params plus this run's folders, engine and training split."""
         layout = self.layout
@@ -269,6 +323,7 @@ def param_schemas() -> dict[str, dict[str, Any]]:
     """JSON schema of each Param (``default``, ``type``, ``title``, ``description``, bounds), in form order."""
     return {
         **schemas_of(PipelineConfig, PIPELINE_PARAMS),
+        **schemas_of(VerifyCaptureConfig, VERIFY_PARAMS),
         **schemas_of(TrainConfig, TRAIN_PARAMS),
         **schemas_of(EvaluateConfig, EVAL_PARAMS),
         **schemas_of(RegenerateConfig, REGEN_PARAMS),

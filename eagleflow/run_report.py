@@ -47,7 +47,7 @@ class ShardSummary(ShardManifest):
             "done": self.done, "skipped": self.skipped, "failed": len(self.failed), "failed_rows": self.failed[:50],
             "tokens": self.tokens, "bytes": self.bytes, "gb": self.bytes / 1e9, "seconds": self.seconds,
             "rows_per_s": self.rows_per_s, "tokens_per_s": self.tokens_per_s, "updated": self.updated,
-            "error": self.error,
+            "error": self.error, "engine": self.engine,
         }
 
 
@@ -90,8 +90,11 @@ class MetricsCache:
 
 
 def readable_files(layout: RunLayout) -> list[Path]:
-    """The logs a reader of the run may open: training log, server log, metrics."""
-    return [layout.train.log, layout.server_log, layout.train.metrics, layout.evaluation / EVAL_REPORT]
+    """The logs a reader of the run may open: training log, the engines' logs, metrics, reports."""
+    return [
+        layout.train.log, *layout.engine_logs, layout.train.metrics, *layout.capture_check_reports,
+        layout.evaluation / EVAL_REPORT,
+    ]
 
 
 def _json_or_empty(path: Path) -> dict[str, Any]:
@@ -116,6 +119,38 @@ def evaluation_summary(layout: RunLayout) -> dict[str, Any] | None:
         "mtime": int(png.stat().st_mtime) if png.is_file() else 0,
     }
     return summary
+
+
+def capture_check_summaries(layout: RunLayout) -> list[dict[str, Any]]:
+    """Each engine's capture-check verdict and figures (``verify/<engine>/report.json``), in engine order."""
+    summaries = []
+    for path in layout.capture_check_reports:
+        summary = capture_check_summary(_json_or_empty(path))
+        if summary:
+            summaries.append({"name": path.parent.name, **summary})
+    return summaries
+
+
+def capture_check_summary(report: dict[str, Any]) -> dict[str, Any] | None:
+    """One capture check's verdict and figures from its report, or None for an empty one."""
+    if not report:
+        return None
+    final = report.get("final_slot") or {}
+    return {
+        "passed": bool(report.get("passed")),
+        "rows": report.get("rows_checked", report.get("rows")),
+        "tokens": report.get("tokens"),
+        "engine": report.get("engine") or {},
+        "positions": final.get("positions"),
+        "worst": final.get("worst") or {},
+        "top1_agreement": final.get("top1_agreement"),
+        "normed_rms_range": ((report.get("slots") or [{}])[-1]).get("normed_rms_range"),
+        "embedding": report.get("embedding"),
+        "extraction_request": report.get("extraction_request") or {},
+        "slots": report.get("slots") or [],
+        "findings": [f.get("text", "") for f in report.get("findings") or []],
+        "tolerance": report.get("tolerance") or {},
+    }
 
 
 def run_summary(layout: RunLayout, metrics: MetricsCache | None = None) -> dict[str, Any]:
@@ -147,6 +182,7 @@ def run_summary(layout: RunLayout, metrics: MetricsCache | None = None) -> dict[
         "metrics": (metrics or MetricsCache()).latest(layout.train.metrics),
         "charts": charts,
         "checkpoint": result.get("best_checkpoint") or result.get("checkpoint_dir"),
+        "capture_checks": capture_check_summaries(layout),
         "evaluation": evaluation_summary(layout),
         "files": [str(p.relative_to(layout.root)) for p in readable_files(layout) if p.is_file()],
     }

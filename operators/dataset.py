@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowException
 
 from operators.step import EagleflowStepOperator, pipeline_config
 
@@ -29,20 +30,23 @@ class PrepareDatasetOperator(EagleflowStepOperator):
 
 
 class RegenerateOperator(EagleflowStepOperator):
-    """With ``regenerate_responses``: the verifier rewrites the assistant turns through the run's engine (``regenerate``).
+    """With ``regenerate_responses``: the verifier rewrites the assistant turns through one of the run's engines (``regenerate``).
 
-    It waits for the engine itself, so with regeneration off it returns at once and preparation
-    still runs beside the warmup. Returns ``{regenerated, rows, skipped_rows, source}`` or
-    ``{"regenerated": None}``.
+    It uses the first engine this worker reaches (engine-0 unless that one was launched on
+    another node), not all of them: regeneration is one pass before any shard, and it waits
+    for that engine's warmup itself, so with regeneration off it returns at once and
+    preparation still runs beside the warmup. Returns ``{regenerated, rows, skipped_rows,
+    source}`` or ``{"regenerated": None}``.
 
-    :param server: the launch task's XCom (templated): the engine to ask.
+    :param engines: the mapped launch task's XCom, the engine list of
+        :mod:`eagleflow.engine.pool` (templated).
     """
 
-    template_fields: Sequence[str] = ("server",)
+    template_fields: Sequence[str] = ("engines",)
 
-    def __init__(self, *, server: Any = None, **kwargs: Any) -> None:
+    def __init__(self, *, engines: Any = None, **kwargs: Any) -> None:
         super().__init__(step="regenerate", **kwargs)
-        self.server = server
+        self.engines = engines
 
     def execute(self, context: Context) -> Any:
         cfg = pipeline_config(context)
@@ -53,9 +57,13 @@ class RegenerateOperator(EagleflowStepOperator):
 
     def step_argv(self, context: Context) -> list[str]:
         from eagleflow.config import model_to_argv
-        from eagleflow.engine.process import ServerInfo
+        from eagleflow.engine.pool import NoEngineReady, engines_from_xcom, first_reachable
 
-        server = ServerInfo.from_dict(self.server)
+        try:
+            server = first_reachable(engines_from_xcom(self.engines))
+        except NoEngineReady as exc:
+            raise AirflowException(str(exc)) from exc
+        self.log.info("Regenerating through %s", server.describe())
         pid = server.pid if server.is_local else None
         return model_to_argv(pipeline_config(context).regenerate_config(server.url, pid))
 

@@ -35,8 +35,8 @@ class ExportOperator(EagleflowStepOperator):
 class EvaluateOperator(EagleflowStepOperator):
     """Serve the drafter, decode held-out prompts with and without it (``python -m eagleflow evaluate``).
 
-    Returns ``{report, accept_length, speedup}``. In remote-server mode there is no engine of this
-    run to relaunch with the drafter: the task is skipped and says so.
+    Returns ``{report, accept_length, speedup}``. In remote mode (``server_urls``) there is no engine
+    of this run to relaunch with the drafter: the task is skipped and says so.
     """
 
     operator_extra_links = (EagleflowRunLink(),)
@@ -46,11 +46,11 @@ class EvaluateOperator(EagleflowStepOperator):
 
     def execute(self, context: Context) -> Any:
         cfg = pipeline_config(context)
-        if cfg.server_url:
+        if cfg.remote:
             from airflow.sdk.exceptions import AirflowSkipException
 
             raise AirflowSkipException(
-                f"remote-server mode: the engine at {cfg.server_url} is not this run's to relaunch with the drafter; "
+                f"remote mode: the engines at {', '.join(cfg.server_urls)} are not this run's to relaunch with the drafter; "
                 "serve <run>/drafter as the README shows to measure it"
             )
         return super().execute(context)

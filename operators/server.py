@@ -26,61 +26,105 @@ LOG_REPORT_SECONDS = 60.0
 DEFERRAL_GRACE_SECONDS = 300.0
 
 
-def remote_server(cfg: PipelineConfig) -> ServerInfo:
-    """The engine of remote-server mode, described by the ``server_url`` / ``server_dump_dir`` Params."""
+# Names each mapped engine task after its engine in the UI (engine-0, …); give it to .partial().
+ENGINE_MAP_INDEX_TEMPLATE = "{{ task.engine['name'] }}"
+SERVER_MAP_INDEX_TEMPLATE = "{{ task.server['name'] }}"
+
+
+def remote_engine(cfg: PipelineConfig, engine: dict[str, Any]) -> ServerInfo:
+    """An engine of remote mode (``server_urls``), with the run's ``server_dump_dir``."""
     from eagleflow.engine.process import ServerInfo
 
-    return ServerInfo(url=str(cfg.server_url), pid=None, host="", log_path="", dump_dir=str(cfg.server_dump_dir))
+    return ServerInfo(
+        url=str(engine["url"]), pid=None, host="", log_path="", dump_dir=str(cfg.server_dump_dir), name=str(engine["name"])
+    )
+
+
+class PlanEnginesOperator(BaseOperator):
+    """The run's engines, ``[{name, index, url, port}]``: ``num_engines`` to launch, or the ``server_urls``.
+
+    The engine tasks (launch, readiness, stop) are mapped over this list, one instance per engine.
+    """
+
+    def execute(self, context: Context) -> list[dict[str, Any]]:
+        cfg = pipeline_config(context, check_model=False)  # the teardown maps over this list: it must exist
+        plan = cfg.engine_plan()
+        if cfg.remote:
+            self.log.info("Remote engines: %s", ", ".join(f"{e['name']} at {e['url']}" for e in plan))
+        else:
+            ports = ", ".join(f"{e['name']} on port {e['port'] or 'any free'}" for e in plan)
+            self.log.info("Launching %d %s engine(s): %s", len(plan), cfg.engine, ports)
+        return plan
 
 
 class SGLangServerOperator(BaseOperator):
-    """Start the engine (SGLang with the capture hook, or the reference engine) for this run.
+    """Start one engine of this run (SGLang with the capture hook, or the reference engine).
 
     The server runs in its own session and outlives this task; its output goes to
-    ``<run>/server/server.log``. If this run's engine is already up (a retry, or a cleared
-    shard re-running its setups while the old one still runs) it is reused.
+    ``<run>/server/<engine>.log``. If that engine is already up (a retry, or a cleared shard
+    re-running its setups while the old one still runs) it is reused. An SGLang engine that
+    shares its machine with engines of the same run already running there takes the GPUs after
+    theirs (``--base-gpu-id``).
 
-    With the ``server_url`` Param set (remote-server mode) nothing is launched: the task
+    With the ``server_urls`` Param set (remote mode) nothing is launched: the task
     short-circuits and returns that engine's address. It succeeds rather than skips because
     Airflow requires the tasks after a setup to run on ``all_success``: a skipped launch
     would skip the readiness wait and every shard.
 
-    Returns ``{url, pid, host, log_path, dump_dir}``.
+    :param engine: one entry of plan_engines' list, ``{name, index, url, port}`` (templated; mapped over).
+
+    Returns ``{url, pid, host, log_path, dump_dir, name}``.
     """
+
+    template_fields: Sequence[str] = ("engine",)
+
+    def __init__(self, *, engine: Any = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.engine = engine
 
     def execute(self, context: Context) -> dict[str, Any]:
         from eagleflow.engine.launch import engine_command
-        from eagleflow.engine.process import free_port, running_server, start_server
+        from eagleflow.engine.process import free_port, launch_lock, running_server, start_server
 
         cfg = pipeline_config(context)
-        if cfg.server_url:
-            self.log.info("Remote-server mode: not launching anything; using the engine at %s", cfg.server_url)
-            return remote_server(cfg).as_dict()
+        engine = dict(self.engine)
+        name = str(engine["name"])
+        if cfg.remote:
+            self.log.info("Remote mode: not launching anything; %s is at %s", name, engine["url"])
+            return remote_engine(cfg, engine).as_dict()
         layout = cfg.layout
-        existing = running_server(layout.server_state)
-        if existing is not None:
-            self.log.info("Reusing this run's engine: pid %s at %s (log %s)", existing.pid, existing.url, existing.log_path)
-            return existing.as_dict()
-        port = cfg.server_port or free_port()
-        argv, env = engine_command(cfg, port)
-        self.log.info("Starting %s engine: %s", cfg.engine, " ".join(argv))
-        info = start_server(argv, env, layout.server_log, layout.server_state, f"http://127.0.0.1:{port}", layout.dump_dir)
-        self.log.info("Engine pid %s, log %s", info.pid, info.log_path)
+        with launch_lock(layout.server):
+            existing = running_server(layout.engine_state(name))
+            if existing is not None:
+                self.log.info("Reusing %s: pid %s (log %s)", existing.describe(), existing.pid, existing.log_path)
+                return existing.as_dict()
+            # Engines of this run already running on this machine hold the first GPUs.
+            neighbours = [e for e in cfg.engine_plan() if e["name"] != name and running_server(layout.engine_state(e["name"]))]
+            port = int(engine["port"]) or free_port()
+            argv, env = engine_command(cfg, port, gpu_offset=len(neighbours) * cfg.tp_size)
+            self.log.info("Starting %s engine %s: %s", cfg.engine, name, " ".join(argv))
+            info = start_server(
+                argv, env, layout.engine_log(name), layout.engine_state(name), f"http://127.0.0.1:{port}", layout.dump_dir, name
+            )
+        self.log.info("%s: pid %s, log %s", info.describe(), info.pid, info.log_path)
         return info.as_dict()
 
 
 class StopServerOperator(BaseOperator):
-    """Teardown: stop the run's engine and its whole process group (TERM, then KILL).
+    """Teardown: stop one engine of the run and its whole process group (TERM, then KILL).
 
-    :param server: the launch task's XCom (templated); missing when launch was skipped or failed.
+    Finds the engine's process in ``<run>/server/<engine>.json``, which launch wrote, so it works
+    whatever launch pushed or whether it failed.
+
+    :param engine: one entry of plan_engines' list (templated; mapped over).
     :param grace_seconds: how long SIGTERM gets before SIGKILL.
     """
 
-    template_fields: Sequence[str] = ("server",)
+    template_fields: Sequence[str] = ("engine",)
 
-    def __init__(self, *, server: Any = None, grace_seconds: float = 30.0, **kwargs: Any) -> None:
+    def __init__(self, *, engine: Any = None, grace_seconds: float = 30.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.server = server
+        self.engine = engine
         self.grace_seconds = grace_seconds
 
     def execute(self, context: Context) -> str:
@@ -89,21 +133,23 @@ class StopServerOperator(BaseOperator):
         from eagleflow.engine.process import ServerInfo, stop_server
 
         cfg = pipeline_config(context, check_model=False)  # the teardown must work whatever the Params say
-        if cfg.server_url:
-            self.log.info("Remote-server mode: the engine at %s is not ours to stop", cfg.server_url)
-            return "remote server left running"
-        state = cfg.layout.server_state
-        info = ServerInfo.from_dict(self.server) if isinstance(self.server, dict) else None
-        if info is None and state.exists():
+        name = str(self.engine["name"])
+        if cfg.remote:
+            self.log.info("Remote mode: %s at %s is not ours to stop", name, self.engine["url"])
+            return "remote engine left running"
+        state = cfg.layout.engine_state(name)
+        try:
             info = ServerInfo.from_dict(json.loads(state.read_text()))
+        except (FileNotFoundError, ValueError):
+            info = None
         if info is None or info.pid is None:
-            self.log.info("No engine was started for this run; nothing to stop")
+            self.log.info("%s was not started for this run; nothing to stop", name)
             return "nothing to stop"
         if not info.is_local:
-            raise AirflowException(f"engine pid {info.pid} runs on {info.host}, not here; cannot stop it from this worker")
+            raise AirflowException(f"{info.describe()} (pid {info.pid}) runs on {info.host}, not here; cannot stop it from this worker")
         message = stop_server(info.pid, self.grace_seconds)
         state.unlink(missing_ok=True)
-        self.log.info("%s", message)
+        self.log.info("%s: %s", name, message)
         return message
 
 
@@ -189,9 +235,9 @@ class ServerReadySensor(BaseSensorOperator):
     ``soft_fail`` turns it (and a dead engine) into a skip, as for any sensor.
 
     Fails at once, with the last 50 lines of the server log, when the engine process dies.
-    Returns (as XCom) the engine's ``{url, pid, host, log_path, dump_dir}``.
+    Returns (as XCom) the engine's ``{url, pid, host, log_path, dump_dir, name}``.
 
-    :param server: the launch task's XCom (templated).
+    :param server: one launch_server instance's XCom (templated; mapped over, one sensor per engine).
     :param poll_interval: seconds between probes (the sensor's ``poke_interval``).
     :param deferrable: wait in the triggerer instead of a worker.
     """
@@ -220,7 +266,7 @@ class ServerReadySensor(BaseSensorOperator):
         if check.state is Readiness.DEAD:
             self._fail("dead", check.message, server)
         if check.state is Readiness.READY:
-            self.log.info("Engine at %s is ready (%s)", server["url"], check.message)
+            self.log.info("%s is ready (%s)", ServerInfo.from_dict(server).describe(), check.message)
         return PokeReturnValue(is_done=check.state is Readiness.READY, xcom_value=server)
 
     def execute(self, context: Context) -> Any:
@@ -246,7 +292,7 @@ class ServerReadySensor(BaseSensorOperator):
         offset = self._show_new_log(server, int(event.get("log_offset", 0)))
         status = event.get("status")
         if status == "ready":
-            self.log.info("Engine at %s is ready (%s)", server["url"], event.get("message"))
+            self.log.info("Engine %s at %s is ready (%s)", server.get("name"), server["url"], event.get("message"))
             return server
         if status == "running":
             self.log.info("Engine still warming up: %s", event.get("message"))

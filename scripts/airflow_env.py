@@ -16,6 +16,11 @@ Every process it starts, and everything those start (task processes, the engine 
 launches), carries ``EAGLEFLOW_AIRFLOW_SESSION=<id>`` in its environment; :meth:`stop` ends
 exactly those process groups, by pid.
 
+With :class:`CeleryBackends` (PostgreSQL and Redis, e.g. from ``scripts/backing_services.py``)
+it runs the Celery deployment instead: the settings of ``docker/airflow.env``, the file the
+compose files load, and the compose file's two workers (:func:`celery_components`): one on the
+default queue, one on the GPU queue. ``tests/dags/test_celery.py`` runs it.
+
 Run it: ``python scripts/airflow_env.py --home .airflow --port 8080`` (Ctrl-C stops all).
 """
 
@@ -25,20 +30,25 @@ import argparse
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from eagleflow.engine.process import group_alive  # noqa: E402  (after the repo is on sys.path)
+from eagleflow.deploy import GPU_QUEUE  # noqa: E402  (after the repo is on sys.path)
+from eagleflow.engine.process import group_alive, pid_alive, process_tree  # noqa: E402
+
+# The Airflow settings the Celery deployment shares on every machine (docker-compose.yaml loads it too).
+DEPLOYMENT_SETTINGS = REPO / "docker" / "airflow.env"
 SESSION_VAR = "EAGLEFLOW_AIRFLOW_SESSION"
 ADMIN_USER = "admin"
 
@@ -51,13 +61,56 @@ COMPONENTS: dict[str, list[str]] = {
 }
 STOP_GRACE_SECONDS = 20.0
 LOG_TAIL_LINES = 40
+# Task slots of each Celery worker here (the compose file's GPU worker: EAGLEFLOW_GPU_WORKER_CONCURRENCY).
+CELERY_WORKER_CONCURRENCY = 2
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+@dataclass(frozen=True)
+class CeleryBackends:
+    """Where a Celery deployment keeps its metadata and sends its tasks.
+
+    :param database_url: SQLAlchemy URL of the metadata database (PostgreSQL).
+    :param result_backend: Celery's result backend (``db+postgresql://…``, the same database).
+    :param broker_url: Celery broker (``redis://:password@host:port/0``).
+    """
+
+    database_url: str
+    result_backend: str
+    broker_url: str
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """``NAME=value`` lines of a Compose env file (``#`` comments, blank lines); refuses what Compose would rewrite."""
+    values: dict[str, str] = {}
+    for number, raw in enumerate(path.read_text().splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, sep, value = line.partition("=")
+        if not sep or not name.replace("_", "").isalnum() or any(c in value for c in "$\"'"):
+            raise ValueError(f"{path}:{number}: expected a plain NAME=value line (no quotes, no $), got {raw!r}")
+        values[name] = value
+    return values
+
+
+def celery_components(settings: dict[str, str]) -> dict[str, list[str]]:
+    """The Celery deployment's components on one machine, as ``docker-compose.yaml`` starts them.
+
+    One triggerer takes both queues: the compose file's second triggerer exists only to share
+    the GPU worker's network and process namespaces, which one machine shares anyway. Celery
+    workers get node names (two on one host) and no log server (the api-server reads the
+    shared log folder), so nothing listens beyond 127.0.0.1.
+    """
+    default_queue = settings["AIRFLOW__OPERATORS__DEFAULT_QUEUE"]
+    worker = ["celery", "worker", "--skip-serve-logs", "--concurrency", str(CELERY_WORKER_CONCURRENCY)]
+    return {
+        "scheduler": COMPONENTS["scheduler"],
+        "dag-processor": COMPONENTS["dag-processor"],
+        "triggerer": [*COMPONENTS["triggerer"], "--queues", f"{default_queue},{GPU_QUEUE}"],
+        "api-server": COMPONENTS["api-server"],
+        "worker": [*worker, "--queues", default_queue, "--celery-hostname", f"{default_queue}@%h"],
+        "worker-gpu": [*worker, "--queues", GPU_QUEUE, "--celery-hostname", f"{GPU_QUEUE}@%h"],
+    }
 
 
 def airflow_env(
@@ -67,6 +120,7 @@ def airflow_env(
     parallelism: int = 4,
     all_admins: bool = False,
     inherit_airflow_settings: bool = True,
+    celery: CeleryBackends | None = None,
     extra: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """The environment every Airflow component (and so every task) runs with.
@@ -77,6 +131,8 @@ def airflow_env(
     :param all_admins: no login, everyone is admin (tests and screenshots only).
     :param inherit_airflow_settings: keep ``AIRFLOW__*`` variables of the calling environment
         (a user's own overrides); tests turn this off so nothing of the test process leaks in.
+    :param celery: run the Celery deployment's settings (``docker/airflow.env``) with these
+        backends instead of LocalExecutor and SQLite.
     :param extra: more variables, applied last.
     """
     home = home.absolute()
@@ -85,14 +141,9 @@ def airflow_env(
         "AIRFLOW_HOME": str(home),
         "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
         "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
         "AIRFLOW__CORE__PARALLELISM": str(parallelism),
-        # The DAG has schedule=None, so unpaused only means "a triggered run starts".
-        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": str(all_admins),
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{ADMIN_USER}:admin",
-        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
         "AIRFLOW__API__HOST": "127.0.0.1",
         "AIRFLOW__API__PORT": str(port),
         "AIRFLOW__API__WORKERS": "1",
@@ -105,6 +156,25 @@ def airflow_env(
         "PYTHONUNBUFFERED": "1",
         SESSION_VAR: uuid.uuid4().hex,
     }
+    if celery is None:
+        settings.update(
+            {
+                "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+                "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+                # The DAG has schedule=None, so unpaused only means "a triggered run starts".
+                "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+                "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
+            }
+        )
+    else:
+        settings.update(read_env_file(DEPLOYMENT_SETTINGS))
+        settings.update(
+            {
+                "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": celery.database_url,
+                "AIRFLOW__CELERY__RESULT_BACKEND": celery.result_backend,
+                "AIRFLOW__CELERY__BROKER_URL": celery.broker_url,
+            }
+        )
     # The repo's caches, never the home folder (as the Makefile sets them).
     cache = REPO / ".cache"
     for name, value in {
@@ -155,7 +225,7 @@ def session_processes(session: str) -> list[int]:
 
 
 class AirflowProcesses:
-    """Scheduler, dag-processor, triggerer and api-server of one AIRFLOW_HOME, as subprocesses.
+    """Airflow's components of one AIRFLOW_HOME, as subprocesses.
 
     Each starts in its own session so :meth:`stop` can end it with everything it forked.
     Output goes to ``<log_dir>/<name>.log`` or, with ``echo``, also to stdout prefixed by name.
@@ -163,13 +233,19 @@ class AirflowProcesses:
     :param env: from :func:`airflow_env`.
     :param log_dir: where each component's output is written.
     :param echo: also print every line, prefixed with the component's name.
+    :param components: name -> ``airflow`` sub-command; default :data:`COMPONENTS` (LocalExecutor),
+        :func:`celery_components` for the Celery deployment.
     """
 
-    def __init__(self, env: dict[str, str], log_dir: Path, echo: bool = False) -> None:
+    def __init__(
+        self, env: dict[str, str], log_dir: Path, echo: bool = False, components: dict[str, list[str]] | None = None
+    ) -> None:
         self.env = env
         self.log_dir = log_dir
         self.echo = echo
+        self.components = components or COMPONENTS
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.killed: list[int] = []
         self._threads: list[threading.Thread] = []
 
     @property
@@ -180,14 +256,14 @@ class AirflowProcesses:
         return self.log_dir / f"{name}.log"
 
     def start(self) -> None:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        for name in COMPONENTS:
+        for name in self.components:
             self.start_component(name)
 
     def start_component(self, name: str) -> None:
-        """Start one component (again), its output appended to its log."""
+        """Start one component (again, after :meth:`kill`); its output is appended to its log."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         process = subprocess.Popen(
-            airflow_command(*COMPONENTS[name]),
+            airflow_command(*self.components[name]),
             env=self.env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -205,6 +281,33 @@ class AirflowProcesses:
         _signal_group(process.pid, sig)
         process.wait(timeout=60)
         return process.pid
+
+    def kill(self, name: str, while_frozen: Callable[[], None] | None = None) -> list[int]:
+        """SIGKILL a component and every process under it, as a lost machine would end them.
+
+        Every process of the tree (a Celery worker's pool, its task processes and their step
+        children, in whatever session) is stopped with SIGSTOP first, so nothing finishes or
+        forks between the look and the kill; ``while_frozen`` runs at that moment (a test
+        records what was finished). The component is then no longer supervised until
+        :meth:`start_component`. Returns the pids killed.
+        """
+        process = self.processes.pop(name)
+        tree: list[int] = []
+        # Freeze until a pass finds nothing new: a fork in flight lands in the next pass.
+        while new := [pid for pid in process_tree(process.pid) if pid not in tree]:
+            for pid in new:
+                _signal(pid, signal.SIGSTOP)
+            tree += new
+        if while_frozen is not None:
+            while_frozen()
+        for pid in tree:
+            _signal(pid, signal.SIGKILL)
+        process.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(pid_alive(pid) for pid in tree) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.killed += tree
+        return tree
 
     def _copy_output(self, name: str, stream: IO[bytes]) -> None:
         with open(self.log_path(name), "ab") as log:
@@ -297,6 +400,13 @@ class AirflowProcesses:
 def _signal_group(group: int, sig: int) -> None:
     try:
         os.killpg(group, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
 

@@ -3,7 +3,8 @@
 Builds the tiny verifier and 120 synthetic conversations (cached under .cache/demo), gives
 Airflow a SQLite home in .airflow-demo, runs the DAG in-process with ``dag.test()`` (the
 real scheduling loop, deferrals and mapped tasks; no scheduler daemon needed) with the
-demo's Params, then prints where everything is and a short summary.
+demo's Params, then prints where everything is and a short summary (the capture check's
+figures among it).
 
 ``--hidden-states-dtype fp8`` runs the same DAG storing fp8 hidden states, and ``--regenerate``
 with the verifier's own answers (``regenerate_responses``), each in its own run folder
@@ -83,6 +84,11 @@ def main() -> int:
         print(f"  on disk      {summary['hidden_state_bytes'] / summary['tokens']:.1f} B of hidden states per token")
     print(f"  validated    {summary.get('validated_rows', 0)}/{summary['rows']} rows' hidden-state files"
           + (f"; problems: {summary['invalid_rows']}" if summary.get("invalid_rows") else ""))
+    for check in summary.get("capture_checks", []):
+        worst = check["worst"]
+        print(f"  capture      {check['name']} {'passed' if check['passed'] else 'FAILED'} on {check['rows']} rows: final slot "
+              f"worst logprob error {worst.get('error', float('nan')):.3f} (tolerance {worst.get('tolerance', float('nan')):.3f}), "
+              f"top-1 agreement {check['top1_agreement'] or 0:.1%}; report {cfg.layout.capture_check_report(check['name'])}")
     print(f"  checkpoint   {summary['checkpoint']}")
     print(f"  charts       {', '.join(summary['charts'])}")
     if "step0_acc_last" in summary:
@@ -95,7 +101,8 @@ def main() -> int:
               f"{evaluation['engine']} engine); report {cfg.layout.evaluation / 'report.json'}")
     complete = summary.get("validated_rows") == summary["rows"] > 0
     evaluated = bool(evaluation) and (evaluation["accept_length"]["mean"] or 0) > 1
-    return 0 if str(run.state) == "success" and complete and evaluated else 1
+    checked = bool(check) and check["passed"]
+    return 0 if str(run.state) == "success" and complete and evaluated and checked else 1
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from eagleflow.layout import RunLayout, plan_shards  # noqa: E402
+from eagleflow.layout import RunLayout, engine_name, plan_shards  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".cache"
@@ -129,17 +129,18 @@ def build_run(layout: RunLayout, model: Path, rows: int, shard_size: int, aux: l
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     aux_text = ",".join(map(str, aux))
-    with layout.server_log.open("wb") as server_log:
+    engine_log = layout.engine_log(engine_name(0))
+    with engine_log.open("wb") as server_log:
         server = subprocess.Popen(
             [py, "-u", "-m", "eagleflow", "serve-reference", "--model", str(model), "--dump-dir", str(layout.dump_dir),
              "--aux-layers", aux_text, "--host", "127.0.0.1", "--port", str(port), "--threads", "1"],
             cwd=REPO, stdout=server_log, stderr=subprocess.STDOUT, start_new_session=True,
         )
     try:
-        wait_ready(url, server, layout.server_log)
+        wait_ready(url, server, engine_log)
         for shard in plan_shards(rows, shard_size):
             run([py, "-m", "eagleflow", "extract", "--dataset", str(layout.dataset), "--server", url,
-                 "--dump-dir", str(layout.dump_dir), "--rows", f"{shard['start']}:{shard['end']}", "--model", str(model),
+                 "--engine", engine_name(0), "--dump-dir", str(layout.dump_dir), "--rows", f"{shard['start']}:{shard['end']}", "--model", str(model),
                  "--aux-layer-ids", aux_text, "--manifest", str(layout.shard_manifest(str(shard["name"]))),
                  "--server-pid", str(server.pid), "--concurrency", "2"],
                 log=layout.root / f"extract-{shard['name']}.log")

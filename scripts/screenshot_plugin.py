@@ -88,7 +88,7 @@ def prepare_output_root(source: Path, root: Path) -> Path:
     shutil.rmtree(run, ignore_errors=True)
     (run / "train").mkdir(parents=True)
     shutil.copytree(source / "shards", run / "shards")
-    for relative in ("train/metrics.jsonl", "train/train.log", "server/server.log"):
+    for relative in ("train/metrics.jsonl", "train/train.log", "server/engine-0.log"):
         if (source / relative).is_file():
             (run / relative).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source / relative, run / relative)

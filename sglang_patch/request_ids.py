@@ -1,11 +1,12 @@
 """Request ids (rids) the pipeline sends and the capture skips: the one place their format lives.
 
 The extractor names each request after its dataset row, ``row{N}-{12 hex}`` (unique per
-attempt, the row readable back); the engine names its dump after the rid. Two kinds are never
-captured: SGLang's own health checks (rid prefix ``HEALTH_CHECK``, ``sglang/srt/constants.py``;
-``/health``'s rid is ``f"{prefix}_{uuid}"``) and the regeneration of a dataset's answers
-(``regen-…``), whose prefill is an extend pass like any other. Standard library only: the hook
-imports this inside the SGLang server.
+attempt, the row readable back), the capture check its own ``verify-row{N}-{12 hex}``; the
+engine names its dump after the rid. Two kinds are never captured: SGLang's own health checks
+(rid prefix ``HEALTH_CHECK``, ``sglang/srt/constants.py``; ``/health``'s rid is
+``f"{prefix}_{uuid}"``) and the regeneration of a dataset's answers (``regen-…``), whose prefill
+is an extend pass like any other. Standard library only: the hook imports this inside the
+SGLang server.
 """
 
 from __future__ import annotations
@@ -23,6 +24,15 @@ _ROW_RID = re.compile(r"^row(\d+)-")
 def row_request_id(row: int) -> str:
     """A new rid for one attempt at dataset row ``row``: ``row{row}-{12 hex digits}``."""
     return f"row{row}-{uuid.uuid4().hex[:12]}"
+
+
+def verify_request_id(row: int) -> str:
+    """A new rid for the capture check's request of dataset row ``row``: ``verify-row{row}-{12 hex}``.
+
+    Captured like an extraction rid (:func:`is_captured`), but never read back as a row's attempt,
+    so neither the extractor's clean-up nor a row's test fault touches it.
+    """
+    return f"verify-row{row}-{uuid.uuid4().hex[:12]}"
 
 
 def row_of_request_id(rid: str) -> int | None:

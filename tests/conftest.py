@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -29,6 +32,24 @@ os.environ.setdefault("PYTHONUNBUFFERED", "1")
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO
+
+
+def load_script(script: str) -> ModuleType:
+    """``scripts/<script>.py`` as a module (scripts/ is not a package), loaded once."""
+    name = f"eagleflow_scripts_{script}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{script}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before running it: its dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.fixture(scope="session")
+def scripts() -> Callable[[str], ModuleType]:
+    """``scripts("airflow_env")``: a module of ``scripts/``, e.g. the local Airflow the tests run."""
+    return load_script
 
 
 @pytest.fixture(scope="session")
@@ -55,6 +76,21 @@ os.environ["AIRFLOW_HOME"] = str(AIRFLOW_TEST_HOME)
 os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(REPO / "dags")
 os.environ["AIRFLOW__CORE__PLUGINS_FOLDER"] = str(REPO / "plugins")
 os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread in this process for a module's tests (``pytestmark = pytest.mark.usefixtures(...)``).
+
+    On a shared 2-core machine an engine subprocess and this process's busy-waiting OpenMP pools
+    slow each other down many times over (40 ms forwards took seconds).
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -54,6 +54,14 @@ def config_int(model_dir: str | Path, key: str) -> int:
     return value
 
 
+def config_float(model_dir: str | Path, key: str, default: float | None = None) -> float:
+    """A number of the text config, e.g. ``rms_norm_eps``; ``default`` when absent (else an error)."""
+    value = text_config(model_dir).get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UserError(f"{Path(model_dir) / 'config.json'} has no number {key!r} (nor in its text_config)")
+    return float(value)
+
+
 def resolve_aux_layer_ids(model_dir: str | Path, aux_layer_ids: Sequence[int] | None, name: str = "--aux-layer-ids") -> list[int]:
     """The aux ids a run captures: as given, else speculators' default for the model's depth.
 

@@ -70,7 +70,8 @@ def make_demo_inputs(demo_dir: str | Path) -> dict[str, str]:
 def run_summary(
     run_dir: str | Path, model_path: str | Path, aux_layer_ids: list[int], hidden_states_dtype: HiddenStatesDtype = "bf16"
 ) -> dict[str, Any]:
-    """What a finished run produced: the run report, every row's file validated, tokens, step-0 accuracy."""
+    """What a finished run produced: the run report (capture check included), every row's file validated, tokens,
+    step-0 accuracy."""
     from eagleflow.data.prepare import MARKER_FILE
     from eagleflow.data.verifier import config_int
     from eagleflow.extract.sample_store import validate_dataset
@@ -87,6 +88,7 @@ def run_summary(
         "shards": [s["name"] for s in facts["shards"]],
         "hidden_state_bytes": sum(p.stat().st_size for p in layout.hidden_states.glob("hs_*.safetensors")),
         "checkpoint": facts["checkpoint"],
+        "capture_checks": facts["capture_checks"],
         "evaluation": facts["evaluation"],
         "charts": sorted(str(p) for p in layout.charts.glob("*.*")),
     }

@@ -2,6 +2,7 @@
 
 - :mod:`~eagleflow.engine.process`: start, probe, and stop an engine process (shared by the
   Airflow operators and the extractor, so "ready", "dead" and "stopped" mean one thing);
+- :mod:`~eagleflow.engine.pool`: a run's engines, and which one a shard uses;
 - :mod:`~eagleflow.engine.launch`: the command line a run launches;
 - :mod:`~eagleflow.engine.sglang_command`: SGLang's command line with the capture hook;
 - :mod:`~eagleflow.engine.reference`: the ``transformers`` stand-in for SGLang;

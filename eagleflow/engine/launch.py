@@ -18,8 +18,13 @@ from eagleflow.export.step import ServedDrafter
 from eagleflow.pipeline import PipelineConfig, model_dir
 
 
-def engine_command(cfg: PipelineConfig, port: int) -> tuple[list[str], dict[str, str]]:
-    """argv and environment of the engine this run launches (never a shell string)."""
+def engine_command(cfg: PipelineConfig, port: int, gpu_offset: int = 0) -> tuple[list[str], dict[str, str]]:
+    """argv and environment of one engine this run launches (never a shell string).
+
+    :param port: the port it binds on 127.0.0.1.
+    :param gpu_offset: first GPU of an SGLang engine (``--base-gpu-id``): the GPUs before it are
+        taken by this run's other engines on the same machine.
+    """
     layout = cfg.layout
     aux_ids = cfg.resolved_aux_layer_ids()
     if cfg.engine == "reference":
@@ -42,6 +47,7 @@ def engine_command(cfg: PipelineConfig, port: int) -> tuple[list[str], dict[str,
         aux_layer_ids=aux_ids,
         dump_dir=str(layout.dump_dir),
         dump_queue_bytes=cfg.dump_queue_bytes,
+        base_gpu_id=gpu_offset,
         hidden_states_dtype=cfg.hidden_states_dtype,
         extra_args=list(cfg.server_extra_args),
     )

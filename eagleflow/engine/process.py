@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import fcntl
 import json
 import os
 import signal
@@ -15,7 +16,8 @@ import socket
 import subprocess
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -26,22 +28,32 @@ LOG_TAIL_LINES = 50
 START_MARKER = "===== "  # start_server writes it before each engine's output
 
 
+def engine_label(name: str, url: str) -> str:
+    """How logs and manifests name an engine: ``engine-1 at http://127.0.0.1:30001`` (the URL alone without a name)."""
+    return f"{name} at {url}" if name else url
+
+
 @dataclass(frozen=True)
 class ServerInfo:
-    """XCom payload of DESIGN.md §3.5: where the engine answers and how to find its process."""
+    """XCom payload of DESIGN.md §3.5: which engine, where it answers and how to find its process."""
 
     url: str
     pid: int | None
     host: str
     log_path: str
     dump_dir: str
+    name: str = "engine-0"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ServerInfo:
-        return cls(**{k: data.get(k) for k in ("url", "pid", "host", "log_path", "dump_dir")})
+        return cls(**{f.name: data.get(f.name, None if f.default is MISSING else f.default) for f in fields(cls)})
+
+    def describe(self) -> str:
+        """``engine-1 at http://127.0.0.1:30001``: how logs and manifests name the engine."""
+        return engine_label(self.name, self.url)
 
     @classmethod
     def at(cls, url: str, pid: int | None = None) -> ServerInfo:
@@ -149,8 +161,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def start_server(argv: list[str], env: dict[str, str], log_path: Path, state_path: Path, url: str, dump_dir: Path) -> ServerInfo:
-    """Start the engine in its own session, its output appended to ``log_path``.
+def start_server(
+    argv: list[str], env: dict[str, str], log_path: Path, state_path: Path, url: str, dump_dir: Path, name: str = "engine-0"
+) -> ServerInfo:
+    """Start engine ``name`` in its own session, its output appended to ``log_path``.
 
     Its own session: a killed Airflow task takes its process group down with it, and the
     server must outlive the launch task. The state file lets a later task (or a retry)
@@ -170,9 +184,24 @@ def start_server(argv: list[str], env: dict[str, str], log_path: Path, state_pat
             start_new_session=True,
             close_fds=True,
         )
-    info = ServerInfo(url=url, pid=process.pid, host=socket.gethostname(), log_path=str(log_path), dump_dir=str(dump_dir))
+    info = ServerInfo(
+        url=url, pid=process.pid, host=socket.gethostname(), log_path=str(log_path), dump_dir=str(dump_dir), name=name
+    )
     atomic_write_json(state_path, info.as_dict())
     return info
+
+
+@contextlib.contextmanager
+def launch_lock(folder: Path) -> Iterator[None]:
+    """One engine launch at a time per run folder (``.launch.lock`` in it): launches that run at
+    once see each other's engines before choosing GPUs."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".launch.lock", "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def running_server(state_path: Path) -> ServerInfo | None:
@@ -227,17 +256,36 @@ def stop_server(pid: int, grace: float = 30.0) -> str:
     return f"engine process group {pgid} did not stop within {grace:.0f}s; killed it"
 
 
-def group_members(pgid: int) -> list[int]:
-    """Pids of the live (non-zombie) processes in process group ``pgid``."""
-    members = []
+def _live_processes() -> list[tuple[int, int, int]]:
+    """``(pid, parent pid, process group)`` of every live (non-zombie) process, read from /proc."""
+    found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(stat.parent.name))
-    return members
+        if fields[0] != "Z":
+            found.append((int(stat.parent.name), int(fields[1]), int(fields[2])))
+    return found
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids of the live (non-zombie) processes in process group ``pgid``."""
+    return [pid for pid, _, group in _live_processes() if group == pgid]
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` (while alive) and every live process descended from it, whatever its session."""
+    children: dict[int, list[int]] = {}
+    for pid, parent, _ in _live_processes():
+        children.setdefault(parent, []).append(pid)
+    tree = [root] if pid_alive(root) else []
+    todo = list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
 
 
 def die_with_parent(signum: int, parent_pid: int | None = None) -> None:

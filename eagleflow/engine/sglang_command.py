@@ -113,6 +113,9 @@ class SGLangServerConfig(BaseModel):
     tp_size: int = Field(8, description="tensor-parallel size (--tp-size); the reference node has 8 GPUs")
     host: str = Field("127.0.0.1", description="address the server binds")
     port: int = Field(30000, description="port the server binds")
+    base_gpu_id: int = Field(
+        0, ge=0, description="first GPU the server uses (--base-gpu-id); another engine on the same node holds the ones before it"
+    )
     attention_backend: str = Field("triton", description="--attention-backend; flashinfer is refused on SM120 GPUs (it hung there)")
     num_continuous_decode_steps: int = Field(4, description="--num-continuous-decode-steps (seed tuning)")
     extra_args: list[str] = Field(
@@ -197,6 +200,7 @@ def build_command(
         *cuda_graph_off_flags(version),
         "--enforce-disable-flashinfer-allreduce-fusion",
         "--forward-hooks", hooks_json,
+        *(["--base-gpu-id", str(cfg.base_gpu_id)] if cfg.base_gpu_id else []),
         *extra,
     ]
     env = {**NCCL_ENV, "PYTHONUNBUFFERED": "1", hook_spec.DUMP_DIR_ENV: str(cfg.dump_dir)}

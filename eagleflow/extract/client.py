@@ -1,4 +1,4 @@
-"""The extractor's side of SGLang's native API: one prefill-only ``/generate`` per row.
+"""The extractor's side of SGLang's native API: one prefill-only ``/generate`` per row, and its dump.
 
 Request ids come from :func:`sglang_patch.request_ids.row_request_id` (``row{N}-…``), so the
 engine's dump is named after the row's attempt. Answers are sorted into what the shard does
@@ -88,6 +88,19 @@ class EngineClient:
         except self._requests.RequestException:
             pass  # a gone or hung engine is found out by the next request
 
+    def server_info(self) -> dict[str, Any]:
+        """SGLang's ``/server_info`` (its launch settings: ``tp_size``, ``disable_radix_cache``, ``version``, …);
+        empty when the engine does not answer it."""
+        for path in ("/server_info", "/get_server_info"):  # the second: its deprecated name, in older releases
+            try:
+                response = self._requests.get(f"{self.url}{path}", timeout=30)
+            except self._requests.RequestException:
+                return {}
+            if response.status_code == 200:
+                info = response.json()
+                return info if isinstance(info, dict) else {}
+        return {}
+
     def generate(self, row: int, input_ids: list[int], rid: str | None = None) -> tuple[str, dict[str, Any]]:
         """Send one prefill-only request (rid: a new one for ``row`` by default); return ``(rid, meta_info)`` or raise."""
         rid = rid or row_request_id(row)
@@ -95,13 +108,17 @@ class EngineClient:
         return rid, answer.get("meta_info", {})
 
     def complete(
-        self, rid: str, input_ids: list[int], max_new_tokens: int, temperature: float, row: int | None = None
+        self, rid: str, input_ids: list[int], max_new_tokens: int, temperature: float, row: int | None = None, **fields: Any
     ) -> dict[str, Any]:
         """One ``/generate`` request; SGLang's answer (``text``, ``output_ids``, ``meta_info``) or raise.
 
         :param row: the dataset row the request is for, named in a 4xx error.
+        :param fields: more top-level fields of SGLang's body, e.g. ``return_logprob=True``.
         """
-        body = {"rid": rid, "input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature}}
+        body = {
+            "rid": rid, "input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature},
+            **fields,
+        }
         post = self._post or self._session().post
         try:
             response = post(f"{self.url}/generate", json=body, timeout=self.request_timeout)
@@ -123,7 +140,7 @@ class EngineClient:
         if response.status_code >= 400:
             raise RowFailed(
                 f"engine rejected the request{'' if row is None else f' for row {row}'} with {response.status_code}: "
-                f"{error_message(response)} (request fields sent: rid, input_ids, sampling_params)"
+                f"{error_message(response)} (request fields sent: {', '.join(body)})"
             )
         return answer[0] if isinstance(answer, list) else answer
 

@@ -14,6 +14,7 @@ class ExtractConfig(BaseModel):
 
     dataset: Path = Field(description="training dataset folder (prepare-dataset output)")
     server: str = Field(description="engine base URL, e.g. http://127.0.0.1:30000")
+    engine: str = Field("", description="the engine's name (engine-0, …), for the log and the manifest")
     dump_dir: Path = Field(description="folder where the engine writes <rid>.safetensors")
     rows: str = Field(description="START:END, end exclusive")
     model: Path = Field(description="verifier model folder (hidden size)")

@@ -26,13 +26,15 @@ class ShardManifest:
     """What happened to one shard: DESIGN.md §3.5's shard result plus per-row failures.
 
     ``state`` is one of :data:`STATES`; ``failed`` lists ``{"row", "reason"}``; ``error`` says why
-    the shard is not ``success`` (rows failed, the engine went away, the disk is full, SIGTERM).
+    the shard is not ``success`` (rows failed, the engine went away, the disk is full, SIGTERM);
+    ``engine`` names the engine of the latest attempt (``engine-1 at http://…``).
     """
 
     name: str
     start: int = 0
     end: int = 0
     state: str = RUNNING
+    engine: str = ""
     done: int = 0
     skipped: int = 0
     failed: list[dict[str, Any]] = field(default_factory=list)

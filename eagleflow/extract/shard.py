@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from eagleflow.config import add_model_arguments, model_from_args
 from eagleflow.data.verifier import config_int, resolve_aux_layer_ids
-from eagleflow.engine.process import pid_alive
+from eagleflow.engine.process import engine_label, pid_alive
 from eagleflow.errors import UserError
 from eagleflow.extract.config import ExtractConfig, parse_rows
 from eagleflow.extract.client import AnswerLost, EngineClient, RowFailed, ServerGone
@@ -51,6 +51,8 @@ from sglang_patch.sample_file import sample_file_bytes
 
 MAX_LISTED_FAILURES = 20
 MIN_ROWS_AWAITING_DUMPS = 4  # beside the requests in flight, rows whose dump is being written
+# Exit status when the engine went away mid-shard (EX_TEMPFAIL): a retry on another engine may succeed.
+EXIT_ENGINE_GONE = 75
 
 
 class ShardExtractor:
@@ -67,7 +69,8 @@ class ShardExtractor:
         self.hidden_size = config_int(cfg.model, "hidden_size")
         self.client = client or EngineClient(cfg.server, cfg.request_timeout)
         self.sleep = sleep
-        self.report = ShardManifest(self.name, self.start, self.end)
+        self.engine = engine_label(cfg.engine, cfg.server)
+        self.report = ShardManifest(self.name, self.start, self.end, engine=self.engine)
         self._stop = threading.Event()
         self._stopped: tuple[str, str] | None = None  # (state, reason) of a shard-wide stop
         self._stop_error: BaseException | None = None  # what _extract re-raises for it
@@ -101,7 +104,7 @@ class ShardExtractor:
             todo = self._skip_complete(rows)
             print(
                 f"shard {self.name}: {len(rows)} rows, {self.report.skipped} already complete, {len(todo)} to extract "
-                f"from {self.cfg.server} with {self.cfg.concurrency} in flight",
+                f"from {self.engine} with {self.cfg.concurrency} in flight",
                 flush=True,
             )
             self._write_manifest()
@@ -334,7 +337,10 @@ def main(args: argparse.Namespace) -> int:
     extractor = ShardExtractor(cfg)
     try:
         report = extractor.run()
-    except (ServerGone, DiskFull) as exc:
+    except ServerGone as exc:
+        print(f"error: shard {extractor.name} stopped: {exc.reason}; a retry resumes on an engine that is up", flush=True)
+        os._exit(EXIT_ENGINE_GONE)  # worker threads may still sit in a dead connection; the manifest is written
+    except DiskFull as exc:
         print(f"error: shard {extractor.name} stopped: {exc.reason}; finished rows are kept, a retry resumes", flush=True)
         os._exit(1)  # worker threads may still sit in a dead connection; the manifest is written
     except KeyboardInterrupt:

@@ -19,13 +19,17 @@ with plain names and a plain config is used as it is.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagleflow.data.verifier import read_config, text_config_of
 from eagleflow.errors import UserError
 from eagleflow.files import atomic_folder
+
+if TYPE_CHECKING:
+    import torch
 
 EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
@@ -93,6 +97,21 @@ def locate_weights(model_dir: Path) -> VerifierWeights:
     return VerifierWeights(embed, lm_head, norm, {k: names[k] for k in keys})
 
 
+def read_weight(model_dir: Path, weights: VerifierWeights, key: str, rows: Sequence[int] | None = None) -> torch.Tensor:
+    """Tensor ``key`` of the verifier (one of ``weights``'), read alone from its safetensors file.
+
+    :param rows: only these rows (e.g. the embedding rows of a prompt's tokens), each read on its own.
+    """
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(str(Path(model_dir) / weights.files[key]), framework="pt") as handle:
+        if rows is None:
+            return handle.get_tensor(key).contiguous()
+        piece = handle.get_slice(key)
+        return torch.cat([piece[row : row + 1] for row in rows]) if rows else piece[0:0]
+
+
 def head_config(config: dict[str, Any]) -> dict[str, Any]:
     """The plain text config for the head folder: the nested text config if any, made native."""
     out = dict(text_config_of(config))
@@ -148,7 +167,6 @@ def prepare_verifier(model_dir: Path, head_dir: Path) -> Path:
         print(f"verifier head {head_dir} is up to date (from {model_dir})", flush=True)
         return head_dir
 
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
     config = head_config(read_config(model_dir))
@@ -158,8 +176,7 @@ def prepare_verifier(model_dir: Path, head_dir: Path) -> Path:
     for plain, key in ((EMBED, weights.embed_key), (LM_HEAD, weights.lm_head_key), (NORM, weights.norm_key)):
         if key is None:
             continue  # tied LM head: speculators falls back to the embedding, as the verifier does
-        with safe_open(str(model_dir / weights.files[key]), framework="pt") as handle:
-            tensors[plain] = handle.get_tensor(key).contiguous()
+        tensors[plain] = read_weight(model_dir, weights, key)
     vocab, hidden = config.get("vocab_size"), config.get("hidden_size")
     if tuple(tensors[EMBED].shape) != (vocab, hidden):
         raise UserError(

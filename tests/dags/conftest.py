@@ -1,14 +1,16 @@
 """Fixtures for the real-scheduler tests: a whole Airflow (scheduler, dag-processor, triggerer,
-api-server) started as subprocesses, exactly as ``make airflow`` starts it, and a small REST client.
+api-server) started as subprocesses, exactly as ``make airflow`` starts it, and a small REST client;
+and the same with CeleryExecutor as ``docker/`` deploys it (PostgreSQL, Redis, two Celery workers).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import os
+import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -16,22 +18,112 @@ from typing import Any
 
 import pytest
 
+from eagleflow.engine.process import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 DAG_ID = "eagleflow"
 TERMINAL_RUN_STATES = ("success", "failed")
 
 
-def load_airflow_env() -> ModuleType:
-    """``scripts/airflow_env.py`` (scripts/ is not a package)."""
-    name = "eagleflow_scripts_airflow_env"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / "airflow_env.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+@dataclass
+class RunInputs:
+    """A small run's inputs: the untrained tiny verifier, ``rows`` synthetic conversations, and Params sized for 2 cores."""
+
+    model: Path
+    conversations: Path
+    rows: int
+    max_len: int = 256
+
+    def conf(self, output_root: Path, run_name: str, **overrides: Any) -> dict[str, Any]:
+        """Params of a run of the reference engine (short warmup, one torch thread), a 1-epoch drafter, a 2-prompt evaluation."""
+        return {
+            "engine": "reference",
+            "model_path": str(self.model),
+            "dataset_input": str(self.conversations),
+            "output_root": str(output_root),
+            "run_name": run_name,
+            "max_len": self.max_len,
+            "concurrency": 4,
+            "server_port": 0,
+            "server_extra_args": ["--warmup-seconds", "3", "--threads", "1"],
+            "warmup_timeout_minutes": 5.0,
+            "epochs": 1,
+            "total_seq_len": 512,
+            "num_workers": 0,
+            "draft_vocab_size": 256,
+            "device": "cpu",
+            "eval_rows": 2,
+            "eval_max_new_tokens": 8,
+            "eval_concurrency": 1,
+            **overrides,
+        }
+
+    def check_every_row(self, dataset: Path) -> None:
+        """Every row's file passes ``validate_dataset`` and speculators' own reader loads it with the row's tokens."""
+        from datasets import load_from_disk
+        from speculators.train.data import ArrowDataset
+
+        from eagleflow.data.verifier import config_int, resolve_aux_layer_ids
+        from eagleflow.extract.sample_store import validate_dataset
+
+        hidden = config_int(str(self.model), "hidden_size")
+        slots = len(resolve_aux_layer_ids(self.model, None)) + 1
+        rows = load_from_disk(str(dataset))
+        assert len(rows) == self.rows
+        assert validate_dataset(dataset, slots, hidden) == []
+        reader = ArrowDataset(max_len=self.max_len, datapath=str(dataset), on_missing="raise")
+        assert len(reader) == self.rows
+        for row in range(self.rows):
+            item = reader[row]
+            assert item["input_ids"].tolist() == [int(t) for t in rows[row]["input_ids"]]
+            assert item["hidden_states"].shape[-1] == hidden * (slots - 1), item["hidden_states"].shape
+
+
+@pytest.fixture(scope="module")
+def run_inputs(random_tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], RunInputs]:
+    """``run_inputs(rows)``: :class:`RunInputs` with that many conversations (made once per size and module)."""
+    made: dict[int, RunInputs] = {}
+
+    def make(rows: int) -> RunInputs:
+        if rows not in made:
+            out = tmp_path_factory.mktemp("inputs") / f"conversations-{rows}.jsonl"
+            subprocess.run(
+                [sys.executable, "-m", "eagleflow", "make-dataset", "--tokenizer", str(random_tiny_model), "--out", str(out),
+                 "--rows", str(rows)],
+                check=True, capture_output=True, text=True,
+            )
+            made[rows] = RunInputs(model=random_tiny_model, conversations=out, rows=rows)
+        return made[rows]
+
+    return make
+
+
+def shard_in_flight(run_folder: Path, min_rows: int, engine: str = "") -> dict[str, Any] | None:
+    """The manifest of a shard that is extracting (of ``engine``, when given) with at least ``min_rows`` rows written.
+
+    Rows are counted by their files: the manifest's own counts move only at progress lines.
+    """
+    from eagleflow.extract.sample_store import sample_path
+    from eagleflow.layout import RunLayout
+
+    layout = RunLayout(run_folder)
+    for path in sorted(layout.shards.glob("rows_*.json")):
+        try:
+            manifest = json.loads(path.read_text())
+        except (OSError, ValueError):  # published atomically, but may vanish under the listing
+            continue
+        if manifest["state"] != "running" or not manifest["engine"].startswith(engine):
+            continue
+        written = [row for row in range(manifest["start"], manifest["end"]) if sample_path(layout.hidden_states, row).exists()]
+        if len(written) >= min_rows:
+            return manifest
+    return None
+
+
+@pytest.fixture(scope="session")
+def in_flight() -> Callable[..., dict[str, Any] | None]:
+    """:func:`shard_in_flight`, for the tests that act while a shard runs."""
+    return shard_in_flight
 
 
 class ApiError(AssertionError):
@@ -74,6 +166,16 @@ class AirflowStack:
         dead = self.processes.describe_dead()
         return "\n".join(rows) + (f"\n{dead}" if dead else "")
 
+    def trigger(self, run_id: str, conf: dict[str, Any]) -> None:
+        """Unpause the DAG (Celery's settings create it paused) and trigger a run with ``conf``."""
+        self.request("PATCH", f"/dags/{DAG_ID}", json={"is_paused": False})
+        self.request("POST", f"/dags/{DAG_ID}/dagRuns", json={"dag_run_id": run_id, "logical_date": None, "conf": conf})
+
+    def tries(self, run_id: str, task_id: str, map_index: int = -1) -> list[dict[str, Any]]:
+        """Every try of one task instance (finished ones from the history, then the current one), oldest first."""
+        body = self.request("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/{task_id}/{map_index}/tries")
+        return sorted(body["task_instances"], key=lambda ti: ti["try_number"])
+
     def xcom(self, run_id: str, task_id: str, map_index: int = -1) -> Any:
         body = self.request(
             "GET",
@@ -81,8 +183,14 @@ class AirflowStack:
             params={"map_index": map_index},
         )
         value = body["value"]
-        # Stored as JSON; older rows (or other backends) may hand back the JSON text itself.
-        return json.loads(value) if isinstance(value, str) else value
+        # Stored as JSON; older rows (or other backends) may hand back the JSON text itself, and a
+        # task that returned a plain string gets that string.
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except ValueError:
+                return value
+        return value
 
     def task_log(self, run_id: str, task_id: str, try_number: int, map_index: int = -1) -> str:
         """The task's log as the UI shows it (read by the api-server from the log folder)."""
@@ -111,16 +219,16 @@ class AirflowStack:
 
 
 @pytest.fixture(scope="module")
-def airflow_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AirflowStack]:
+def airflow_stack(tmp_path_factory: pytest.TempPathFactory, scripts: Callable[[str], ModuleType]) -> Iterator[AirflowStack]:
     """A real Airflow on a free 127.0.0.1 port, SQLite and LocalExecutor, in a temporary AIRFLOW_HOME.
 
     Teardown stops every process the stack started, engines and task processes included, and
     checks by pid that none is left.
     """
-    airflow_env = load_airflow_env()
+    airflow_env = scripts("airflow_env")
     home = tmp_path_factory.mktemp("airflow-home")
     env = airflow_env.airflow_env(
-        home, port=airflow_env.free_port(), parallelism=3, all_admins=True, inherit_airflow_settings=False
+        home, port=free_port(), parallelism=3, all_admins=True, inherit_airflow_settings=False
     )
     airflow_env.migrate_db(env)
     processes = airflow_env.AirflowProcesses(env, home / "component-logs")
@@ -134,6 +242,51 @@ def airflow_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AirflowS
         started = processes.stop()
         left = [pid for pid in started if _alive(pid)] + airflow_env.session_processes(env[airflow_env.SESSION_VAR])
         assert not left, f"processes of the test's Airflow still alive after stop: {sorted(set(left))}"
+
+
+@pytest.fixture(scope="module")
+def celery_stack(tmp_path_factory: pytest.TempPathFactory, scripts: Callable[[str], ModuleType]) -> Iterator[AirflowStack]:
+    """Airflow with CeleryExecutor, as ``docker/docker-compose.yaml`` deploys it, on this machine.
+
+    PostgreSQL (metadata database, run as its own system user) and Redis (Celery broker) from
+    the Debian packages, on free 127.0.0.1 ports with generated passwords; the settings of
+    ``docker/airflow.env`` (the compose files load the same file); scheduler, dag-processor,
+    triggerer, api-server and two Celery workers, one on the default queue and one on the GPU
+    queue, the GPU pool imported from ``docker/pools.json``. Teardown stops everything and
+    checks by pid that no process is left and that no port is still taken.
+    """
+    airflow_env, services = scripts("airflow_env"), scripts("backing_services")
+    try:
+        postgres, redis = services.PostgresServer(), services.RedisServer()
+    except services.ServiceError as missing:  # not installed: .ci/run installs both
+        if os.environ.get("CI"):
+            pytest.fail(f"{missing} - CI must install it")
+        pytest.skip(str(missing))
+    home = tmp_path_factory.mktemp("airflow-celery-home")
+    processes = None
+    api_port = free_port()
+    try:
+        postgres.start()
+        redis.start()
+        backends = airflow_env.CeleryBackends(postgres.url, postgres.result_backend, redis.url)
+        env = airflow_env.airflow_env(
+            home, port=api_port, parallelism=4, all_admins=True, inherit_airflow_settings=False, celery=backends
+        )
+        airflow_env.migrate_db(env)
+        processes = airflow_env.AirflowProcesses(env, home / "component-logs", components=airflow_env.celery_components(env))
+        stack = AirflowStack(home=home, processes=processes)
+        processes.start()
+        processes.wait_until_healthy(timeout=300)
+        _wait_for_dag(stack, timeout=180)
+        yield stack
+    finally:
+        started = processes.stop() + processes.killed if processes else []
+        session = airflow_env.session_processes(processes.env[airflow_env.SESSION_VAR]) if processes else []
+        backend_pids = postgres.stop() + redis.stop()
+        left = sorted({pid for pid in started + backend_pids if _alive(pid)} | set(session))
+        assert not left, f"processes of the Celery deployment still alive after stop: {left}"
+        taken = [port for port in (api_port, postgres.port, redis.port) if not services.port_is_free(port)]
+        assert not taken, f"ports still taken after stop: {taken}"
 
 
 def _wait_for_dag(stack: AirflowStack, timeout: float) -> None:

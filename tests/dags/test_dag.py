@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -12,7 +13,7 @@ import pytest
 from eagleflow.config import model_to_argv
 from eagleflow.engine.reference.config import ReferenceEngineConfig
 from eagleflow.extract.sample_store import validate_dataset
-from eagleflow.engine.process import Readiness, check_ready, free_port, pid_alive, start_server, stop_server
+from eagleflow.engine.process import Readiness, ServerInfo, check_ready, free_port, pid_alive, start_server, stop_server
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -21,16 +22,25 @@ def test_the_dag_tells_the_story(eagleflow_dag) -> None:
     dag = eagleflow_dag
     tasks = dag.task_dict
     assert set(tasks) == {
-        "launch_server", "wait_server_ready", "regenerate_dataset", "prepare_dataset", "dataset_stats", "check_disk", "plan_shards",
-        "extract_shard", "stop_server", "build_vocab", "train_drafter", "plot_metrics", "export_drafter",
-        "evaluate_drafter",
+        "plan_engines", "launch_server", "wait_server_ready", "regenerate_dataset", "prepare_dataset", "dataset_stats",
+        "check_disk", "plan_shards", "verify_capture", "extract_shard", "stop_server", "build_vocab", "train_drafter",
+        "plot_metrics", "export_drafter", "evaluate_drafter",
     }
-    assert tasks["launch_server"].is_setup and tasks["wait_server_ready"].is_setup and tasks["stop_server"].is_teardown
+    # The capture check is a setup too: clearing a shard re-checks the restarted engine.
+    assert all(tasks[name].is_setup for name in ("launch_server", "wait_server_ready", "verify_capture"))
+    assert tasks["stop_server"].is_teardown
+    # one instance of each engine task per engine, named after it
+    assert tasks["launch_server"].upstream_task_ids == {"plan_engines"}
     assert tasks["wait_server_ready"].upstream_task_ids == {"launch_server"}
-    assert tasks["extract_shard"].upstream_task_ids == {"wait_server_ready", "plan_shards", "check_disk"}
+    assert tasks["verify_capture"].upstream_task_ids == {"wait_server_ready", "prepare_dataset"}
+    assert tasks["stop_server"].upstream_task_ids >= {"plan_engines", "launch_server", "wait_server_ready", "verify_capture"}
+    assert tasks["launch_server"].map_index_template == tasks["stop_server"].map_index_template == "{{ task.engine['name'] }}"
+    assert tasks["wait_server_ready"].map_index_template == tasks["verify_capture"].map_index_template == "{{ task.server['name'] }}"
+    assert tasks["extract_shard"].upstream_task_ids == {"wait_server_ready", "verify_capture", "plan_shards", "check_disk"}
     assert tasks["stop_server"].upstream_task_ids >= {"extract_shard"}
     # dataset work runs beside the warmup: nothing of it waits for the engine to be ready (the
     # regeneration, when on, waits inside its own task; off, it returns at once after the launch)
+    # every engine's launch: regeneration takes the engine list and uses the first it reaches
     assert tasks["regenerate_dataset"].upstream_task_ids == {"launch_server"}
     assert tasks["prepare_dataset"].upstream_task_ids == {"regenerate_dataset"}
     for name in ("regenerate_dataset", "prepare_dataset", "dataset_stats", "check_disk", "plan_shards"):
@@ -41,6 +51,8 @@ def test_the_dag_tells_the_story(eagleflow_dag) -> None:
     assert tasks["export_drafter"].upstream_task_ids == {"train_drafter"}
     assert tasks["evaluate_drafter"].upstream_task_ids == {"export_drafter"}
     assert tasks["extract_shard"].map_index_template == "{{ task.shard['name'] }}"
+    # a shard whose engine or worker went away is retried (on an engine that is up)
+    assert tasks["extract_shard"].retries >= 1
 
 
 def test_engine_extraction_and_training_run_on_the_gpu_queue_and_pool(eagleflow_dag) -> None:
@@ -48,22 +60,29 @@ def test_engine_extraction_and_training_run_on_the_gpu_queue_and_pool(eagleflow_
     from eagleflow.deploy import GPU_POOL, GPU_QUEUE
 
     on_gpu = {t.task_id for t in eagleflow_dag.tasks if (t.queue, t.pool) == (GPU_QUEUE, GPU_POOL)}
-    assert on_gpu == {"launch_server", "wait_server_ready", "extract_shard", "stop_server", "train_drafter", "evaluate_drafter"}
+    assert on_gpu == {
+        "launch_server", "wait_server_ready", "verify_capture", "extract_shard", "stop_server", "train_drafter", "evaluate_drafter",
+    }
     for task in eagleflow_dag.tasks:
         if task.task_id not in on_gpu:
             assert task.pool != GPU_POOL
+    # regeneration talks to a launched engine, which listens on its GPU node's loopback: same
+    # queue, no GPU slot
+    regenerate = eagleflow_dag.task_dict["regenerate_dataset"]
+    assert (regenerate.queue, regenerate.pool) == (GPU_QUEUE, "default_pool")
 
 
 def test_every_param_has_a_title_and_description(eagleflow_dag) -> None:
     params = eagleflow_dag.params
     for name in ("engine", "model_path", "dataset_input", "output_root", "run_name", "shard_size", "aux_layer_ids",
-                 "max_len", "concurrency", "server_port", "server_extra_args", "server_url", "epochs", "lr",
+                 "max_len", "concurrency", "server_port", "server_extra_args", "num_engines", "server_urls", "epochs", "lr",
                  "noise_std", "ttt_steps", "draft_vocab_size", "serve_with", "eval_rows", "eval_max_new_tokens",
                  "eval_concurrency", "regenerate_responses", "regen_temperature", "regen_max_new_tokens",
-                 "regen_concurrency"):
+                 "regen_concurrency", "verify_rows"):
         param = params.get_param(name)
         assert param.schema.get("title") and param.description, name
-    assert params.get_param("shard_size").value == 2000
+    assert params.get_param("shard_size").value == 2000 and params.get_param("verify_rows").value == 4
+    assert params.get_param("num_engines").value == 1 and params.get_param("server_urls").value == []
     assert params.get_param("epochs").value == 5 and params.get_param("lr").value == 3e-5
 
 
@@ -81,48 +100,57 @@ def test_parsing_the_dag_imports_no_heavy_library() -> None:
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
-@pytest.fixture()
-def outside_engine(tmp_path: Path, random_tiny_model: Path):
-    """A reference engine started by hand, outside Airflow (another team's server)."""
+def start_outside_engine(tmp_path: Path, model: Path, *extra: str) -> ServerInfo:
+    """A reference engine started by hand, outside Airflow (another team's server), with ``extra`` flags."""
     port = free_port()
-    engine = ReferenceEngineConfig(model=random_tiny_model, dump_dir=tmp_path / "remote-dumps", aux_layers=[2, 4, 5], port=port)
-    argv = [sys.executable, "-m", "eagleflow", "serve-reference", *model_to_argv(engine), "--threads", "1"]
+    engine = ReferenceEngineConfig(model=model, dump_dir=tmp_path / "remote-dumps", aux_layers=[2, 4, 5], port=port)
+    argv = [sys.executable, "-m", "eagleflow", "serve-reference", *model_to_argv(engine), "--threads", "1", *extra]
     info = start_server(argv, {}, tmp_path / "remote.log", tmp_path / "remote.json", f"http://127.0.0.1:{port}", tmp_path / "remote-dumps")
     deadline = time.monotonic() + 120
-    while check_ready(info).state is not Readiness.READY:
-        assert time.monotonic() < deadline and pid_alive(info.pid)
-        time.sleep(0.3)
+    try:
+        while check_ready(info).state is not Readiness.READY:
+            assert time.monotonic() < deadline and pid_alive(info.pid)
+            time.sleep(0.3)
+    except BaseException:  # never became ready: no engine outlives the test
+        stop_server(info.pid, grace=10)
+        raise
+    return info
+
+
+@pytest.fixture()
+def outside_engine(tmp_path: Path, random_tiny_model: Path):
+    info = start_outside_engine(tmp_path, random_tiny_model)
     yield info
     stop_server(info.pid, grace=10)
+
+
+def remote_conf(tmp_path: Path, model: Path, engine: ServerInfo, run_name: str) -> dict[str, object]:
+    """The Params of a small run against ``engine``: 12 rows in 5-row shards."""
+    from eagleflow.demo.synthetic_data import DatasetConfig, make_dataset
+
+    make_dataset(DatasetConfig(tokenizer=model, out=tmp_path / "conv.jsonl", rows=12))
+    return {
+        "model_path": str(model), "dataset_input": str(tmp_path / "conv.jsonl"), "output_root": str(tmp_path / "runs"),
+        "run_name": run_name, "shard_size": 5, "max_len": 256, "server_urls": [engine.url], "server_dump_dir": engine.dump_dir,
+    }
 
 
 def test_remote_server_mode_launches_and_stops_nothing_and_extracts_everything(
     eagleflow_dag, outside_engine, tmp_path: Path, random_tiny_model: Path
 ) -> None:
-    from eagleflow.demo.synthetic_data import DatasetConfig, make_dataset
-
-    make_dataset(DatasetConfig(tokenizer=random_tiny_model, out=tmp_path / "conv.jsonl", rows=12))
-    conf = {
-        "model_path": str(random_tiny_model),
-        "dataset_input": str(tmp_path / "conv.jsonl"),
-        "output_root": str(tmp_path / "runs"),
-        "run_name": "remote",
-        "shard_size": 5,
-        "max_len": 256,
-        "server_url": outside_engine.url,
-        "server_dump_dir": outside_engine.dump_dir,
-    }
+    conf = remote_conf(tmp_path, random_tiny_model, outside_engine, "remote")
     # Training and export are covered elsewhere; here the point is the engine hand-off.
     run = eagleflow_dag.test(run_conf=conf, mark_success_pattern="build_vocab|train_drafter|plot_metrics|export_drafter")
     tis = {(ti.task_id, ti.map_index): ti for ti in run.get_task_instances()}
     assert str(run.state) == "success", {k: ti.state for k, ti in tis.items()}
-    assert tis[("launch_server", -1)].xcom_pull(task_ids="launch_server") == {
+    assert tis[("launch_server", 0)].xcom_pull(task_ids="launch_server", map_indexes=0) == {
         "url": outside_engine.url, "pid": None, "host": "", "log_path": "", "dump_dir": outside_engine.dump_dir,
+        "name": "engine-0",
     }
-    assert tis[("stop_server", -1)].xcom_pull(task_ids="stop_server") == "remote server left running"
+    assert tis[("stop_server", 0)].xcom_pull(task_ids="stop_server", map_indexes=0) == "remote engine left running"
     assert pid_alive(outside_engine.pid)  # nobody stopped the remote engine
     assert tis[("evaluate_drafter", -1)].state == "skipped"  # no engine of this run to relaunch with the drafter
-    assert not (tmp_path / "runs" / "remote" / "server" / "server.log").exists()  # nobody launched one
+    assert not list((tmp_path / "runs" / "remote").glob("server/engine-*"))  # nobody launched one
     assert sorted(ti.rendered_map_index for (task, _), ti in tis.items() if task == "extract_shard") == [
         "rows_0-5", "rows_10-12", "rows_5-10",
     ]
@@ -131,3 +159,22 @@ def test_remote_server_mode_launches_and_stops_nothing_and_extracts_everything(
     dataset = tmp_path / "runs" / "remote" / "dataset"
     assert len(datasets.load_from_disk(str(dataset))) == 12
     assert validate_dataset(dataset, 4, 64) == []
+
+
+def test_a_wrong_capture_stops_the_run_before_any_shard(eagleflow_dag, tmp_path: Path, random_tiny_model: Path) -> None:
+    """An engine that captures the post-norm final state (TEST-ONLY fault): verify_capture fails with the
+    cause, no shard runs, no hidden-state file is written, and the report is left for the run page."""
+    engine = start_outside_engine(tmp_path, random_tiny_model, "--capture-fault", "post-norm-final")
+    try:
+        conf = remote_conf(tmp_path, random_tiny_model, engine, "wrong-capture")
+        run = eagleflow_dag.test(run_conf=conf, mark_success_pattern="build_vocab|train_drafter|plot_metrics|export_drafter")
+    finally:
+        stop_server(engine.pid, grace=10)
+    states = {ti.task_id: ti.state for ti in run.get_task_instances()}
+    assert str(run.state) == "failed" and states["verify_capture"] == "failed", states
+    assert states["extract_shard"] == "upstream_failed" and states["stop_server"] == "success", states
+    run_dir = tmp_path / "runs" / "wrong-capture"
+    assert not list((run_dir / "dataset" / "hidden_states").glob("hs_*")) and not list((run_dir / "shards").glob("*.json"))
+    report = json.loads((run_dir / "verify" / "engine-0" / "report.json").read_text())
+    assert not report["passed"] and [f["check"] for f in report["findings"]] == ["final slot is pre-norm"]
+    assert report["findings"][0]["cause"].startswith("post-norm final state")

@@ -1,17 +1,17 @@
 """The DAG under a real Airflow: scheduler, dag-processor, triggerer and api-server as subprocesses.
 
-One DAG run through the REST API, with the reference engine told to fail one row of the middle
+Runs through the REST API. One, with the reference engine told to fail one row of the middle
 shard: the run fails on that shard only; clearing that one mapped instance through the API
 re-runs it with its setups (engine launch and readiness) and teardown, and the run then
 succeeds without touching any other shard's files; speculators' own reader loads every row.
+Another run has its scheduler killed (with its LocalExecutor workers) while a shard extracts,
+and restarted: the run finishes without a finished row being rewritten.
+(Two engines in one run, one of them killed, run in ``test_celery.py``, on the Celery deployment.)
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,44 +25,20 @@ DAG_ID = "eagleflow"
 ROWS, SHARD_SIZE, FAIL_ROW = 30, 10, 13
 FAILED_SHARD = FAIL_ROW // SHARD_SIZE  # map index of rows_10-20
 SHARD_NAMES = [f"rows_{s}-{s + SHARD_SIZE}" for s in range(0, ROWS, SHARD_SIZE)]
-SETUPS_AND_TEARDOWN = ["launch_server", "wait_server_ready", "stop_server"]
-DOWNSTREAM = ["build_vocab", "train_drafter", "plot_metrics", "export_drafter", "evaluate_drafter"]
-UNTOUCHED = ["regenerate_dataset", "prepare_dataset", "dataset_stats", "check_disk", "plan_shards"]
+# One engine: its setups and teardown are the single instance (map index 0) of each engine task.
+SETUPS_AND_TEARDOWN = [("launch_server", 0), ("wait_server_ready", 0), ("stop_server", 0)]
+DOWNSTREAM = [(task, -1) for task in ("build_vocab", "train_drafter", "plot_metrics", "export_drafter", "evaluate_drafter")]
+UNTOUCHED = [
+    (task, -1) for task in ("plan_engines", "regenerate_dataset", "prepare_dataset", "dataset_stats", "check_disk", "plan_shards")
+]
 RUN_TIMEOUT = 600.0
-MAX_LEN = 256
 
 
-def _conf(model: Path, conversations: Path, output_root: Path, run_name: str) -> dict[str, Any]:
-    """Params of the run: the 2-core sizes of the tiny plumbing model."""
-    return {
-        "engine": "reference",
-        "model_path": str(model),
-        "dataset_input": str(conversations),
-        "output_root": str(output_root),
-        "run_name": run_name,
-        "shard_size": SHARD_SIZE,
-        "max_len": MAX_LEN,
-        "concurrency": 4,
-        "server_port": 0,
-        "server_extra_args": ["--warmup-seconds", "3", "--fail-row", str(FAIL_ROW)],
-        "warmup_timeout_minutes": 5.0,
-        "epochs": 1,
-        "total_seq_len": 512,
-        "num_workers": 0,
-        "draft_vocab_size": 256,
-        "device": "cpu",
-        "eval_rows": 2,
-        "eval_max_new_tokens": 8,
-        "eval_concurrency": 1,
-    }
-
-
-def _make_conversations(model: Path, out: Path, rows: int = ROWS) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "eagleflow", "make-dataset", "--tokenizer", str(model), "--out", str(out), "--rows", str(rows)],
-        check=True,
-        capture_output=True,
-        text=True,
+def _conf(inputs: Any, output_root: Path, run_name: str) -> dict[str, Any]:
+    """Params of the run: shards of 10 rows, row 13 refused once by the engine."""
+    return inputs.conf(
+        output_root, run_name, shard_size=SHARD_SIZE,
+        server_extra_args=["--warmup-seconds", "3", "--threads", "1", "--fail-row", str(FAIL_ROW)],
     )
 
 
@@ -75,24 +51,15 @@ def _tries(tis: dict[tuple[str, int], dict[str, Any]]) -> dict[tuple[str, int], 
     return {key: ti["try_number"] for key, ti in tis.items()}
 
 
-def test_failed_shard_cleared_through_the_api_reruns_alone(
-    airflow_stack: Any, random_tiny_model: Path, tmp_path: Path
-) -> None:
+def test_failed_shard_cleared_through_the_api_reruns_alone(airflow_stack: Any, run_inputs: Any, tmp_path: Path) -> None:
     from eagleflow.layout import RunLayout
     from eagleflow.engine.process import pid_alive
 
     started = time.monotonic()
-    conversations = tmp_path / "conversations.jsonl"
-    _make_conversations(random_tiny_model, conversations)
+    inputs = run_inputs(ROWS)
     run_id = run_name = "scheduler-clear-one-shard"
     layout = RunLayout.of(tmp_path / "runs", run_name)
-
-    airflow_stack.request("PATCH", f"/dags/{DAG_ID}", json={"is_paused": False})
-    airflow_stack.request(
-        "POST",
-        f"/dags/{DAG_ID}/dagRuns",
-        json={"dag_run_id": run_id, "logical_date": None, "conf": _conf(random_tiny_model, conversations, tmp_path / "runs", run_name)},
-    )
+    airflow_stack.trigger(run_id, _conf(inputs, tmp_path / "runs", run_name))
 
     # --- first pass: only the shard holding the failing row fails -------------------------
     state = airflow_stack.wait_for_run(run_id, RUN_TIMEOUT)
@@ -105,10 +72,12 @@ def test_failed_shard_cleared_through_the_api_reruns_alone(
         SHARD_NAMES[1]: "failed",
         SHARD_NAMES[2]: "success",
     }, airflow_stack.describe(run_id)
-    for task_id in SETUPS_AND_TEARDOWN + UNTOUCHED:
-        assert tis[(task_id, -1)]["state"] == "success", airflow_stack.describe(run_id)
-    for task_id in DOWNSTREAM:
-        assert tis[(task_id, -1)]["state"] == "upstream_failed", airflow_stack.describe(run_id)
+    for key in SETUPS_AND_TEARDOWN + UNTOUCHED:
+        assert tis[key]["state"] == "success", airflow_stack.describe(run_id)
+    for key in DOWNSTREAM:
+        assert tis[key]["state"] == "upstream_failed", airflow_stack.describe(run_id)
+    # A row the engine refused fails its shard for good: no retry, only a clear redoes it.
+    assert tis[("extract_shard", FAILED_SHARD)]["try_number"] == 1, airflow_stack.describe(run_id)
 
     # The failure is explained in the shard's log as the UI shows it.
     failed_log = airflow_stack.task_log(run_id, "extract_shard", tis[("extract_shard", FAILED_SHARD)]["try_number"], FAILED_SHARD)
@@ -116,7 +85,7 @@ def test_failed_shard_cleared_through_the_api_reruns_alone(
     manifest = json.loads(layout.shard_manifest(SHARD_NAMES[1]).read_text())
     assert [f["row"] for f in manifest["failed"]] == [FAIL_ROW], manifest
     # The teardown stopped the first engine although a shard failed.
-    first_engine = airflow_stack.xcom(run_id, "launch_server")
+    first_engine = airflow_stack.xcom(run_id, "launch_server", 0)
     assert not pid_alive(int(first_engine["pid"])), f"first engine {first_engine} still running after stop_server"
 
     before = _file_identities(layout.hidden_states)
@@ -133,7 +102,7 @@ def test_failed_shard_cleared_through_the_api_reruns_alone(
     }
     planned = airflow_stack.request("POST", f"/dags/{DAG_ID}/clearTaskInstances", json={**clear, "dry_run": True})
     planned_keys = {(ti["task_id"], ti["map_index"]) for ti in planned["task_instances"]}
-    expected_keys = {("extract_shard", FAILED_SHARD)} | {(t, -1) for t in SETUPS_AND_TEARDOWN + DOWNSTREAM}
+    expected_keys = {("extract_shard", FAILED_SHARD), *SETUPS_AND_TEARDOWN, *DOWNSTREAM}
     assert planned_keys == expected_keys, sorted(planned_keys)
     airflow_stack.request("POST", f"/dags/{DAG_ID}/clearTaskInstances", json={**clear, "dry_run": False})
 
@@ -153,10 +122,10 @@ def test_failed_shard_cleared_through_the_api_reruns_alone(
 
     # The setups really started a fresh engine (the old one had been stopped), and the
     # teardown stopped it again: no engine is left behind.
-    second_engine = airflow_stack.xcom(run_id, "launch_server")
+    second_engine = airflow_stack.xcom(run_id, "launch_server", 0)
     assert second_engine["pid"] != first_engine["pid"]
     assert not pid_alive(int(second_engine["pid"])), f"second engine {second_engine} still running after stop_server"
-    assert layout.server_log.read_text().count("starting:") == 2
+    assert layout.engine_log("engine-0").read_text().count("starting:") == 2
 
     # No finished row was rewritten, not even in the cleared shard: only the failed row is new.
     after = _file_identities(layout.hidden_states)
@@ -167,7 +136,7 @@ def test_failed_shard_cleared_through_the_api_reruns_alone(
     # Nothing else in the folder: no temporary or partial file was left behind.
     assert sorted(p.name for p in layout.hidden_states.iterdir()) == sorted(after)
 
-    _check_every_row_readable(layout.dataset, random_tiny_model)
+    inputs.check_every_row(layout.dataset)
     plots = airflow_stack.xcom(run_id, "plot_metrics")
     assert plots["png"] and all(Path(p).is_file() for p in plots["png"] + plots["svg"]), plots
     evaluation = airflow_stack.xcom(run_id, "evaluate_drafter")
@@ -175,32 +144,19 @@ def test_failed_shard_cleared_through_the_api_reruns_alone(
     print(f"scheduler test: first pass {first_pass:.0f}s, total {time.monotonic() - started:.0f}s")
 
 
-def _check_every_row_readable(dataset: Path, model: Path, num_rows: int = ROWS) -> None:
-    """Every row's file passes ``validate`` and speculators' ArrowDataset loads it."""
-    from datasets import load_from_disk
-    from speculators.train.data import ArrowDataset
-
-    from eagleflow.data.verifier import config_int, resolve_aux_layer_ids
-    from eagleflow.extract.sample_store import sample_path, validate_dataset
-
-    hidden = config_int(str(model), "hidden_size")
-    slots = len(resolve_aux_layer_ids(model, None)) + 1
-    rows = load_from_disk(str(dataset))
-    assert len(rows) == num_rows
-    assert validate_dataset(dataset, slots, hidden) == []
-
-    reader = ArrowDataset(max_len=MAX_LEN, datapath=str(dataset), on_missing="raise")
-    assert len(reader) == num_rows
-    for row in range(num_rows):
-        item = reader[row]
-        expected = [int(t) for t in rows[row]["input_ids"]]
-        assert item["input_ids"].tolist() == expected
-        assert item["hidden_states"].shape[-1] == hidden * (slots - 1), item["hidden_states"].shape
-        assert os.path.getsize(sample_path(dataset / "hidden_states", row)) > 0
+def _failed_task_logs(stack: Any, run_id: str) -> str:
+    """The Airflow logs of the run's failed tries (every try of every task that failed once), for a failure message."""
+    parts = []
+    for (task_id, map_index), ti in sorted(stack.task_instances(run_id).items()):
+        for attempt in stack.tries(run_id, task_id, map_index):
+            if attempt["state"] in ("failed", "up_for_retry"):
+                log = stack.task_log(run_id, task_id, attempt["try_number"], map_index)
+                parts.append(f"--- {task_id}[{map_index}] try {attempt['try_number']} ({attempt['state']}) ---\n{log[-4000:]}")
+    return "\n".join(parts)
 
 
 def test_scheduler_killed_mid_extraction_and_restarted_finishes_the_run_without_redoing_a_row(
-    airflow_stack: Any, random_tiny_model: Path, tmp_path: Path
+    airflow_stack: Any, run_inputs: Any, tmp_path: Path
 ) -> None:
     """The scheduler crashes (SIGKILL to it and its LocalExecutor workers) while a shard extracts,
     and comes back. Airflow keeps each task process in a process group of its own, so the running
@@ -210,22 +166,23 @@ def test_scheduler_killed_mid_extraction_and_restarted_finishes_the_run_without_
     from eagleflow.layout import RunLayout
 
     rows, shard_size = 12, 6
-    conversations = tmp_path / "conversations.jsonl"
-    _make_conversations(random_tiny_model, conversations, rows)
+    inputs = run_inputs(rows)
     run_id = run_name = "scheduler-restart"
     layout = RunLayout.of(tmp_path / "runs", run_name)
     # A disk slower than the engine (each dump waits 1.5 s) keeps a shard busy when the scheduler dies.
-    conf = {**_conf(random_tiny_model, conversations, tmp_path / "runs", run_name), "shard_size": shard_size,
-            "server_extra_args": ["--warmup-seconds", "3", "--test-write-delay", "1.5"]}
-    airflow_stack.request("PATCH", f"/dags/{DAG_ID}", json={"is_paused": False})
-    airflow_stack.request("POST", f"/dags/{DAG_ID}/dagRuns", json={"dag_run_id": run_id, "logical_date": None, "conf": conf})
+    conf = inputs.conf(
+        tmp_path / "runs", run_name, shard_size=shard_size,
+        server_extra_args=["--warmup-seconds", "3", "--threads", "1", "--test-write-delay", "1.5"],
+    )
+    airflow_stack.trigger(run_id, conf)
 
     deadline = time.monotonic() + RUN_TIMEOUT
     while not (layout.hidden_states.is_dir() and any(layout.hidden_states.glob("hs_*.safetensors"))):
         running = airflow_stack.request("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}")["state"] in ("queued", "running")
         assert running and time.monotonic() < deadline and not airflow_stack.processes.dead(), airflow_stack.describe(run_id)
         time.sleep(0.5)
-    running_shards = {key for key, ti in airflow_stack.task_instances(run_id).items() if key[0] == "extract_shard" and ti["state"] == "running"}
+    tis = airflow_stack.task_instances(run_id)
+    running_shards = {key for key, ti in tis.items() if key[0] == "extract_shard" and ti["state"] == "running"}
     assert running_shards, airflow_stack.describe(run_id)
     airflow_stack.processes.kill_component("scheduler")
     killed_at = time.monotonic()
@@ -235,24 +192,23 @@ def test_scheduler_killed_mid_extraction_and_restarted_finishes_the_run_without_
     before = _file_identities(layout.hidden_states)
     airflow_stack.processes.start_component("scheduler")
 
-    assert airflow_stack.wait_for_run(run_id, RUN_TIMEOUT) == "success", airflow_stack.describe(run_id)
+    state = airflow_stack.wait_for_run(run_id, RUN_TIMEOUT)
+    assert state == "success", f"{airflow_stack.describe(run_id)}\n{_failed_task_logs(airflow_stack, run_id)}"
     tis = airflow_stack.task_instances(run_id)
     for key in running_shards:
         assert tis[key]["try_number"] >= 2, airflow_stack.describe(run_id)  # reset by the new scheduler and run again
     after = _file_identities(layout.hidden_states)
     assert before and {name: after[name] for name in before} == before, "a finished row was rewritten"
     assert len(after) == rows
-    _check_every_row_readable(layout.dataset, random_tiny_model, rows)
+    inputs.check_every_row(layout.dataset)
 
 
 def test_bad_aux_layer_ids_are_refused_at_trigger_or_by_the_first_tasks(
-    airflow_stack: Any, random_tiny_model: Path, tmp_path: Path
+    airflow_stack: Any, run_inputs: Any, tmp_path: Path
 ) -> None:
     """[2, 2] never becomes a run; ids past the verifier's depth stop the run before any extraction."""
-    conversations = tmp_path / "conversations.jsonl"
-    _make_conversations(random_tiny_model, conversations)
     airflow_stack.request("PATCH", f"/dags/{DAG_ID}", json={"is_paused": False})
-    conf = _conf(random_tiny_model, conversations, tmp_path / "runs", "bad-aux")
+    conf = _conf(run_inputs(ROWS), tmp_path / "runs", "bad-aux")
 
     # What the Param's schema can say (distinct, non-negative) Airflow refuses before the run exists.
     for ids in ([2, 2], [-1, 3]):
@@ -264,17 +220,15 @@ def test_bad_aux_layer_ids_are_refused_at_trigger_or_by_the_first_tasks(
         airflow_stack.request("GET", f"/dags/{DAG_ID}/dagRuns/bad-aux-{ids[0]}", expect=404)
 
     # The verifier's depth (8 layers) lives in its folder, on the workers: the first task that
-    # starts (the engine's launch) reads it and fails, naming the Param; nothing after it runs.
+    # reads it (the engine's launch) fails, naming the Param; nothing after it runs (preparation
+    # waits for the launch, through regenerate_dataset).
     run_id = "bad-aux-depth"
-    airflow_stack.request(
-        "POST", f"/dags/{DAG_ID}/dagRuns",
-        json={"dag_run_id": run_id, "logical_date": None, "conf": {**conf, "aux_layer_ids": [2, 9]}},
-    )
+    airflow_stack.trigger(run_id, {**conf, "aux_layer_ids": [2, 9]})
     assert airflow_stack.wait_for_run(run_id, RUN_TIMEOUT) == "failed", airflow_stack.describe(run_id)
     tis = airflow_stack.task_instances(run_id)
-    assert tis[("launch_server", -1)]["state"] == "failed", airflow_stack.describe(run_id)
-    log = airflow_stack.task_log(run_id, "launch_server", tis[("launch_server", -1)]["try_number"])
+    assert tis[("launch_server", 0)]["state"] == "failed", airflow_stack.describe(run_id)
+    log = airflow_stack.task_log(run_id, "launch_server", tis[("launch_server", 0)]["try_number"], 0)
     assert "Param aux_layer_ids: aux layer ids [9] are outside 0..8" in log, log[-2000:]
     ran = {task for (task, _), ti in tis.items() if ti["state"] not in ("upstream_failed", "skipped", None)}
-    assert ran <= {"launch_server", "stop_server"}, airflow_stack.describe(run_id)
+    assert ran <= {"plan_engines", "launch_server", "stop_server"}, airflow_stack.describe(run_id)
     assert not (tmp_path / "runs" / "bad-aux" / "dataset").exists()

@@ -38,6 +38,7 @@ COMPOSE = DOCKER / "docker-compose.yaml"
 CONTROL_HOST_OVERRIDE = DOCKER / "docker-compose.control-host.yaml"
 ENV_EXAMPLE = DOCKER / ".env.example"
 POOLS = DOCKER / "pools.json"
+SHARED_SETTINGS = DOCKER / "airflow.env"
 AIRFLOW_DOCKERFILE = DOCKER / "airflow.Dockerfile"
 SGLANG_DOCKERFILE = DOCKER / "sglang.Dockerfile"
 
@@ -167,6 +168,7 @@ def test_compose_check_rejects_broken_references(
     text = COMPOSE.read_text()
     assert old in text, f"mutation anchor {old!r} is gone from {COMPOSE.name}; update this test"
     (tmp_path / "docker").mkdir()
+    shutil.copy(SHARED_SETTINGS, tmp_path / "docker")  # the env_file beside it
     broken = tmp_path / "docker" / COMPOSE.name
     broken.write_text(text.replace(old, new, 1))
     result = _compose_config(compose_cmd, [broken])
@@ -188,6 +190,31 @@ def test_env_example_covers_every_required_variable_and_holds_no_secret() -> Non
     assert required - set(values) == set(), "variables the compose files require but .env.example lacks"
     for name in ("POSTGRES_PASSWORD", "REDIS_PASSWORD", "FERNET_KEY", "AIRFLOW_JWT_SECRET", "AIRFLOW_API_SECRET_KEY", "AIRFLOW_ADMIN_PASSWORD"):
         assert values[name] == "CHANGE_ME", f"{name} in .env.example must be the CHANGE_ME placeholder"
+
+
+def test_every_airflow_service_and_the_celery_test_run_the_one_settings_file(
+    config: dict[str, Any], tmp_path: Path, scripts: Any
+) -> None:
+    """docker/airflow.env is the one source of the deployment's shared Airflow settings, for Compose and the test."""
+    airflow_env = scripts("airflow_env")
+    shared = airflow_env.read_env_file(SHARED_SETTINGS)
+    assert shared["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor"
+    for name in AIRFLOW_SERVICES:
+        environment = config["services"][name]["environment"]
+        assert {key: environment.get(key) for key in shared} == shared, name
+    backends = airflow_env.CeleryBackends("postgresql+psycopg2://a:b@127.0.0.1:1/a", "db+postgresql://a:b@127.0.0.1:1/a", "redis://:c@127.0.0.1:2/0")
+    local = airflow_env.airflow_env(tmp_path, port=1, inherit_airflow_settings=False, celery=backends)
+    assert {key: local[key] for key in shared} == shared
+    # Only each side's own addresses and secrets are set beside it, never one of its settings.
+    assert not set(shared) & set(re.findall(r"^  (AIRFLOW__\w+):", COMPOSE.read_text(), re.MULTILINE))
+
+
+def test_the_settings_file_refuses_what_compose_would_rewrite(tmp_path: Path, scripts: Any) -> None:
+    airflow_env = scripts("airflow_env")
+    bad = tmp_path / "airflow.env"
+    bad.write_text("AIRFLOW__CORE__EXECUTOR=CeleryExecutor\nAIRFLOW__CELERY__BROKER_URL=${BROKER}\n")
+    with pytest.raises(ValueError, match=r"airflow.env:2: expected a plain NAME=value line"):
+        airflow_env.read_env_file(bad)
 
 
 # ---------------------------------------------------------------- compose: what the DAG relies on
@@ -273,9 +300,11 @@ def test_every_airflow_setting_names_a_real_option(config: dict[str, Any]) -> No
             if match:
                 seen.add((match[1].lower(), match[2].lower()))
     assert ("core", "executor") in seen
+    # The Celery provider's own sections (it is pinned beside Airflow, so installed here too).
+    from airflow.providers.celery.get_provider_info import get_provider_info
+
+    options.update(get_provider_info()["config"])
     for section, key in sorted(seen):
-        if section == "celery":  # the Celery provider's options; that provider is only in the images
-            continue
         assert key in options.get(section, {}).get("options", {}), f"AIRFLOW__{section.upper()}__{key.upper()}"
 
 

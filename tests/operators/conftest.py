@@ -3,6 +3,9 @@ process-group cleanup are shared, in tests/conftest.py)."""
 
 from __future__ import annotations
 
+import stat
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,3 +26,17 @@ def params(tmp_path: Path, random_tiny_model: Path) -> dict[str, Any]:
     }
 
 
+
+
+@pytest.fixture()
+def step_interpreter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[str], Path]:
+    """``step_interpreter(source)``: ``EAGLEFLOW_PYTHON`` points the steps at an executable running ``source``."""
+
+    def make(source: str) -> Path:
+        script = tmp_path / "stand-in-python"
+        script.write_text(f"#!{sys.executable}\n{source}")
+        script.chmod(script.stat().st_mode | stat.S_IXUSR)
+        monkeypatch.setenv("EAGLEFLOW_PYTHON", str(script))
+        return script
+
+    return make

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import os
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import threading
@@ -38,7 +38,13 @@ from airflow.sdk.exceptions import (
 from eagleflow.errors import UserError
 from eagleflow.layout import RunLayout
 from eagleflow.engine.process import ServerInfo, free_port, group_members, pid_alive, start_server
-from operators.server import ServerReadySensor, ServerReadyTrigger, SGLangServerOperator, StopServerOperator
+from operators.server import (
+    PlanEnginesOperator,
+    ServerReadySensor,
+    ServerReadyTrigger,
+    SGLangServerOperator,
+    StopServerOperator,
+)
 from operators.step import EagleflowStepOperator, StepFailed
 
 RUN_ID = "test_run"
@@ -106,9 +112,16 @@ def answers(url: str, path: str) -> int | None:
         return None
 
 
-def launch(params: dict[str, Any], process_groups: list[int]) -> dict[str, Any]:
-    """``SGLangServerOperator.execute`` with the engine registered for cleanup."""
-    info = SGLangServerOperator(task_id="launch_server").execute(make_context(params))
+ENGINE_0 = {"name": "engine-0", "index": 0, "url": None, "port": 0}
+
+
+def plan(params: dict[str, Any]) -> list[dict[str, Any]]:
+    return PlanEnginesOperator(task_id="plan_engines").execute(make_context(params))
+
+
+def launch(params: dict[str, Any], process_groups: list[int], engine: dict[str, Any] = ENGINE_0) -> dict[str, Any]:
+    """``SGLangServerOperator.execute`` for one engine, registered for cleanup."""
+    info = SGLangServerOperator(task_id="launch_server", engine=engine).execute(make_context(params))
     if info.get("pid"):
         process_groups.append(int(info["pid"]))
     return info
@@ -334,37 +347,55 @@ def test_execute_complete_timeout_of_a_remote_server_says_there_is_no_local_log(
 # ---- launch and stop ---------------------------------------------------------------------------
 
 
-def test_remote_server_mode_launches_nothing_and_stops_nothing(params, tmp_path: Path) -> None:
-    params.update(server_url="http://gpu-node:30000", server_dump_dir="/shared/dumps")
-    info = SGLangServerOperator(task_id="launch_server").execute(make_context(params))
-    assert info == {"url": "http://gpu-node:30000", "pid": None, "host": "", "log_path": "", "dump_dir": "/shared/dumps"}
+def test_remote_mode_launches_nothing_and_stops_nothing(params, tmp_path: Path) -> None:
+    params.update(server_urls=["http://gpu-node-1:30000", "http://gpu-node-2:30000/"], server_dump_dir="/shared/dumps")
+    engines = plan(params)
+    assert engines == [
+        {"name": "engine-0", "index": 0, "url": "http://gpu-node-1:30000", "port": None},
+        {"name": "engine-1", "index": 1, "url": "http://gpu-node-2:30000", "port": None},
+    ]
+    infos = [SGLangServerOperator(task_id="launch_server", engine=e).execute(make_context(params)) for e in engines]
+    assert infos[1] == {
+        "url": "http://gpu-node-2:30000", "pid": None, "host": "", "log_path": "", "dump_dir": "/shared/dumps", "name": "engine-1",
+    }
     assert not (tmp_path / "out").exists()  # no server folder, log or state: nothing started
-    assert StopServerOperator(task_id="stop_server", server=info).execute(make_context(params)) == "remote server left running"
+    for engine in engines:
+        stopped = StopServerOperator(task_id="stop_server", engine=engine).execute(make_context(params))
+        assert stopped == "remote engine left running"
+
+
+def test_the_engine_plan_gives_each_launched_engine_its_port(params) -> None:
+    params.update(num_engines=3, server_port=31000)
+    assert [(e["name"], e["port"], e["url"]) for e in plan(params)] == [
+        ("engine-0", 31000, None), ("engine-1", 31001, None), ("engine-2", 31002, None),
+    ]
+    params["server_port"] = 0
+    assert {e["port"] for e in plan(params)} == {0}  # each picks a free port when it starts
 
 
 def test_a_bad_param_fails_the_launch_naming_it(params) -> None:
     del params["model_path"]
     with pytest.raises(UserError, match="Param model_path"):
-        SGLangServerOperator(task_id="launch_server").execute(make_context(params))
+        SGLangServerOperator(task_id="launch_server", engine=ENGINE_0).execute(make_context(params))
 
 
 def test_launch_reuses_the_running_engine_and_starts_a_new_one_after_stop(params, process_groups: list[int]) -> None:
     first = launch(params, process_groups)
     log = Path(first["log_path"])
-    assert log == RunLayout.of(params["output_root"], RUN_ID).server_log
+    assert log == RunLayout.of(params["output_root"], RUN_ID).engine_log("engine-0")
     assert first["host"] == HOST and first["url"].startswith("http://127.0.0.1:")
     again = launch(params, process_groups)
     assert again == first  # same pid: the warming-up engine is reused
     assert log.read_text().count("starting: ") == 1  # and no second process was started
     assert group_members(first["pid"]) == [first["pid"]]
     # A short grace: the engine is still importing torch and finishes that before obeying SIGTERM.
-    StopServerOperator(task_id="stop_server", server=first, grace_seconds=1).execute(make_context(params))
+    StopServerOperator(task_id="stop_server", engine=ENGINE_0, grace_seconds=1).execute(make_context(params))
     assert not pid_alive(first["pid"])
-    assert not RunLayout.of(params["output_root"], RUN_ID).server_state.exists()
+    assert not RunLayout.of(params["output_root"], RUN_ID).engine_state("engine-0").exists()
     fresh = launch(params, process_groups)
     assert fresh["pid"] != first["pid"] and pid_alive(fresh["pid"])
     assert log.read_text().count("starting: ") == 2  # the same log, appended
-    StopServerOperator(task_id="stop_server", server=fresh, grace_seconds=1).execute(make_context(params))
+    StopServerOperator(task_id="stop_server", engine=ENGINE_0, grace_seconds=1).execute(make_context(params))
     assert not pid_alive(fresh["pid"])
 
 
@@ -425,12 +456,12 @@ def test_setup_readiness_generate_teardown_with_the_reference_engine(params, pro
     assert sample["token_ids"].tolist() == [5, 6, 7, 8, 9]
     assert tuple(sample["hidden_states"].shape) == (5, 4, 64)  # aux [2, 4, 5] + final, hidden 64
 
-    message = StopServerOperator(task_id="stop_server", server=server).execute(context)
+    message = StopServerOperator(task_id="stop_server", engine=ENGINE_0).execute(context)
     assert "stopped with SIGTERM" in message
     assert not pid_alive(pid)
     assert group_members(pid) == []
     assert "reference engine stopped (signal SIGTERM); dumps flushed" in Path(server["log_path"]).read_text()
-    assert not RunLayout.of(params["output_root"], RUN_ID).server_state.exists()
+    assert not RunLayout.of(params["output_root"], RUN_ID).engine_state("engine-0").exists()
 
 
 def test_killing_the_engine_during_warmup_fails_the_sensor_within_seconds(params, process_groups: list[int]) -> None:
@@ -456,7 +487,7 @@ def test_killing_the_engine_during_warmup_fails_the_sensor_within_seconds(params
     assert "listening on http://127.0.0.1:" in message and "warmup 600s" in message  # the log tail
     assert any(entry["event"].startswith("[server] ") for entry in logs)
     # The teardown still runs and finds nothing left to stop.
-    message = StopServerOperator(task_id="stop_server", server=server).execute(context)
+    message = StopServerOperator(task_id="stop_server", engine=ENGINE_0).execute(context)
     assert "had already exited" in message
     assert group_members(server["pid"]) == []
 
@@ -467,8 +498,8 @@ def test_stop_kills_an_engine_that_ignores_sigterm_with_its_children(params, tmp
     info = start_server(
         [sys.executable, "-c", ENGINE_SCRIPT, "ignore-term", str(child_file)],
         {},
-        layout.server_log,
-        layout.server_state,
+        layout.engine_log("engine-0"),
+        layout.engine_state("engine-0"),
         "http://127.0.0.1:9",
         layout.dump_dir,
     )
@@ -476,21 +507,24 @@ def test_stop_kills_an_engine_that_ignores_sigterm_with_its_children(params, tmp
     wait_for(child_file.exists, 20, "the stand-in engine's child")
     child = int(child_file.read_text())
     started = time.monotonic()
-    # No XCom (launch's result lost): the teardown finds the engine through the run's state file.
-    message = StopServerOperator(task_id="stop_server", server=None, grace_seconds=1).execute(make_context(params))
+    # The teardown finds the engine through the run's state file, whatever launch pushed.
+    message = StopServerOperator(task_id="stop_server", engine=ENGINE_0, grace_seconds=1).execute(make_context(params))
     assert "did not stop within 1s; killed it" in message
     assert 1 <= time.monotonic() - started < 10
     assert not pid_alive(int(info.pid)) and not pid_alive(child)
     assert group_members(int(info.pid)) == []
-    assert not layout.server_state.exists()
+    assert not layout.engine_state("engine-0").exists()
 
 
 def test_stop_with_nothing_started_or_an_engine_elsewhere(params) -> None:
     context = make_context(params)
-    assert StopServerOperator(task_id="stop_server").execute(context) == "nothing to stop"
-    elsewhere = ServerInfo(url="http://gpu-node:30000", pid=4242, host="gpu-node", log_path="", dump_dir="").as_dict()
+    assert StopServerOperator(task_id="stop_server", engine=ENGINE_0).execute(context) == "nothing to stop"
+    elsewhere = ServerInfo(url="http://127.0.0.1:30000", pid=4242, host="gpu-node", log_path="", dump_dir="")
+    state = RunLayout.of(params["output_root"], RUN_ID).engine_state("engine-0")
+    state.parent.mkdir(parents=True)
+    state.write_text(json.dumps(elsewhere.as_dict()))
     with pytest.raises(AirflowException, match="runs on gpu-node, not here"):
-        StopServerOperator(task_id="stop_server", server=elsewhere).execute(context)
+        StopServerOperator(task_id="stop_server", engine=ENGINE_0).execute(context)
 
 
 # ---- EagleflowStepOperator ---------------------------------------------------------------------
@@ -516,13 +550,9 @@ def test_a_failing_step_raises_step_failed_with_its_tail(tmp_path: Path) -> None
 
 
 @pytest.fixture()
-def stand_in_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def stand_in_python(step_interpreter: Callable[[str], Path]) -> Path:
     """An executable that ``EAGLEFLOW_PYTHON`` points the steps at: the stand-in engine script."""
-    script = tmp_path / "stand-in-python"
-    script.write_text(f"#!{sys.executable}\n{ENGINE_SCRIPT}")
-    script.chmod(script.stat().st_mode | stat.S_IXUSR)
-    monkeypatch.setenv("EAGLEFLOW_PYTHON", str(script))
-    return script
+    return step_interpreter(ENGINE_SCRIPT)
 
 
 def run_in_thread(op: EagleflowStepOperator) -> tuple[threading.Thread, dict[str, Any]]:
@@ -555,7 +585,8 @@ def test_on_kill_stops_the_steps_whole_process_group(
     thread.join(timeout=15)
     assert not thread.is_alive(), "the operator still waits on the step's output"
     assert time.monotonic() - started < 10
-    assert not pid_alive(leader) and not pid_alive(child)
+    # Signals land asynchronously: the child may need a moment on a loaded machine.
+    wait_for(lambda: not pid_alive(leader) and not pid_alive(child), 5, "the step and its child to die")
     assert group_members(leader) == []
     assert isinstance(outcome.get("error"), StepFailed)
     assert "stand-in engine up" in outcome["error"].tail

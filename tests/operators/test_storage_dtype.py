@@ -22,7 +22,7 @@ def parsed(module: Any, argv: list[str]) -> argparse.Namespace:
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_stats_extract_and_both_engines_get_the_storage_dtype(
-    params: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str
+    params: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str, health: Any
 ) -> None:
     from eagleflow.data import stats
     from eagleflow.engine.launch import engine_command
@@ -33,8 +33,9 @@ def test_stats_extract_and_both_engines_get_the_storage_dtype(
 
     context = {"params": {**params, "hidden_states_dtype": dtype}, "run_id": "manual__1"}
     assert parsed(stats, DatasetStatsOperator(task_id="s").step_argv(context)).hidden_states_dtype == dtype
-    server = {"url": "http://127.0.0.1:1", "pid": None, "host": "", "log_path": "", "dump_dir": str(tmp_path / "d")}
-    extract = ShardExtractOperator(task_id="e", shard={"name": "rows_0-4", "start": 0, "end": 4}, server=server)
+    health.status = 200  # the shard takes a ready engine
+    server = {"url": health.url, "pid": None, "host": "", "log_path": "", "dump_dir": str(tmp_path / "d"), "name": "engine-0"}
+    extract = ShardExtractOperator(task_id="e", shard={"name": "rows_0-4", "start": 0, "end": 4}, engines=[server])
     assert parsed(shard, extract.step_argv(context)).hidden_states_dtype == dtype
 
     cfg = PipelineConfig.from_params(context["params"], context["run_id"])

@@ -6,6 +6,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi import FastAPI
@@ -42,6 +43,7 @@ def test_run_page_shows_shards_charts_and_metrics(client: TestClient) -> None:
     assert "9,120" in page and "3.17 rows/s" in page  # tokens; 38 rows in 12 s
     assert f"{9120 * 4 * 64 * 2 / 1e9:.3f}" in page  # GB
     assert "row 57" in page and "&lt;script&gt;" in page and "<script>" not in page  # escaped reasons
+    assert "<small>engine-1 at http://127.0.0.1:30001</small>" in page  # the engine that served the shard
     # Both charts, linked relative to the page so any mount prefix or base URL works.
     for chart in ("loss", "acc"):
         assert re.search(rf'<img src="demo/files/train-progress/{chart}\.png\?v=\d+"', page), chart
@@ -88,6 +90,54 @@ def test_the_drafter_evaluation_is_shown_once_it_ran(client: TestClient, output_
     summary = client.get("/api/runs/demo").json()["evaluation"]
     assert summary["accept_length"]["mean"] == 1.74 and summary["chart"]["png"] == "eval/accept.png"
     assert "eval/report.json" in client.get("/api/runs/demo").json()["files"]
+
+
+def capture_report(passed: bool, findings: list[str]) -> dict[str, Any]:
+    """A ``verify/<engine>/report.json`` shaped as ``verify-capture`` writes it (figures of a demo run's size)."""
+    slots = [
+        {"slot": i, "layer_id": k, "mean_token_norm": n, "std": sd, "nearest_slot": near, "nearest_distance": d}
+        for i, (k, n, sd, near, d) in enumerate([(0, 0.7821, 0.0978, 1, 0.6312), (2, 3.914, 0.4891, 0, 0.6312),
+                                                 (5, 9.507, 1.188, 1, 0.7734), (8, 12.18, 1.522, 2, 0.4466)])
+    ]
+    slots[-1]["normed_rms_range"] = [0.2011, 0.5307]
+    worst = {"row": 2, "position": 17, "token": 41, "host": -0.5103, "engine": -0.5156, "error": 0.0053, "tolerance": 0.0641}
+    return {
+        "passed": passed, "engine": {"url": "http://127.0.0.1:30000", "version": "reference", "tp_size": 1},
+        "rows": 4, "rows_checked": 4, "tokens": 812, "layer_ids": [0, 2, 5, 8],
+        "tolerance": {"atol": 0.02, "rtol": 2.0**-7, "top_logprobs_num": 5}, "hidden_states_dtype": "bf16",
+        "final_slot": {"positions": 812, "top1_agree": 812, "top1_agreement": 1.0, "worst_ratio": 0.083, "worst": worst,
+                       "passed": passed},
+        "embedding": {"slot": 0, "rows": 4, "equal": passed, "max_abs_diff": 0.0 if passed else 0.25},
+        "slots": slots, "extraction_request": {"cached_tokens": 0, "tokens": 203, "max_relative_difference": 0.0},
+        "findings": [{"check": "id 0 is the embedding", "text": text} for text in findings], "seconds": 3.1,
+    }
+
+
+def test_the_capture_check_is_shown_once_it_ran(client: TestClient, output_root: Path) -> None:
+    assert "Not checked yet" in client.get("/runs/demo", headers=HTML).text
+    verify = output_root / "demo" / "verify" / "engine-0"
+    verify.mkdir(parents=True)
+    (verify / "report.json").write_text(json.dumps(capture_report(True, [])))
+    page = client.get("/runs/demo", headers=HTML).text
+    assert "Capture check" in page and "Not checked yet" not in page and 'class="state success">passed' in page
+    # The final slot against the engine: worst error / its tolerance, top-1 agreement, where, the tolerance rule.
+    assert "<b>0.0053 <span class=\"muted\">/ 0.064</span></b>" in page and "<b>100.0%</b>" in page
+    assert "(worst at row 2, position 17)" in page and "tolerance 0.020 + 0.00781 × max|logit|" in page
+    assert "Final slot RMS with the norm weight divided out: 0.201–0.531" in page
+    # One table row per slot with its layer id and norms.
+    rows = re.findall(r"<tr><td>(\d+)</td><td>(\d+)</td><td>([\d.]+)</td>", page)
+    assert rows == [("0", "0", "0.782"), ("1", "2", "3.914"), ("2", "5", "9.507"), ("3", "8", "12.180")]
+    summary = client.get("/api/runs/demo").json()
+    (check,) = summary["capture_checks"]
+    assert check["name"] == "engine-0" and check["passed"] and check["worst"]["error"] == 0.0053
+    assert "verify/engine-0/report.json" in summary["files"] and "<h3>engine-0</h3>" not in page
+
+    finding = "id 0 is the embedding slot 0 (layer id 0): differs by up to 0.25; likely cause (inferred): off-by-one <layer>"
+    (verify / "report.json").write_text(json.dumps(capture_report(False, [finding])))
+    page = client.get("/runs/demo", headers=HTML).text
+    assert 'class="state failed">failed' in page and "<b>no</b>" in page  # id 0 = embedding
+    assert '<li class="error">id 0 is the embedding slot 0 (layer id 0): differs by up to 0.25' in page
+    assert "off-by-one &lt;layer&gt;" in page and "<layer>" not in page
 
 
 def test_unreadable_manifest_is_shown_not_fatal(client: TestClient, output_root: Path) -> None:

@@ -117,7 +117,7 @@ def load_real_hook_manager(wheel: Wheel) -> types.ModuleType:
 def launcher_argv(version: str, tmp: Path) -> list[str]:
     cfg = sglang_command.SGLangServerConfig(
         model_path=str(tmp / "model"), dump_dir=tmp / "dumps", aux_layer_ids=[3, 31, 59], num_layers=61,
-        sglang_version=version, python="python3", hook_pythonpath="",
+        sglang_version=version, python="python3", hook_pythonpath="", base_gpu_id=4,  # a second engine on the node
     )
     argv, _ = sglang_command.build_command(cfg, compute_caps=lambda: None)
     return argv
@@ -297,6 +297,19 @@ def test_tensor_parallel_rank_and_health_check_names(wheel: Wheel) -> None:
     find_function(wheel.tree(PARALLEL_STATE), "get_tensor_model_parallel_rank")
     assert f'HEALTH_CHECK_RID_PREFIX = "{request_ids.HEALTH_CHECK_PREFIX}"' in wheel.text(CONSTANTS)
     assert re.search(r'rid = f"\{HEALTH_CHECK_RID_PREFIX\}_', wheel.text(HTTP_SERVER))
+
+
+def test_the_capture_checks_request_and_answer_fields(wheel: Wheel) -> None:
+    """verify-capture's request fields, the meta_info keys it reads and /server_info's settings are SGLang's own."""
+    request = find_class(wheel.tree("sglang/srt/managers/io_struct.py"), "GenerateReqInput")
+    fields = {s.target.id for s in request.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+    assert {"input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num"} <= fields
+    manager = wheel.text("sglang/srt/managers/tokenizer_manager.py")
+    for key in ("input_token_logprobs", "input_top_logprobs", "output_token_logprobs", "output_top_logprobs", "cached_tokens"):
+        assert re.search(rf'meta_info\["{key}"\] =|"{key}":', manager), f"{key} in sglang {wheel.version}"
+    assert '@app.get("/server_info")' in wheel.text(HTTP_SERVER)
+    for setting in ("tp_size", "disable_radix_cache", "chunked_prefill_size"):
+        field_annotation(wheel, setting)
 
 
 @pytest.mark.parametrize("kind", ["deepseek", "kimi", "kimi-aliased"])

@@ -8,8 +8,13 @@ Field names, defaults, status codes and error bodies are SGLang 0.5.9's (read fr
   -> ``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens",
   "cached_tokens", "e2e_latency", ...}}``. A request error is 400 ``{"error": {"message"}}`` (SGLang's
   ``_create_error_response``); a body without ``text``/``input_ids`` gets SGLang's own message.
+- Log-probabilities (0.5.20's ``GenerateReqInput`` fields): ``return_logprob``, ``logprob_start_len``
+  (-1: output tokens only), ``top_logprobs_num``, ``return_text_in_logprobs``; the answer's
+  ``meta_info`` then carries them in SGLang's shapes (:mod:`~eagleflow.engine.reference.logprobs`).
 - ``GET /health`` and ``/health_generate``: 503 until the warmup is done, then 200.
 - ``GET /model_info`` (and its deprecated name ``/get_model_info``): answers at once.
+- ``GET /server_info`` (and ``/get_server_info``): the launch settings under ``ServerArgs``' names;
+  the reference engine reports those a capture client checks (``tp_size``, ``disable_radix_cache``).
 """
 
 from __future__ import annotations
@@ -62,6 +67,12 @@ class GenerateRequest:
     max_new_tokens: int
     temperature: float
     ignore_eos: bool
+    # SGLang's log-probability fields, as the scheduler resolves them: logprob_start_len is
+    # len(input_ids) when only output tokens are wanted.
+    return_logprob: bool = False
+    logprob_start_len: int = 0
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
 
 
 @dataclass(frozen=True)
@@ -117,7 +128,44 @@ def parse_generate(body: Any, limits: ModelLimits) -> GenerateRequest:
             f"rid {rid}: The input ({len(input_ids)} tokens) is longer than the model's context length "
             f"({limits.context_length} tokens).",
         )
-    return GenerateRequest(rid, input_ids, int(max_new_tokens), float(temperature), bool(params.get("ignore_eos", False)))
+    return GenerateRequest(
+        rid, input_ids, int(max_new_tokens), float(temperature), bool(params.get("ignore_eos", False)),
+        **_logprob_fields(rid, body, len(input_ids)),
+    )
+
+
+def _logprob_fields(rid: str, body: dict[str, Any], num_tokens: int) -> dict[str, Any]:
+    """SGLang's logprob fields of one request, with its defaults and its scheduler's resolution."""
+    return_logprob = body.get("return_logprob") or False
+    if not isinstance(return_logprob, bool):
+        raise RequestError(400, f"rid {rid}: return_logprob must be true or false, got {return_logprob!r}")
+    start = body.get("logprob_start_len")
+    start = -1 if start is None else start
+    top = body.get("top_logprobs_num")
+    top = 0 if top is None else top
+    if not _is_int(start) or start < -1:
+        raise RequestError(400, f"rid {rid}: logprob_start_len must be an integer >= -1, got {start!r}")
+    if not _is_int(top) or top < 0:
+        raise RequestError(400, f"rid {rid}: top_logprobs_num must be an integer >= 0, got {top!r}")
+    if body.get("token_ids_logprob"):
+        raise RequestError(400, f"rid {rid}: token_ids_logprob is not supported by the reference engine; use top_logprobs_num")
+    if not return_logprob:
+        return {}
+    if start == -1:  # scheduler.py: logprobs of the output tokens only
+        start = num_tokens
+    if start > num_tokens:
+        # scheduler.py's abort message (a 400: the tokenizer manager raises it as a ValueError)
+        raise RequestError(
+            400,
+            f"req.logprob_start_len={start} is higher than the number of input tokens "
+            f"len(req.origin_input_ids)={num_tokens}. Please use a smaller logprob_start_len.",
+        )
+    return {
+        "return_logprob": True,
+        "logprob_start_len": start,
+        "top_logprobs_num": top,
+        "return_text_in_logprobs": bool(body.get("return_text_in_logprobs", False)),
+    }
 
 
 def _tokenize(rid: str, text: Any, limits: ModelLimits) -> list[int]:

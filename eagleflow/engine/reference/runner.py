@@ -14,18 +14,21 @@ engine. ``abort`` is SGLang's ``/abort_request``: a request not yet run is dropp
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from eagleflow.engine.capture import HiddenStateCapture
+from eagleflow.engine.reference.capture_faults import FaultyCapture, PrefixCache, server_info_overrides
 from eagleflow.engine.reference.config import ReferenceEngineConfig
 from eagleflow.engine.reference.faults import FaultSwitches
+from eagleflow.engine.reference.logprobs import logprob_meta_info
+from eagleflow.engine.reference.turns import ForwardTurns
 from eagleflow.engine.reference.protocol import (
     GREEDY_BELOW_TEMPERATURE,
     READY_LINE,
@@ -87,16 +90,20 @@ class ReferenceEngine:
             if config.dump_dir is not None
             else None
         )
-        self.speculative = speculative_decoder(model, config) if config.speculative_algorithm else None
+        if config.speculative_algorithm:
+            from eagleflow.engine.reference.speculative import speculative_decoder
+
+            self.speculative: Any = speculative_decoder(model, config)
+        else:
+            self.speculative = None
         self.ready = threading.Event()
         self.shutting_down = False
         self.warmup_error: str | None = None
-        self._forward_lock = threading.Lock()  # one forward at a time; requests queue on it
+        self.turns = ForwardTurns()  # one forward at a time; /abort_request drops a request still waiting
         # Rows still to fail in this process: a marker left by an earlier process means its one
         # injected failure already happened.
         self.faults = FaultSwitches(config)
-        self._aborted: set[str] = set()  # rids aborted before their forward ran
-        self._waiting: set[str] = set()  # rids queued for the forward lock
+        self.prefix_cache = PrefixCache() if config.capture_fault == "radix-cache" else None  # TEST ONLY
         self._stats_lock = threading.Lock()
         self._requests = 0
         self._failed = 0
@@ -137,7 +144,7 @@ class ReferenceEngine:
             if is_captured(rid):
                 self.faults.fail_request(rid)
             try:
-                output_ids, finish_reason, spec = self._run(request)
+                output_ids, finish_reason, extra_meta = self._run(request)
             except RequestError:
                 raise
             except Exception as exc:  # the model failed (e.g. out of memory): a 500 naming it, the server lives on
@@ -149,6 +156,8 @@ class ReferenceEngine:
             raise
         if is_captured(rid):
             self._count(len(request.input_ids), failed=False)
+            # Off the forward lock: slowed requests still overlap, as a batching engine's do.
+            time.sleep(max(self.config.min_request_seconds - (time.time() - started), 0.0))
         return {
             "text": self._decode(output_ids),
             "output_ids": output_ids,
@@ -162,7 +171,7 @@ class ReferenceEngine:
                 # No prefix cache here, so every prompt token is computed (and captured).
                 "cached_tokens": 0,
                 "e2e_latency": time.time() - started,
-                **spec,
+                **extra_meta,
             },
         }
 
@@ -204,6 +213,17 @@ class ReferenceEngine:
             "speculative_num_steps": self.config.speculative_num_steps if self.speculative else None,
         }
 
+    def server_info(self) -> dict[str, Any]:
+        """``/server_info``: SGLang's names for the settings a client checks capture against."""
+        return {
+            "model_path": str(self.config.model),
+            "tp_size": 1,
+            "disable_radix_cache": True,  # there is no prefix cache: every prompt token is computed
+            "chunked_prefill_size": -1,
+            "version": "eagleflow-reference",
+            **server_info_overrides(self.config.capture_fault),
+        }
+
     def warmup(self) -> None:
         """One real forward (as SGLang's warmup request), then wait out ``--warmup-seconds``; sets :attr:`ready`."""
         started = time.monotonic()
@@ -241,60 +261,54 @@ class ReferenceEngine:
 
     def abort(self, rid: str) -> None:
         """SGLang's ``/abort_request``: a request still waiting for the forward lock is dropped."""
-        with self._stats_lock:
-            if rid in self._waiting:
-                self._aborted.add(rid)
-
-    @contextlib.contextmanager
-    def _forward_turn(self, rid: str) -> Iterator[bool]:
-        """Hold the forward lock for ``rid``; yields True when it was aborted while it waited."""
-        with self._stats_lock:
-            self._waiting.add(rid)
-        try:
-            self._forward_lock.acquire()
-        finally:
-            with self._stats_lock:
-                self._waiting.discard(rid)
-                aborted = rid in self._aborted
-                self._aborted.discard(rid)
-        try:
-            yield aborted
-        finally:
-            self._forward_lock.release()
+        self.turns.abort(rid)
 
     def _run(self, request: GenerateRequest, dump: bool = True) -> tuple[list[int], dict[str, Any], dict[str, Any]]:
         """Prefill (captured unless a health check, ``dump=False`` or no dump folder), then up to
         ``max_new_tokens`` decode steps (speculative when a drafter is loaded); returns the output
-        ids, the finish reason and SGLang's spec fields of ``meta_info``."""
+        ids, the finish reason and the extra ``meta_info`` fields (spec, logprobs)."""
         import torch
-
-        from eagleflow.engine.capture import HiddenStateCapture
 
         max_new_tokens = request.max_new_tokens
         capture = dump and self.writer is not None and is_captured(request.rid)
         if self.speculative is not None and max_new_tokens > 1 and not capture:
             if request.temperature >= GREEDY_BELOW_TEMPERATURE:
                 raise RequestError(400, f"rid {request.rid}: the reference engine's speculative decoding is greedy only; send temperature 0")
-            with self._forward_lock, torch.inference_mode():
+            if request.return_logprob:
+                raise RequestError(400, f"rid {request.rid}: return_logprob is not supported with the reference engine's speculative decoding")
+            with self.turns.lock, torch.inference_mode():
                 output_ids, finish_reason, stats = self.speculative.generate(
                     request.input_ids, max_new_tokens, self.eos_token_ids, request.ignore_eos
                 )
             return output_ids, finish_reason, stats.meta_info(len(output_ids))
         ids = torch.tensor([request.input_ids], dtype=torch.long, device=self.device)
+        # Prompt logprobs need every position's logits, not only the last one's.
+        prompt_logprobs_wanted = request.return_logprob and request.logprob_start_len < len(request.input_ids)
+        logits_kwargs = {} if prompt_logprobs_wanted else self._logits_kwargs
+        cached = 0
+        if self.prefix_cache is not None:  # TEST ONLY: --capture-fault radix-cache
+            cached = self.prefix_cache.reuse(request.input_ids, request.return_logprob, request.logprob_start_len)
         output_ids: list[int] = []
+        output_logprobs: list[torch.Tensor] = []
         finish_reason: dict[str, Any] = {"type": "length", "length": max_new_tokens}
-        with self._forward_turn(request.rid) as aborted, torch.inference_mode():
+        with self.turns.turn(request.rid) as aborted, torch.inference_mode():
             if aborted:
                 return [], {"type": "abort", "message": f"request {request.rid} aborted by /abort_request"}, {}
             if capture:
-                with HiddenStateCapture(self.model, self.aux_layer_ids) as hooks:
-                    out = self.model(input_ids=ids, use_cache=max_new_tokens > 1, **self._logits_kwargs)
-                self._submit_dump(request.rid, hooks.stacked(), request.input_ids)
+                fault = self.config.capture_fault  # TEST ONLY when set
+                hooks = FaultyCapture(self.model, self.aux_layer_ids, fault) if fault else HiddenStateCapture(self.model, self.aux_layer_ids)
+                with hooks:
+                    out = self.model(input_ids=ids, use_cache=max_new_tokens > 1, **logits_kwargs)
+                self._submit_dump(request.rid, hooks.stacked()[cached:], request.input_ids[cached:])
             else:
-                out = self.model(input_ids=ids, use_cache=max_new_tokens > 1, **self._logits_kwargs)
+                out = self.model(input_ids=ids, use_cache=max_new_tokens > 1, **logits_kwargs)
+            prompt_logprobs = torch.log_softmax(out.logits[0].float(), dim=-1) if prompt_logprobs_wanted else None
             for step in range(max_new_tokens):
-                token = _pick_token(out.logits[0, -1], request.temperature)
+                logits = out.logits[0, -1]
+                token = _pick_token(logits, request.temperature)
                 output_ids.append(token)
+                if request.return_logprob:
+                    output_logprobs.append(_sampling_logprobs(logits, request.temperature))
                 if token in self.eos_token_ids and not request.ignore_eos:
                     finish_reason = {"type": "stop", "matched": token}
                     break
@@ -305,7 +319,18 @@ class ReferenceEngine:
                         use_cache=True,
                         **self._logits_kwargs,
                     )
-        return output_ids, finish_reason, {}
+        # The answer does not wait for the dump: the writer publishes it off the forward path (as in SGLang).
+        decode = self._token_decoder(request)
+        meta = logprob_meta_info(request, prompt_logprobs, output_logprobs, output_ids, self.vocab_size, decode)
+        return output_ids, finish_reason, {**meta, **({"cached_tokens": cached} if cached else {})}
+
+    def _token_decoder(self, request: GenerateRequest) -> Callable[[list[int]], str] | None:
+        """The tokenizer's ``decode`` when the answer's logprobs carry text (SGLang needs a tokenizer for it)."""
+        if not (request.return_logprob and request.return_text_in_logprobs):
+            return None
+        if self.tokenizer is None:
+            raise RequestError(400, f"rid {request.rid}: return_text_in_logprobs needs a tokenizer and the model folder has none")
+        return self.tokenizer.decode
 
     def _decode(self, output_ids: list[int]) -> str:
         return self.tokenizer.decode(output_ids) if self.tokenizer is not None and output_ids else ""
@@ -339,6 +364,14 @@ def _pick_token(logits: torch.Tensor, temperature: float) -> int:
     return int(torch.multinomial(probs, 1))
 
 
+def _sampling_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The log-softmax SGLang reports for a generated token: raw when greedy, else of the scaled logits."""
+    import torch
+
+    scaled = logits.float() if temperature < GREEDY_BELOW_TEMPERATURE else logits.float() / temperature
+    return torch.log_softmax(scaled, dim=-1)
+
+
 def _eos_token_ids(model: Any) -> set[int]:
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), model.config):
@@ -358,23 +391,3 @@ def _load_tokenizer(model_dir: Path, trust_remote_code: bool) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
-
-
-def speculative_decoder(model: Any, config: ReferenceEngineConfig) -> Any:
-    """The EAGLE-3 decoder of ``--speculative-draft-model-path`` for ``model``, capturing what SGLang's target would."""
-    from eagleflow.engine.capture import AuxStateCapture
-    from eagleflow.engine.reference.draft_model import Eagle3Drafter
-    from eagleflow.engine.reference.speculative import SpeculativeDecoder
-    from eagleflow.export.sglang_drafter import NotServable, captured_layer_ids
-
-    folder = config.speculative_draft_model_path
-    if folder is None or not (folder / "config.json").is_file():
-        raise UserError(f"--speculative-draft-model-path: {folder} has no config.json (run eagleflow export first)")
-    drafter = Eagle3Drafter(folder, model.get_input_embeddings(), model.dtype, next(model.parameters()).device)
-    drafter.window = config.speculative_draft_window_size
-    architecture = (getattr(model.config, "architectures", None) or ["?"])[0]
-    try:
-        layers = captured_layer_ids(drafter.config["eagle_config"]["eagle_aux_hidden_state_layer_ids"], architecture)
-    except NotServable as exc:
-        raise UserError(f"--speculative-draft-model-path: {exc}") from exc
-    return SpeculativeDecoder(model, drafter, lambda: AuxStateCapture(model, layers), config.speculative_num_steps)

@@ -61,6 +61,9 @@ def create_app(engine: ReferenceEngine) -> Any:
     async def model_info(request: Request) -> Response:
         return JSONResponse(engine.model_info())
 
+    async def server_info(request: Request) -> Response:
+        return JSONResponse(engine.server_info())
+
     return Starlette(
         routes=[
             Route("/generate", generate, methods=["POST", "PUT"]),
@@ -69,6 +72,8 @@ def create_app(engine: ReferenceEngine) -> Any:
             Route("/health_generate", health, methods=["GET"]),
             Route("/model_info", model_info, methods=["GET"]),
             Route("/get_model_info", model_info, methods=["GET"]),
+            Route("/server_info", server_info, methods=["GET"]),
+            Route("/get_server_info", server_info, methods=["GET"]),
         ]
     )
 
@@ -129,6 +134,10 @@ def serve(config: ReferenceEngineConfig) -> int:
     )
     if engine.faults.fail_rows:
         print(f"TEST fault injection: requests for rows {sorted(engine.faults.fail_rows)} will answer 500", flush=True)
+    if config.capture_fault:
+        print(f"TEST fault injection: capturing wrongly on purpose (--capture-fault {config.capture_fault})", flush=True)
+    if config.min_request_seconds:
+        print(f"TEST slowdown: every captured request takes at least {config.min_request_seconds:g}s", flush=True)
     if stop_signals:  # stopped while the model was loading
         engine.close()
         sock.close()

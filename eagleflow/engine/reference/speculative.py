@@ -30,7 +30,9 @@ from typing import Any
 
 import torch
 
+from eagleflow.engine.reference.config import ReferenceEngineConfig
 from eagleflow.engine.reference.draft_model import Eagle3Drafter
+from eagleflow.errors import UserError
 
 
 @dataclass
@@ -146,3 +148,21 @@ class SpeculativeDecoder:
                 if token in stop_ids:
                     return output[: i + 1], {"type": "stop", "matched": token}, stats
         return output[:max_new_tokens], {"type": "length", "length": max_new_tokens}, stats
+
+
+def speculative_decoder(model: Any, config: ReferenceEngineConfig) -> Any:
+    """The EAGLE-3 decoder of ``--speculative-draft-model-path`` for ``model``, capturing what SGLang's target would."""
+    from eagleflow.engine.capture import AuxStateCapture
+    from eagleflow.export.sglang_drafter import NotServable, captured_layer_ids
+
+    folder = config.speculative_draft_model_path
+    if folder is None or not (folder / "config.json").is_file():
+        raise UserError(f"--speculative-draft-model-path: {folder} has no config.json (run eagleflow export first)")
+    drafter = Eagle3Drafter(folder, model.get_input_embeddings(), model.dtype, next(model.parameters()).device)
+    drafter.window = config.speculative_draft_window_size
+    architecture = (getattr(model.config, "architectures", None) or ["?"])[0]
+    try:
+        layers = captured_layer_ids(drafter.config["eagle_config"]["eagle_aux_hidden_state_layer_ids"], architecture)
+    except NotServable as exc:
+        raise UserError(f"--speculative-draft-model-path: {exc}") from exc
+    return SpeculativeDecoder(model, drafter, lambda: AuxStateCapture(model, layers), config.speculative_num_steps)

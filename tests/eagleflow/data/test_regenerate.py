@@ -42,17 +42,10 @@ from eagleflow.engine.process import (
 from eagleflow.errors import UserError
 from eagleflow.extract.client import EngineClient
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 REPO = Path(__file__).resolve().parents[3]
 MAX_NEW_TOKENS = 24
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    # The engine and this process share 2 cores; two busy OpenMP pools slow both by seconds.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def launch_engine(model: Path, folder: Path, port: int | None = None) -> ServerInfo:

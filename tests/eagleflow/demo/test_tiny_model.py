@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,17 +17,10 @@ from eagleflow.errors import UserError
 from eagleflow.demo.synthetic_data import generate_conversations
 from eagleflow.demo.tiny_model import RECORD_NAME, TinyModelConfig, make_tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 # Small and quick: a handful of real training steps on a small corpus.
 SMALL = dict(train_steps=3, batch_size=4, seq_len=64, corpus_rows=300, eval_rows=8)
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    # On the shared 2-core machine two spinning OpenMP threads made these forwards 10x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def files_of(folder: Path) -> dict[str, bytes]:

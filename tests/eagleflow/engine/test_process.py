@@ -265,3 +265,30 @@ def test_stop_server_cleans_up_the_group_of_a_leader_that_already_died(tmp_path:
 def test_stop_server_on_an_exited_engine_says_so() -> None:
     pid = exited_pid()
     assert stop_server(pid, grace=1) == f"engine process {pid} had already exited"
+
+
+# A parent with two children, one in a session of its own (as a step starts its child); it
+# prints the three pids and waits.
+TREE_SCRIPT = r"""
+import subprocess, sys, time
+same = subprocess.Popen(["sleep", "60"])
+own = subprocess.Popen(["sleep", "60"], start_new_session=True)
+print(same.pid, own.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_process_tree_follows_children_into_their_own_sessions(process_groups: list[int]) -> None:
+    from eagleflow.engine.process import process_tree
+
+    parent = subprocess.Popen([sys.executable, "-c", TREE_SCRIPT], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    process_groups.append(parent.pid)
+    assert parent.stdout is not None
+    same, own = map(int, parent.stdout.readline().split())
+    process_groups.append(own)
+    assert sorted(process_tree(parent.pid)) == sorted([parent.pid, same, own])
+    assert set(group_members(parent.pid)) == {parent.pid, same}  # the group alone misses the other session
+    parent.kill()
+    parent.wait()
+    # The orphans are now init's: no longer under the (gone) parent.
+    assert process_tree(parent.pid) == []

@@ -35,6 +35,8 @@ from eagleflow.extract.sample_store import load_sample, validate
 from eagleflow.extract.dump_wait import wait_for_dump
 from sglang_patch.handoff import dump_path, error_path
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 AUX = [2, 4, 6]
 N_LAYERS, HIDDEN, VOCAB = 8, 64, 1024
 WARMUP_S = 4.0
@@ -75,16 +77,6 @@ def _build_tiny_model(out: Path) -> Path:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    # The engine subprocess and this process share 2 cores; two busy-waiting OpenMP pools each
-    # turned 40 ms forwards into seconds.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -114,6 +114,12 @@ def test_extra_args_are_appended_as_separate_items(tmp_path: Path) -> None:
     assert argv[-len(extra):] == extra  # kept verbatim, one argv item each: nothing reaches a shell
 
 
+def test_a_second_engine_on_the_node_starts_after_the_first_ones_gpus(tmp_path: Path) -> None:
+    assert "--base-gpu-id" not in build(config(tmp_path))[0]  # the first engine: SGLang's default, GPU 0
+    argv, _ = build(config(tmp_path, tp_size=4, base_gpu_id=4))
+    assert option(argv, "--base-gpu-id") == "4" and option(argv, "--tp-size") == "4"
+
+
 def test_flashinfer_is_refused_on_sm120(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="SM120") as info:
         build(config(tmp_path, attention_backend="flashinfer"), caps=["12.0", "12.0"])

@@ -26,7 +26,8 @@ from eagleflow.data.prepare import write_training_dataset
 from eagleflow.engine.process import ServerInfo, stop_server
 from eagleflow.extract.client import EngineClient
 from eagleflow.extract.sample_store import sample_path, validate, write_sample
-from eagleflow.extract.shard import ShardExtractor
+from eagleflow.extract.manifest import ShardManifest
+from eagleflow.extract.shard import EXIT_ENGINE_GONE, ShardExtractor
 from extract_engines import AUX, HIDDEN, ROWS, config, launch_engine, make_rows
 from sglang_patch.dump_writer import DumpWriter
 
@@ -149,7 +150,7 @@ def test_killing_the_engine_mid_shard_stops_within_seconds_and_the_next_attempt_
     dataset = tmp_path / "dataset"
     write_training_dataset(rows, [[1] * len(r) for r in rows], dataset)
     server = launch_engine(random_tiny_model, tmp_path / "dumps", tmp_path / "server.log")
-    cfg = config(dataset, server, random_tiny_model, "0:40", concurrency=2, progress_every=1, server_pid=server.pid)
+    cfg = config(dataset, server, random_tiny_model, "0:40", concurrency=2, progress_every=1, server_pid=server.pid, engine="engine-3")
     proc = subprocess.Popen(
         [sys.executable, "-m", "eagleflow", "extract", *model_to_argv(cfg)], stdout=subprocess.PIPE, text=True
     )
@@ -161,19 +162,22 @@ def test_killing_the_engine_mid_shard_stops_within_seconds_and_the_next_attempt_
     killed_at = time.monotonic()
     rest = proc.stdout.read()
     proc.wait(timeout=30)
-    assert proc.returncode == 1
+    assert proc.returncode == EXIT_ENGINE_GONE  # "try again elsewhere", not "these rows are bad"
     assert time.monotonic() - killed_at < 10
     assert "is gone" in rest or "refuses connections" in rest, rest
+    stopped = ShardManifest.read(cfg.manifest or dataset.parent / "shards" / "rows_0-40.json")
+    assert (stopped.state, stopped.engine) == ("failed", f"engine-3 at {server.url}")
     done_before = {p.name: p.stat().st_mtime_ns for p in (dataset / "hidden_states").glob("hs_*.safetensors")}
     assert 6 <= len(done_before) < 40
     assert not [p for p in (dataset / "hidden_states").iterdir() if not p.name.startswith("hs_")]  # no partial files
 
     server = launch_engine(random_tiny_model, tmp_path / "dumps", tmp_path / "server2.log")
     try:
-        report = ShardExtractor(cfg.model_copy(update={"server": server.url, "server_pid": server.pid})).run()
+        report = ShardExtractor(cfg.model_copy(update={"server": server.url, "server_pid": server.pid, "engine": "engine-0"})).run()
     finally:
         stop_server(server.pid, grace=10)
     assert report.skipped == len(done_before) and report.done == 40 - len(done_before) and not report.failed
+    assert report.engine == f"engine-0 at {server.url}"  # the manifest names the engine of the attempt that finished
     for name, mtime in done_before.items():
         assert (dataset / "hidden_states" / name).stat().st_mtime_ns == mtime
     for row in range(40):
