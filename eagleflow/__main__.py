@@ -59,12 +59,15 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().parse_args(argv)  # prints usage / the unknown-step error and exits 2
         return 2
     name, rest = argv[0], argv[1:]
-    if os.environ.get(PARENT_PID_ENV, "").isdigit():
+    # Taken out of the environment: it names *our* parent, and the engines, trainers and steps we
+    # start (evaluate's engines) would otherwise read it, see a different parent and stop at once.
+    parent = os.environ.pop(PARENT_PID_ENV, "")
+    if parent.isdigit():
         import signal
 
         from eagleflow.engine.process import die_with_parent
 
-        die_with_parent(signal.SIGTERM, int(os.environ[PARENT_PID_ENV]))
+        die_with_parent(signal.SIGTERM, int(parent))
     module = importlib.import_module(STEPS[name][0])
     parser = argparse.ArgumentParser(prog=f"python -m eagleflow {name}", description=STEPS[name][1])
     module.add_arguments(parser)
