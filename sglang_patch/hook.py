@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 from sglang_patch.handoff import CAPTURE_FAILED, PREFIX_REUSED
 from sglang_patch.hook_spec import DUMP_DIR_ENV, HOOK_NAME, UnsupportedSGLangVersion
 from sglang_patch.layer_ids import validate_aux_layer_ids
-from sglang_patch.layer_output import LayerOutputReader, LayerTupleReader, reader_for
+from sglang_patch.layer_output import LayerOutputReader, LayerTupleReader, StateSum, reader_for
 from sglang_patch.request_ids import is_captured
 from sglang_patch.sample_format import DEFAULT_HIDDEN_STATES_DTYPE, HiddenStatesDtype, check_hidden_states_dtype
 
@@ -213,7 +213,7 @@ class HiddenStateCapture:
         if self._embedding_slots:
             self._embedding = output.detach().clone()
 
-    def _read_state(self, module: Any, batch: Any, output: Sequence[Any]) -> torch.Tensor | None:
+    def _read_state(self, module: Any, batch: Any, output: Sequence[Any]) -> torch.Tensor | StateSum | None:
         """This layer's residual-stream state when the pass captures it, else None.
 
         Decided by what every TP rank sees alike (the pass mode, the layer), never by
@@ -231,7 +231,7 @@ class HiddenStateCapture:
         except RuntimeError as exc:
             raise RuntimeError(f"layer {int(module.layer_id)}: {exc}") from exc
 
-    def _on_layer(self, module: Any, batch: Any, state: torch.Tensor | None) -> None:
+    def _on_layer(self, module: Any, batch: Any, state: torch.Tensor | StateSum | None) -> None:
         if not _is_capture_pass(batch.forward_mode):
             self._reset()
             return
@@ -243,7 +243,8 @@ class HiddenStateCapture:
             self._start_pass(module, batch, state)
         if int(state.shape[0]) != self._total_tokens:
             raise RuntimeError(f"layer {layer_id} output has {int(state.shape[0])} rows, the pass {self._total_tokens} tokens")
-        # Copied out now (the reader's state is a new tensor), so the GPU holds one layer's state at a time.
+        # Copied out now (on the GPU the reader's state is a new tensor; on CPU tensors the sum is
+        # added straight into the host buffers), so the GPU holds one layer's state at a time.
         for slot in slots:
             self._copy_out(slot, state, 0)
         self._filled.update(slots)

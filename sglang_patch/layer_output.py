@@ -5,8 +5,10 @@ hook on layer k-1 sees that layer's output, and SGLang hands it over in one of t
 (:data:`sglang_patch.hook_spec.LAYER_BOUNDARY_APIS` says which release has which):
 
 - ``layer_tuple`` (0.5.10-0.5.20): the layer returns ``(hidden_states, residual, topk)``, both
-  complete on every rank. The sum is taken at once, into a new tensor: the next layer's fused
-  add+norm rewrites both in place. Rank 0 alone needs to read it.
+  complete on every rank. The sum is taken before the hook returns: the next layer's fused
+  add+norm rewrites both in place. On the GPU it is a new tensor, copied to pinned memory on the
+  same stream; on CPU tensors it is a :class:`StateSum`, added straight into each request's host
+  buffer (one pass over the memory, not a new tensor and then a copy). Rank 0 alone reads it.
 - ``residual_stream`` (0.5.21-0.5.23): the layer returns ``(hidden_states, topk_indices)``; the
   residual lives in ``forward_batch.residual_stream`` and ``hidden_states`` may be an opaque
   owed value (a tensor-parallel sum not yet done). SGLang's own
@@ -41,7 +43,29 @@ class LayerOutputReader(Protocol):
     api: str
     every_rank: bool  # True: every TP rank must call read() at the same point (a collective)
 
-    def read(self, output: Sequence[Any], forward_batch: Any) -> torch.Tensor: ...
+    def read(self, output: Sequence[Any], forward_batch: Any) -> torch.Tensor | StateSum: ...
+
+
+class StateSum:
+    """``hidden + residual`` of CPU tensors, not yet added: :meth:`add_into` adds rows of it into
+    a destination (a request's host buffer) at once. Sliced like a tensor along the tokens."""
+
+    is_cuda = False
+
+    def __init__(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+        self.hidden, self.residual = hidden, residual
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.hidden.shape
+
+    def __getitem__(self, rows: slice) -> StateSum:
+        return StateSum(self.hidden[rows], self.residual[rows])
+
+    def add_into(self, out: torch.Tensor) -> None:
+        import torch
+
+        torch.add(self.hidden, self.residual, out=out)
 
 
 class LayerTupleReader:
@@ -50,7 +74,7 @@ class LayerTupleReader:
     api = LAYER_TUPLE
     every_rank = False
 
-    def read(self, output: Sequence[Any], forward_batch: Any) -> torch.Tensor:
+    def read(self, output: Sequence[Any], forward_batch: Any) -> torch.Tensor | StateSum:
         hidden_states, residual = output[0], output[1]
         if getattr(hidden_states, "_sglang_needs_allreduce_fusion", False):
             # The MLP all-reduce is deferred into the next layer: this is a per-rank partial sum.
@@ -58,7 +82,11 @@ class LayerTupleReader:
                 "the layer output is a per-rank partial sum (flashinfer all-reduce fusion); "
                 "launch SGLang with --enforce-disable-flashinfer-allreduce-fusion"
             )
-        return hidden_states.detach() if residual is None else hidden_states.detach() + residual.detach()
+        if residual is None:
+            return hidden_states.detach()
+        if not hidden_states.is_cuda:
+            return StateSum(hidden_states.detach(), residual.detach())
+        return hidden_states.detach() + residual.detach()
 
 
 class ResidualStreamReader:

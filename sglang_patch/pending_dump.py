@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sglang_patch.finite import finite_on_device
+from sglang_patch.layer_output import StateSum
 
 if TYPE_CHECKING:
     from sglang_patch.dump_writer import DumpWriter
@@ -50,9 +51,14 @@ class PendingDump:
         self._finite_flags: list[torch.Tensor] = []  # device verdicts, read after the copy's event
         self._done = False
 
-    def put(self, slot: int, states: torch.Tensor, start: int = 0) -> None:
-        """Copy ``[tokens, hidden]`` states of ``slot`` (tokens ``start``…) into the host buffer."""
-        self.host[slot, start : start + states.shape[0]].copy_(states.detach(), non_blocking=self.on_cuda)
+    def put(self, slot: int, states: torch.Tensor | StateSum, start: int = 0) -> None:
+        """Copy ``[tokens, hidden]`` states of ``slot`` (tokens ``start``…) into the host buffer
+        (a :class:`~sglang_patch.layer_output.StateSum` is added straight into it)."""
+        destination = self.host[slot, start : start + states.shape[0]]
+        if isinstance(states, StateSum):
+            states.add_into(destination)
+            return
+        destination.copy_(states.detach(), non_blocking=self.on_cuda)
         if states.is_cuda:
             self._finite_flags.append(finite_on_device(states))
 
