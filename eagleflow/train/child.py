@@ -1,7 +1,9 @@
 """speculators as the training step's child process: device, flags, command, signals, log.
 
 The child is ``python -m eagleflow.train.speculators_entry …`` on CPU or one GPU, and
-``torchrun --nproc-per-node G -m eagleflow.train.speculators_entry …`` on several; its output
+``torchrun --nproc-per-node G -m eagleflow.train.speculators_entry …`` on several. A single
+process is started before the step's checks (:class:`TrainerChild`) and imports speculators
+while they run, then gets its flags on stdin: the step costs next to nothing on top. Its output
 goes line by line to stdout and ``train.log``; SIGTERM/SIGINT are forwarded to its process
 group (speculators then saves an ``interrupted`` checkpoint and stops).
 
@@ -15,6 +17,8 @@ their parent's death themselves. The child inherits the folder's lock
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -49,6 +53,10 @@ class Device:
 
 def resolve_device(cfg: TrainConfig) -> Device:
     """``--device auto`` -> cuda when torch sees a GPU; ``--gpus`` defaults to all it sees."""
+    if cfg.device == "cpu":  # known without importing torch (seconds the child's start need not wait for)
+        if cfg.gpus is not None:
+            raise UserError(f"--gpus {cfg.gpus}: --device cpu trains without GPUs (drop --gpus)")
+        return Device("cpu", 0)
     import torch
 
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -149,17 +157,22 @@ def speculators_flags(
     return flags
 
 
-def child_command(device: Device, paths: TrainLayout, flags: list[str], noise_std: float = 0.0) -> list[str]:
+def child_command(device: Device, paths: TrainLayout, flags: list[str] | None, noise_std: float = 0.0) -> list[str]:
     """``python -m eagleflow.train.speculators_entry …``, under torchrun for more than one GPU.
 
+    :param flags: speculators' flags; None: the child reads them from its stdin once it has
+        imported speculators (:class:`TrainerChild`; a single process only).
     :param noise_std: eagleflow's own noise augmentation, for releases without ``--noise-std``.
     """
     entry = ["-m", "eagleflow.train.speculators_entry", "--metrics", str(paths.metrics.absolute()),
-             "--summary", str(paths.drafter.absolute()), "--noise-std", str(noise_std), "--"]
+             "--summary", str(paths.drafter.absolute()), "--noise-std", str(noise_std)]
+    entry += ["--flags-on-stdin", "--"] if flags is None else ["--", *flags]
     if device.kind == "cuda" and device.gpus > 1:
+        if flags is None:
+            raise ValueError("torchrun's workers cannot read their flags from the step's stdin")
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={device.gpus}"]
-        return launcher + entry + flags
-    return [sys.executable, "-u"] + entry + flags
+        return launcher + entry
+    return [sys.executable, "-u"] + entry
 
 
 def child_env(device: Device) -> dict[str, str]:
@@ -173,38 +186,81 @@ def child_env(device: Device) -> dict[str, str]:
 
 def run_child(command: list[str], env: dict[str, str], log: TrainLog, lock: TrainFolderLock) -> tuple[int, int | None]:
     """Run the child, stream its output, forward SIGTERM/SIGINT; return (exit code, signal forwarded)."""
-    log.say("command: " + " ".join(command))
-    step_pid = os.getpid()
-    process = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        env=env,
-        process_group=0,  # its own group, so a forwarded signal reaches its data-loader workers too
-        pass_fds=(lock.fd,),  # the lock stays held while the child runs, even if this process is killed
-        preexec_fn=lambda: die_with_parent(signal.SIGKILL, step_pid),
-    )
-    lock.record_trainer(process.pid)
-    forwarded: list[int] = []
+    return TrainerChild(command, env, log, lock).run(None)
 
-    def forward(signum: int, _frame: Any) -> None:
-        forwarded.append(signum)
+
+class TrainerChild:
+    """The speculators child, started with :func:`child_command` (``flags`` None: it waits for them).
+
+    Started before the step's own checks, the child imports torch and speculators (seconds)
+    while the step checks the dataset and prepares the verifier head; :meth:`run` then hands it
+    its flags. :meth:`cancel` (the checks failed, nothing to train) closes its stdin: it exits
+    without training. It holds the folder's lock, and dies with the step, from its start.
+    """
+
+    def __init__(self, command: list[str], env: dict[str, str], log: TrainLog, lock: TrainFolderLock) -> None:
+        step_pid = os.getpid()
+        self.log, self.command = log, command
+        self.process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.PIPE if "--flags-on-stdin" in command else subprocess.DEVNULL,
+            env=env,
+            process_group=0,  # its own group, so a forwarded signal reaches its data-loader workers too
+            pass_fds=(lock.fd,),  # the lock stays held while the child runs, even if this process is killed
+            preexec_fn=lambda: die_with_parent(signal.SIGKILL, step_pid),
+        )
+        lock.record_trainer(self.process.pid)
+
+    def run(self, flags: list[str] | None) -> tuple[int, int | None]:
+        """Hand over ``flags`` (when it waits for them), stream its output, forward SIGTERM/SIGINT;
+        return (exit code, signal forwarded)."""
+        process = self.process
+        # The command it amounts to: what a user would run by hand.
+        command = [arg for arg in self.command if arg != "--flags-on-stdin"] + list(flags or [])
+        self.log.say("command: " + " ".join(command))
+        if process.stdin is not None:
+            try:
+                process.stdin.write((json.dumps(flags or []) + "\n").encode())
+                process.stdin.close()
+            except BrokenPipeError:
+                pass  # it died while starting: its output and status say why
+        forwarded: list[int] = []
+
+        def forward(signum: int, _frame: Any) -> None:
+            forwarded.append(signum)
+            try:
+                os.killpg(process.pid, signum)
+            except ProcessLookupError:
+                pass
+
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
-            os.killpg(process.pid, signum)
-        except ProcessLookupError:
-            pass
+            assert process.stdout is not None
+            for raw in iter(process.stdout.readline, b""):
+                self.log.write(raw.decode("utf-8", errors="replace"))
+            returncode = process.wait()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            if process.poll() is None:  # we are unwinding on an error: do not leave training behind
+                os.killpg(process.pid, signal.SIGTERM)
+                process.wait()
+        return returncode, (forwarded[0] if forwarded else None)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        assert process.stdout is not None
-        for raw in iter(process.stdout.readline, b""):
-            log.write(raw.decode("utf-8", errors="replace"))
-        returncode = process.wait()
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        if process.poll() is None:  # we are unwinding on an error: do not leave training behind
-            os.killpg(process.pid, signal.SIGTERM)
+    def cancel(self) -> None:
+        """Stop a child that has not been given its flags: it exits without training (SIGKILL after 30s)."""
+        process = self.process
+        if process.poll() is not None:
+            return
+        if process.stdin is not None and not process.stdin.closed:
+            with contextlib.suppress(BrokenPipeError):
+                process.stdin.close()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-    return returncode, (forwarded[0] if forwarded else None)
+        if process.stdout is not None:
+            process.stdout.close()

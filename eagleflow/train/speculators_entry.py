@@ -2,7 +2,9 @@
 
 ``python -m eagleflow.train.speculators_entry --metrics M [--summary S] [--noise-std X] -- <speculators train flags>``
 (or the same module under ``torchrun``). It is what ``python -m eagleflow train`` starts as its
-child; it can also run in-process through :func:`run`.
+child; it can also run in-process through :func:`run`. With ``--flags-on-stdin`` (one process,
+not torchrun) it imports speculators first and then reads its flags from stdin, so the step can
+start it before its own checks and the imports overlap them.
 
 First the installed speculators must be a release whose internals these patches were checked
 against (:mod:`eagleflow.train.speculators_support`). Then, before speculators'
@@ -195,14 +197,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--metrics", type=Path, required=True, help="metrics.jsonl to append records to")
     parser.add_argument("--summary", type=Path, help="JSON file for the drafter's parameter counts")
     parser.add_argument("--noise-std", type=float, default=0.0, help="eagleflow's noise on the training split's aux states")
+    parser.add_argument(
+        "--flags-on-stdin", action="store_true",
+        help="import speculators first, then read its flags from stdin (one JSON list; end of input: exit, nothing to train)",
+    )
     ours = parser.parse_args(argv[:split])
     # Under torchrun each worker runs in a session of its own: if torchrun dies (even by SIGKILL),
     # the kernel kills the worker too, so no trainer is left holding the GPUs.
     die_with_parent(signal.SIGKILL, parent)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    flags = argv[split + 1 :]
+    if ours.flags_on_stdin:
+        import speculators.train.cli  # noqa: F401  # the seconds of imports, while the step still checks its inputs
+        import torch  # noqa: F401
+
+        line = sys.stdin.readline()
+        if not line.strip():
+            return 0  # the step stopped before training (its checks failed, or every epoch is done)
+        flags = [*json.loads(line), *flags]
     try:
-        run(argv[split + 1 :], ours.metrics, ours.summary, ours.noise_std)
+        run(flags, ours.metrics, ours.summary, ours.noise_std)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -6,7 +6,7 @@ The step checks its inputs (dataset format, hidden-state files and their shape, 
 uses the draft vocabulary (:mod:`eagleflow.data.vocab`; built only if missing), gives
 speculators a verifier it can read (:mod:`eagleflow.train.verifier_head`), decides between a
 fresh start and a resume (:mod:`eagleflow.train.resume`), then runs speculators as its child
-(:mod:`eagleflow.train.child`); every logged step becomes a record of
+(:mod:`eagleflow.train.child`; started first, so its imports overlap these checks); every logged step becomes a record of
 ``TRAIN_DIR/metrics.jsonl`` (:mod:`eagleflow.train.recorder`).
 """
 
@@ -26,7 +26,9 @@ from eagleflow.export.targets import serving_target
 from eagleflow.files import atomic_write_json
 from eagleflow.layout import TrainLayout, hidden_states_dir
 from eagleflow.results import emit_result
-from eagleflow.train.child import TrainingFailed, TrainLog, child_command, child_env, resolve_device, run_child, speculators_flags
+from eagleflow.train.child import (
+    TrainerChild, TrainingFailed, TrainLog, child_command, child_env, resolve_device, run_child, speculators_flags,
+)
 from eagleflow.train.config import TrainConfig
 from eagleflow.train.lock import TrainFolderLock
 from eagleflow.train.resume import best_checkpoint, epoch_dirs, prepare_checkpoints
@@ -155,15 +157,20 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
     lock = TrainFolderLock(paths.lock, cfg.lock_wait)
     lock.acquire()  # before the folder is touched: resume moves checkpoints aside
     log = TrainLog(paths.log)
+    trainer: TrainerChild | None = None
     try:
         log.say(f"train {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: dataset {cfg.dataset}, verifier {cfg.verifier}")
+        device = resolve_device(cfg)
+        noise = 0.0 if release.noise_std_flag else cfg.noise_std  # else speculators adds it itself
+        if device.gpus <= 1:
+            # Started now, it imports speculators while we check; it trains once given its flags.
+            trainer = TrainerChild(child_command(device, paths, None, noise), child_env(device), log, lock)
         text = text_config(cfg.verifier)
         hidden, layers, vocab = int(text["hidden_size"]), int(text["num_hidden_layers"]), int(text["vocab_size"])
         resolve_aux_layer_ids(cfg.verifier, cfg.aux_layer_ids)
         rows, stored = check_dataset(cfg, hidden)
         if cfg.draft_vocab_size > vocab:
             raise UserError(f"--draft-vocab-size {cfg.draft_vocab_size} exceeds the verifier vocabulary ({vocab})")
-        device = resolve_device(cfg)
         log.say(
             f"{rows} rows, hidden states stored as {stored}; verifier: {layers} layers, hidden {hidden}, vocab {vocab}; "
             f"device {device.kind}" + (f" x{device.gpus}" if device.kind == "cuda" else "") + f"; speculators {release.version}"
@@ -181,8 +188,10 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
             target = serving_target(cfg.serve_with)
             log.say(f"serving with {target.name}: norm_before_residual {target.norm_before_residual} ({target.why})")
             flags = speculators_flags(cfg, verifier, device, paths, release, stored)
-            noise = 0.0 if release.noise_std_flag else cfg.noise_std  # else speculators adds it itself
-            returncode, forwarded = run_child(child_command(device, paths, flags, noise), child_env(device), log, lock)
+            if trainer is not None:
+                returncode, forwarded = trainer.run(flags)
+            else:
+                returncode, forwarded = run_child(child_command(device, paths, flags, noise), child_env(device), log, lock)
             if forwarded is not None:
                 name = signal.Signals(forwarded).name
                 raise TrainingFailed(f"training stopped by {name}; rerun the step to resume", 128 + forwarded)
@@ -211,6 +220,8 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
         log.say(f"best checkpoint {best}")
         return result
     finally:
+        if trainer is not None:
+            trainer.cancel()  # a no-op once it has trained; else it exits without training
         log.close()
         lock.release()
 

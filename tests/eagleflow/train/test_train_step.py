@@ -412,6 +412,30 @@ def test_dataset_checks_name_the_problem(trained_data: Path, tmp_path: Path) -> 
         check_dataset(cfg, hidden_size=64)
 
 
+def test_the_trainer_started_before_the_checks_exits_untrained_when_they_refuse_the_dataset(
+    trained_data: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    """The speculators child starts before the dataset checks, so its imports overlap them; a
+    refused dataset stops it without training, and the step reports the check's own error."""
+    dataset = copy_dataset(trained_data, tmp_path / "dataset")
+    (dataset / "hidden_states" / "hs_5.safetensors").unlink()
+    out = tmp_path / "train"
+    proc = subprocess.run(train_argv(dataset, tiny_model, out), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "1 of 120 rows have no hidden states" in proc.stderr, proc.stderr[-2000:]
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and str(out) in _cmdline(int(pid))]
+    assert not left, f"processes left on {out}: {left}"
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+    assert "command:" not in (out / "train.log").read_text()  # it never got its flags
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _fake_checkpoint(path: Path, global_step: int) -> None:
     from safetensors.torch import save_file
 
