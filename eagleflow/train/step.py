@@ -33,7 +33,6 @@ from eagleflow.train.config import TrainConfig
 from eagleflow.train.lock import TrainFolderLock
 from eagleflow.train.resume import best_checkpoint, epoch_dirs, prepare_checkpoints
 from eagleflow.train.speculators_support import installed_release
-from sglang_patch.sample_file import HIDDEN_STATES_KEY
 from sglang_patch.sample_format import HiddenStatesDtype
 
 
@@ -51,6 +50,7 @@ def check_dataset(cfg: TrainConfig, hidden_size: int) -> tuple[int, HiddenStates
     from safetensors import safe_open
 
     from eagleflow.extract.sample_store import sample_path, stored_dtype
+    from sglang_patch.sample_file import HIDDEN_STATES_KEY  # it imports torch: not before the child has started
 
     state = cfg.dataset / "state.json"
     if not state.exists():
