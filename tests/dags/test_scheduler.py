@@ -24,7 +24,7 @@ ROWS, SHARD_SIZE, FAIL_ROW = 30, 10, 13
 FAILED_SHARD = FAIL_ROW // SHARD_SIZE  # map index of rows_10-20
 SHARD_NAMES = [f"rows_{s}-{s + SHARD_SIZE}" for s in range(0, ROWS, SHARD_SIZE)]
 # One engine: its setups and teardown are the single instance (map index 0) of each engine task.
-SETUPS_AND_TEARDOWN = [("launch_server", 0), ("wait_server_ready", 0), ("stop_server", 0)]
+SETUPS_AND_TEARDOWN = [("launch_server", 0), ("wait_server_ready", 0), ("verify_capture", 0), ("stop_server", 0)]
 DOWNSTREAM = [(task, -1) for task in ("build_vocab", "train_drafter", "plot_metrics", "export_drafter", "evaluate_drafter")]
 UNTOUCHED = [
     (task, -1) for task in ("plan_engines", "regenerate_dataset", "prepare_dataset", "dataset_stats", "check_disk", "plan_shards")
