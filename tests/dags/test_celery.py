@@ -36,7 +36,8 @@ SHARD_OF_4 = [f"rows_{s}-{s + 4}" for s in range(0, ROWS, 4)]
 SHARD_OF_12 = [f"rows_{s}-{s + 12}" for s in range(0, ROWS, 12)]
 RUN_TIMEOUT = 900.0
 GPU_TASKS = {
-    "launch_server", "wait_server_ready", "regenerate_dataset", "extract_shard", "stop_server", "train_drafter", "evaluate_drafter"
+    "launch_server", "wait_server_ready", "verify_capture", "regenerate_dataset", "extract_shard", "stop_server",
+    "train_drafter", "evaluate_drafter",
 }
 
 
