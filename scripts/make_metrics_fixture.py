@@ -32,7 +32,6 @@ import argparse
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from eagleflow.engine.process import free_port  # noqa: E402
 from eagleflow.layout import RunLayout, engine_name, plan_shards  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,12 +91,6 @@ def run(command: list[str], log: Path | None = None, env: dict[str, str] | None 
         tail = log.read_text(encoding="utf-8", errors="replace")[-3000:] if log else ""
         raise SystemExit(f"command failed with exit code {result.returncode}: {command[:6]}\n{tail}")
     say(f"  done in {time.monotonic() - started:.0f}s")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def wait_ready(url: str, server: subprocess.Popen[bytes], log: Path, timeout: float = 600) -> None:

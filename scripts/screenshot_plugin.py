@@ -29,7 +29,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from eagleflow.engine.process import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".cache"
@@ -50,12 +52,6 @@ USER = "admin"
 
 def say(message: str) -> None:
     print(f"[screenshot_plugin] {message}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def wait_http(url: str, timeout: float, process: subprocess.Popen[bytes] | None = None, log: Path | None = None) -> None:
