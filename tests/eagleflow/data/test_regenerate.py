@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +42,8 @@ from eagleflow.engine.process import (
 )
 from eagleflow.errors import UserError
 from eagleflow.extract.client import EngineClient
+from eagleflow.extract.dump_wait import wait_for_dump
+from sglang_patch.handoff import STATUS_PREFIX, read_writer_statuses
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -100,7 +103,8 @@ def greedy_answer(verifier, messages: list[dict]) -> str:
 
 
 def dumps_in(server: ServerInfo) -> list[str]:
-    return sorted(p.name for p in Path(server.dump_dir).iterdir())
+    """Dump and error files of requests; not the writer's own status and reserve files."""
+    return sorted(p.name for p in Path(server.dump_dir).iterdir() if not p.name.startswith(STATUS_PREFIX))
 
 
 def test_answers_are_the_verifiers_greedy_continuations_and_leave_no_dump(engine: ServerInfo, tiny_model: Path, verifier, tmp_path: Path) -> None:
@@ -131,9 +135,14 @@ def test_answers_are_the_verifiers_greedy_continuations_and_leave_no_dump(engine
     assert summary["regenerated"] == str(out / CONVERSATIONS_FILE)
 
     # Regeneration's prefills are extend passes like extraction's: only the rid keeps them out.
-    assert dumps_in(engine) == []
+    # The writer publishes after the answer, so wait for a captured request's dump and for the
+    # writer to hold nothing more: a regeneration dump, had one been queued, is on disk by then.
     rid, _ = EngineClient(engine.url, 60).generate(0, [5, 6, 7, 8])
-    assert any(name.startswith(rid) for name in dumps_in(engine)), "the engine captures nothing: the check above proves nothing"
+    control = wait_for_dump(Path(engine.dump_dir), rid, time.time(), 30.0, threading.Event(), print)
+    deadline = time.monotonic() + 30
+    while any(status.pending for status in read_writer_statuses(engine.dump_dir)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert dumps_in(engine) == [control.name], "a regeneration request left a dump (or the control request did not)"
     for name in dumps_in(engine):
         (Path(engine.dump_dir) / name).unlink()
 
