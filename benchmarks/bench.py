@@ -21,7 +21,7 @@ import bench_dump_writer
 import bench_extraction
 import bench_metrics_plot
 import bench_training
-from bench_common import Row, print_table, scratch
+from bench_common import Row, measure_in_scratch, print_table
 
 
 def metrics_rows() -> list[Row]:
@@ -53,17 +53,12 @@ FP8_GOAL = 0.55
 
 
 SUITES = {
-    "extraction": lambda: _in_scratch(bench_extraction, "bench-extraction"),
-    "writer": lambda: _in_scratch(bench_dump_writer, "bench-dump-writer"),
+    "extraction": lambda: measure_in_scratch(bench_extraction.measure, "bench-extraction"),
+    "writer": lambda: measure_in_scratch(bench_dump_writer.measure, "bench-dump-writer"),
     "dag": bench_dag_parse.measure,
-    "training": lambda: _in_scratch(bench_training, "bench-training"),
+    "training": lambda: measure_in_scratch(bench_training.measure, "bench-training"),
     "metrics": metrics_rows,
 }
-
-
-def _in_scratch(module, name: str) -> list[Row]:
-    with scratch(name) as work:
-        return module.measure(work)
 
 
 def main() -> int:
@@ -77,8 +72,7 @@ def main() -> int:
         print(f"== {name}", flush=True)
         rows += SUITES[name]()
         if name == "extraction":
-            with scratch("bench-fp8") as work:
-                rows += fp8_rows(work)
+            rows += measure_in_scratch(fp8_rows, "bench-fp8")
         print(f"== {name}: {time.monotonic() - began:.0f}s", flush=True)
     print(f"\neagleflow benchmarks ({time.monotonic() - started:.0f}s)\n", flush=True)
     print_table(rows)

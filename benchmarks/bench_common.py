@@ -7,7 +7,7 @@ import contextlib
 import shutil
 import statistics
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,3 +63,15 @@ def print_table(rows: list[Row]) -> str:
     text = "\n".join(lines + ([""] + notes if notes else []))
     print(text, flush=True)
     return text
+
+
+def measure_in_scratch(measure: Callable[[Path], list[Row]], name: str) -> list[Row]:
+    """``measure(work)`` in the scratch folder ``.cache/<name>``, removed afterwards."""
+    with scratch(name) as work:
+        return measure(work)
+
+
+def run_alone(measure: Callable[[Path], list[Row]], name: str) -> int:
+    """One benchmark module run by itself: its rows as a table."""
+    print_table(measure_in_scratch(measure, name))
+    return 0

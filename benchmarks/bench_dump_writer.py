@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from bench_common import Row, median, print_table, ratio_row, scratch
+from bench_common import Row, median, ratio_row, run_alone
 
 SLOTS, HIDDEN, TOKENS, REQUESTS = 4, 7168, 2048, 8
 AUX, NUM_LAYERS = [3, 31, 59], 61
@@ -152,12 +152,5 @@ def measure(work: Path) -> list[Row]:
     ]
 
 
-def main() -> int:
-    with scratch("bench-dump-writer") as work:
-        rows = measure(work)
-    print_table(rows)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_alone(measure, "bench-dump-writer"))

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_common import Row, median, print_table, ratio_row, scratch
+from bench_common import Row, median, ratio_row, run_alone
 
 SLOTS, HIDDEN, ROW_TOKENS, ROWS = 4, 7168, 1024, 48
 GOAL_RATIO = 0.9
@@ -173,12 +173,5 @@ def measure(work: Path) -> list[Row]:
     return rows
 
 
-def main() -> int:
-    with scratch("bench-extraction") as work:
-        rows = measure(work)
-    print_table(rows)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_alone(measure, "bench-extraction"))

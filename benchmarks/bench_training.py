@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_common import REPO, Row, print_table, scratch
+from bench_common import REPO, Row, run_alone
 
 AUX, ROWS, DRAFT_VOCAB = [2, 4, 6], 64, 256
 # No noise: speculators 0.9.0 has none, so eagleflow's own would be extra work, not overhead.
@@ -107,12 +107,5 @@ def measure(work: Path) -> list[Row]:
                 f"least of {PAIRS} runs each, alternating; pairs: {', '.join(f'{o:.1f}/{d:.1f} s' for o, d in pairs)}")]
 
 
-def main() -> int:
-    with scratch("bench-training") as work:
-        rows = measure(work)
-    print_table(rows)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_alone(measure, "bench-training"))
