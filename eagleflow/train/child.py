@@ -53,9 +53,7 @@ class Device:
 
 def resolve_device(cfg: TrainConfig) -> Device:
     """``--device auto`` -> cuda when torch sees a GPU; ``--gpus`` defaults to all it sees."""
-    if cfg.device == "cpu":  # known without importing torch (seconds the child's start need not wait for)
-        if cfg.gpus is not None:
-            raise UserError(f"--gpus {cfg.gpus}: --device cpu trains without GPUs (drop --gpus)")
+    if cfg.device == "cpu":  # known without importing torch (TrainConfig refuses --gpus with it)
         return Device("cpu", 0)
     import torch
 
