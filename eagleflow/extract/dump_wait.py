@@ -89,7 +89,7 @@ def wait_for_dump(
         if dump.exists():
             return dump
         if stop.is_set():
-            raise RowFailed("shard stopped")
+            raise RowFailed("stopped")
         if statuses is not None:
             next_note = _judge(statuses, dump_dir, rid, answered_at, dump_wait, next_note, needed_bytes, say)
         sleep(delay)

@@ -22,9 +22,7 @@ complete; otherwise ``failed`` or ``interrupted`` (SIGTERM, Ctrl-C), with the re
 from __future__ import annotations
 
 import argparse
-import errno
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -37,17 +35,16 @@ from eagleflow.data.verifier import config_int, resolve_aux_layer_ids
 from eagleflow.engine.process import engine_label, pid_alive
 from eagleflow.errors import UserError
 from eagleflow.extract.config import ExtractConfig, parse_rows
-from eagleflow.extract.client import AnswerLost, EngineClient, RowFailed, ServerGone
-from eagleflow.extract.dump_wait import DiskFull, remove_dead_writer_statuses, wait_for_dump
+from eagleflow.extract.client import EngineClient, RowFailed, ServerGone
+from eagleflow.extract.dump_wait import DiskFull, remove_dead_writer_statuses
 from eagleflow.extract.manifest import FAILED, INTERRUPTED, SUCCESS, ShardManifest
-from eagleflow.extract.sample_store import SampleState, publish_dump, sample_path, validate
+from eagleflow.extract.row_fetch import RowFetcher, SampleShape
+from eagleflow.extract.sample_store import SampleState, sample_path, validate
 from eagleflow.files import DurabilityBarrier
 from eagleflow.layout import RunLayout, hidden_states_dir, shard_name
 from eagleflow.progress import Progress
 from eagleflow.results import emit_result
-from sglang_patch.handoff import dump_path, error_path
-from sglang_patch.request_ids import row_request_glob, row_request_id
-from sglang_patch.sample_file import sample_file_bytes
+from sglang_patch.request_ids import row_request_glob
 
 MAX_LISTED_FAILURES = 20
 MIN_ROWS_AWAITING_DUMPS = 4  # beside the requests in flight, rows whose dump is being written
@@ -76,7 +73,13 @@ class ShardExtractor:
         self._stop_error: BaseException | None = None  # what _extract re-raises for it
         self._lock = threading.Lock()
         self._durable = DurabilityBarrier()
-        self._in_flight = threading.Semaphore(cfg.concurrency)  # requests the engine works on at once
+        self.fetcher = RowFetcher(
+            self.client, cfg.dump_dir, SampleShape(self.n_slots, self.hidden_size, cfg.hidden_states_dtype),
+            cfg.dump_wait, cfg.max_retries, self._stop,
+            in_flight=threading.Semaphore(cfg.concurrency),  # requests the engine works on at once
+            publish_guard=self._lock,  # a stopped shard publishes nothing more: its manifest has been counted
+            say=_say, sleep=sleep,
+        )
 
     # --- the shard -------------------------------------------------------------------
     def run(self) -> ShardManifest:
@@ -203,7 +206,7 @@ class ShardExtractor:
                         break
                     except RowFailed as exc:
                         if self._stopped:
-                            break  # "shard stopped": the row is not at fault
+                            break  # stopped: the row is not at fault
                         self._row_failed(row, exc.reason)
                     else:
                         self.report.done += 1
@@ -227,70 +230,11 @@ class ShardExtractor:
             raise self._stop_error
 
     def _extract_row(self, row: int, ids: list[int]) -> tuple[int, int]:
-        """One row, with retries of retryable failures; returns ``(tokens, bytes)``.
-
-        Before a row is sent again, its previous rid is aborted (SGLang's ``/abort_request``), so
-        the engine never works on one row twice.
-        """
-        delay = 1.0
-        attempt = 0
-        while True:
-            if self._stop.is_set():
-                raise RowFailed("shard stopped")
-            rid = row_request_id(row)
-            try:
-                return self._extract_once(row, ids, rid)
-            except RowFailed as exc:
-                attempt += int(exc.counts)
-                if not exc.retryable or attempt > self.cfg.max_retries:
-                    if exc.retryable:
-                        raise RowFailed(f"{exc.reason} (after {attempt} attempts)") from exc
-                    raise
-                self.client.abort(rid)
-                print(f"row {row}: {exc.reason}; retrying in {delay:.0f}s", flush=True)
-                self._stop.wait(delay)
-                delay = min(delay * 2, 30.0)
-
-    def _extract_once(self, row: int, ids: list[int], rid: str) -> tuple[int, int]:
-        try:
-            try:
-                with self._in_flight:
-                    _, meta = self.client.generate(row, ids, rid=rid)
-            except AnswerLost as exc:
-                # The engine may have run it: its dump would still come. Wait for it under this rid.
-                print(f"row {row}: {exc.reason}; waiting for its dump", flush=True)
-                meta = {}
-            answered_at = time.time()
-            cached = int(meta.get("cached_tokens", 0) or 0)
-            if cached:
-                raise RowFailed(f"engine reused {cached} cached prefix tokens (radix cache on?); states would be short")
-            prompt_tokens = meta.get("prompt_tokens")
-            if prompt_tokens is not None and int(prompt_tokens) != len(ids):
-                raise RowFailed(f"engine counted {prompt_tokens} prompt tokens, the row has {len(ids)}")
-            needed = sample_file_bytes(len(ids), self.n_slots, self.hidden_size, self.cfg.hidden_states_dtype)
-            dump = wait_for_dump(self.cfg.dump_dir, rid, answered_at, self.cfg.dump_wait, self._stop, _say, self.sleep, needed)
-            check = validate(dump, ids, self.n_slots, self.hidden_size, self.cfg.hidden_states_dtype, trust_writer_verdict=True)
-            if not check.ok:
-                raise RowFailed(f"dump {dump.name} is not usable: {check.reason}")
-            target = sample_path(self.hidden_dir, row)
-            try:
-                with self._lock:  # a stopped shard publishes nothing more: its manifest has been counted
-                    if self._stop.is_set():
-                        raise RowFailed("shard stopped")
-                    publish_dump(dump, target)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise DiskFull(
-                        f"disk full: {target.parent} has {shutil.disk_usage(target.parent).free} bytes free, "
-                        f"row {row} needs {check.num_bytes} bytes",
-                        str(target.parent), check.num_bytes,
-                    ) from exc
-                raise
-            self._durable.add(target)
-            return len(ids), check.num_bytes
-        finally:
-            dump_path(self.cfg.dump_dir, rid).unlink(missing_ok=True)
-            error_path(self.cfg.dump_dir, rid).unlink(missing_ok=True)
+        """One row into ``hidden_states/hs_{row}`` (:class:`~eagleflow.extract.row_fetch.RowFetcher`); ``(tokens, bytes)``."""
+        target = sample_path(self.hidden_dir, row)
+        result = self.fetcher.fetch(row, ids, target)
+        self._durable.add(target)
+        return result
 
     # --- bookkeeping -----------------------------------------------------------------
     def _row_failed(self, row: int, reason: str) -> None:
