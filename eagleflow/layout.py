@@ -214,6 +214,11 @@ class TrainLayout:
         return self.root / ".train.lock"
 
     @property
+    def online(self) -> Path:
+        """The online feed's folder (``hidden_states_source=engine``): :class:`~eagleflow.train.online.settings.FeedLayout`."""
+        return self.root / "online"
+
+    @property
     def speculators_logs(self) -> Path:
         return self.root / "logs"
 

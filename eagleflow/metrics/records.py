@@ -9,7 +9,8 @@ and one per validation epoch, ``{"val": {"loss_epoch": …, "loss_0_epoch": …,
 both with ``extra={"step": s}``. Each becomes one line of ``metrics.jsonl``::
 
     {"kind": "train", "step", "epoch", "lr", "loss", "loss_0", "full_acc_0", "cond_acc_0", …,
-     "tokens_per_s", "time"}
+     "tokens_per_s", "time"}           (online training adds "data_wait_s": the trainer's wait for
+                                        data since the previous logged step)
     {"kind": "val", "step", "epoch", "loss", "loss_0", "full_acc_0", "cond_acc_0", …, "time"}
 
 Written by the training step's recorder (:mod:`eagleflow.train.recorder`), read by
@@ -102,6 +103,8 @@ def format_record(record: Mapping[str, Any]) -> str:
     line = f"step {record['step']} epoch {record['epoch']} lr {lr} loss {_fmt(record['loss'], 4)} {accs}"
     if record.get("tokens_per_s") is not None:
         line += f" {record['tokens_per_s']:.0f} tok/s"
+    if record.get("data_wait_s") is not None:
+        line += f" data wait {record['data_wait_s']:.2f}s"
     return line
 
 

@@ -138,14 +138,15 @@ def speculators_flags(
         # Every epoch: resume needs them. (--save-best would keep only the best one; without it
         # speculators still points checkpoint_best at the lowest validation loss.)
         "--checkpoint-freq", "1",
-        "--on-missing", "raise",  # extraction made every file; a gap is a bug, not a vLLM call
+        # Extraction made every file, or (online) the feed hands each over: a gap is a bug, not a vLLM call.
+        "--on-missing", "raise",
         # What the serving engine's draft layer computes (eagleflow.export.targets).
         "--norm-before-residual" if serving_target(cfg.serve_with).norm_before_residual else "--no-norm-before-residual",
     ]
     if release.noise_std_flag:
         flags += ["--noise-std", str(cfg.noise_std)]
-    if stored_dtype == "fp8":
-        flags += ["--hidden-states-backend", "fp8"]  # dequantises to bf16 as it loads each sample
+    if stored_dtype == "fp8" and cfg.hidden_states_source == "disk":
+        flags += ["--hidden-states-backend", "fp8"]  # dequantises to bf16 as it loads each sample (online: the feed's backend does)
     if cfg.draft_config is not None:
         flags += ["--draft-config", str(cfg.draft_config.absolute())]
     else:
@@ -155,15 +156,27 @@ def speculators_flags(
     return flags
 
 
-def child_command(device: Device, paths: TrainLayout, flags: list[str] | None, noise_std: float = 0.0) -> list[str]:
+def online_flags(settings_file: Path) -> list[str]:
+    """speculators flags for online training: eagleflow's hidden-states backend, fed by ``settings_file``."""
+    from eagleflow.train.online.settings import BACKEND_NAME, SETTINGS_FLAG
+
+    return ["--hidden-states-backend", BACKEND_NAME, SETTINGS_FLAG, str(settings_file.absolute())]
+
+
+def child_command(
+    device: Device, paths: TrainLayout, flags: list[str] | None, noise_std: float = 0.0, online: bool = False
+) -> list[str]:
     """``python -m eagleflow.train.speculators_entry …``, under torchrun for more than one GPU.
 
     :param flags: speculators' flags; None: the child reads them from its stdin once it has
         imported speculators (:class:`TrainerChild`; a single process only).
     :param noise_std: eagleflow's own noise augmentation, for releases without ``--noise-std``.
+    :param online: the samples come from the engines (:func:`online_flags` among the flags).
     """
     entry = ["-m", "eagleflow.train.speculators_entry", "--metrics", str(paths.metrics.absolute()),
              "--summary", str(paths.drafter.absolute()), "--noise-std", str(noise_std)]
+    if online:
+        entry.append("--online")
     entry += ["--flags-on-stdin", "--"] if flags is None else ["--", *flags]
     if device.kind == "cuda" and device.gpus > 1:
         if flags is None:

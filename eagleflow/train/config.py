@@ -7,8 +7,11 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from eagleflow.config import AuxLayerIds
+from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype
 from eagleflow.export.targets import ServeWith
+from eagleflow.extract.config import ExtractConfig
+
+HiddenStatesSource = Literal["disk", "engine"]
 
 # Flags whose change between a run and its resume would silently change the model or the
 # learning-rate schedule (speculators would stretch or cut the cosine over a new total).
@@ -83,9 +86,51 @@ class TrainConfig(BaseModel):
     lock_wait: float = Field(
         30.0, ge=0, description="seconds to wait for another trainer working in --out to exit before refusing (one trainer per folder)"
     )
+    # Online training: the hidden states come from the live engines while training runs.
+    hidden_states_source: HiddenStatesSource = Field(
+        "disk",
+        title="Hidden-states source",
+        description="disk: extract every shard first and train from the files. engine: no extraction; the engines "
+        "stay up through training, which asks them for each sample shortly before it needs it, checks it as "
+        "extraction does and deletes it after use, so the disk holds at most a budget whatever the dataset's size "
+        "(speculators 0.9.0)",
+    )
+    online_prefetch: int = Field(
+        8, ge=1, le=256, title="Online: samples in flight",
+        description="engine mode: samples requested ahead of the trainer, spread over the run's engines",
+    )
+    online_cache_gb: float = Field(
+        0.0, ge=0, title="Online: cache (GB)",
+        description="engine mode: keep samples up to this many GB on disk for later epochs (0: every epoch asks the "
+        "engines again)",
+    )
+    online_window_gb: float | None = Field(
+        None, gt=0,
+        description="engine mode: disk the samples fetched ahead of the trainer may take (dumps + ready samples; one "
+        "sample always may go); default: the engines' dump queue budget",
+    )
+    engine_urls: list[str] = Field(
+        default_factory=list, description="engine mode: the engines to ask, e.g. http://127.0.0.1:30000"
+    )
+    engine_names: list[str] = Field(default_factory=list, description="engine mode: their names (engine-0, …), for the log")
+    dump_dir: Path | None = Field(None, description="engine mode: the folder the engines' capture writes dumps to")
+    hidden_states_dtype: StoredHiddenStatesDtype
+    engine_wait: float = Field(
+        120.0, ge=0,
+        description="engine mode: seconds the trainer waits for an engine to answer again when none does, before "
+        "it stops naming them (a retry resumes from the last checkpoint)",
+    )
+    request_timeout: float = ExtractConfig.model_fields["request_timeout"]
+    max_retries: int = ExtractConfig.model_fields["max_retries"]
+    dump_wait: float = ExtractConfig.model_fields["dump_wait"]
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
         if self.device == "cpu" and self.gpus is not None:
             raise ValueError("--gpus does not apply with --device cpu")
+        if self.hidden_states_source == "engine":
+            if not self.engine_urls or self.dump_dir is None:
+                raise ValueError("--hidden-states-source engine needs --engine-urls and --dump-dir (the run's engines)")
+            if self.engine_names and len(self.engine_names) != len(self.engine_urls):
+                raise ValueError("--engine-names must name each of --engine-urls")
         return self

@@ -29,6 +29,8 @@ class MetricsRecorder(logging.Handler):
     :param path: the ``metrics.jsonl`` to append to.
     :param stream: where readable lines go (stdout: the operator streams it into the task log).
     :param world_size: data-parallel ranks, to report the total token rate.
+    :param data_wait: online training: the trainer's total wait for data so far (seconds); each
+        train record gets ``data_wait_s``, the wait since the previous one.
     """
 
     def __init__(
@@ -37,6 +39,7 @@ class MetricsRecorder(logging.Handler):
         stream: TextIO | None = None,
         world_size: int = 1,
         clock: Callable[[], float] = time.time,
+        data_wait: Callable[[], float] | None = None,
     ) -> None:
         super().__init__(logging.INFO)
         self.path = Path(path)
@@ -44,6 +47,8 @@ class MetricsRecorder(logging.Handler):
         self.stream = stream or sys.stdout
         self.world_size = world_size
         self.clock = clock
+        self.data_wait = data_wait
+        self._data_wait_seen = 0.0
         self.records_written = 0
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         # Progress bookkeeping, set by begin_epoch (speculators' Trainer.train_epoch).
@@ -82,7 +87,12 @@ class MetricsRecorder(logging.Handler):
         if not isinstance(msg, Mapping) or step is None or getattr(record, "hparams", False):
             return None
         if isinstance(msg.get("train"), Mapping):
-            return train_record(msg, step, self.clock(), self.world_size)
+            out = train_record(msg, step, self.clock(), self.world_size)
+            if self.data_wait is not None:
+                total = self.data_wait()
+                out["data_wait_s"] = round(total - self._data_wait_seen, 4)
+                self._data_wait_seen = total
+            return out
         if isinstance(msg.get("val"), Mapping):
             return val_record(msg, step, self.clock())
         return None

@@ -21,6 +21,9 @@ against (:mod:`eagleflow.train.speculators_support`). Then, before speculators'
   instead of speculators' Rich handler, whose 80-column wrapping shreds lines in a task log.
 * ``--noise-std`` (releases without speculators' own, 0.9.0 on): eagleflow's noise augmentation
   of the training split's aux hidden states (:mod:`eagleflow.train.noise`).
+* ``--online`` (``hidden_states_source=engine``): eagleflow's hidden-states backend is registered
+  with hs-connectors before speculators reads the registry, and the feed's order and wait hooks
+  are installed (:mod:`eagleflow.train.online.backend`).
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ def _count_parameters(model: Any) -> dict[str, int]:
     return {"total_parameters": int(total), "trainable_parameters": int(trainable)}
 
 
-def install(metrics_path: Path, summary_path: Path | None = None) -> Callable[[], None]:
+def install(metrics_path: Path, summary_path: Path | None = None, online: bool = False) -> Callable[[], None]:
     """Patch speculators' CLI module so that metrics, parameter counts and epochs reach us.
 
     Returns a function that undoes the patches, so an in-process caller can train again.
@@ -111,7 +114,12 @@ def install(metrics_path: Path, summary_path: Path | None = None) -> Callable[[]
         originals["setup_metric_logger"](*args, **kwargs)  # dictConfig: drops earlier handlers on the logger
         metric_logger = logging.getLogger(METRICS_LOGGER)
         if _rank() == 0:
-            recorders.append(MetricsRecorder(metrics_path, world_size=world_size))
+            data_wait = None
+            if online:
+                from eagleflow.train.online.backend import current_feed
+
+                data_wait = lambda: current_feed().data_wait_s if current_feed() else 0.0  # noqa: E731
+            recorders.append(MetricsRecorder(metrics_path, world_size=world_size, data_wait=data_wait))
             metric_logger.addHandler(recorders[-1])
         metric_logger.propagate = False
 
@@ -152,22 +160,31 @@ def install(metrics_path: Path, summary_path: Path | None = None) -> Callable[[]
     return restore
 
 
-def run(argv: Sequence[str], metrics_path: Path, summary_path: Path | None = None, noise_std: float = 0.0) -> None:
+def run(
+    argv: Sequence[str], metrics_path: Path, summary_path: Path | None = None, noise_std: float = 0.0, online: bool = False
+) -> None:
     """Train with speculators' own entry point on ``argv`` (its flags), capturing metrics.
 
     :param noise_std: eagleflow's noise on the training split's aux states, for releases
         without ``--noise-std`` (give that release's own flag in ``argv`` instead).
+    :param online: the samples come from the engines (``argv`` names eagleflow's backend).
     :raises UnsupportedSpeculators: another speculators release than those supported.
     """
     import torch
 
     release = installed_release()
-    check_internals(release)
+    check_internals(release, online=online)
     if noise_std and release.noise_std_flag:
         raise UserError(f"speculators {release.version} adds the noise itself: pass --noise-std among its flags")
     if not torch.cuda.is_available():
         apply_cpu_shims()
-    undo = [install(Path(metrics_path), summary_path)]
+    if online:
+        from eagleflow.train.online.backend import install_hooks, register_backend
+
+        register_backend()  # before speculators' config module reads the registry
+    undo = [install(Path(metrics_path), summary_path, online=online)]
+    if online:
+        undo.append(install_hooks())
     if noise_std:
         from eagleflow.train.noise import install_noise
 
@@ -197,6 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--metrics", type=Path, required=True, help="metrics.jsonl to append records to")
     parser.add_argument("--summary", type=Path, help="JSON file for the drafter's parameter counts")
     parser.add_argument("--noise-std", type=float, default=0.0, help="eagleflow's noise on the training split's aux states")
+    parser.add_argument("--online", action="store_true", help="samples from the engines (eagleflow's hidden-states backend)")
     parser.add_argument(
         "--flags-on-stdin", action="store_true",
         help="import speculators first, then read its flags from stdin (one JSON list; end of input: exit, nothing to train)",
@@ -208,6 +226,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     flags = argv[split + 1 :]
+    if ours.online:
+        from eagleflow.train.online.backend import register_backend
+
+        register_backend()  # before speculators' config module (imported next) reads hs-connectors' registry
     if ours.flags_on_stdin:
         import speculators.train.cli  # noqa: F401  # the seconds of imports, while the step still checks its inputs
         import torch  # noqa: F401
@@ -217,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0  # the step stopped before training (its checks failed, or every epoch is done)
         flags = [*json.loads(line), *flags]
     try:
-        run(flags, ours.metrics, ours.summary, ours.noise_std)
+        run(flags, ours.metrics, ours.summary, ours.noise_std, online=ours.online)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2

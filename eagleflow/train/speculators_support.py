@@ -9,7 +9,8 @@ may move, so the step runs only releases whose names were read and tested
 
 - 0.8.1: ``--noise-std`` is speculators' own; no fp8 backend (hs-connectors 0.8.1).
 - 0.9.0 (the pin): no ``--noise-std`` (an argparse error); ``--hidden-states-backend fp8`` reads
-  fp8 sample files.
+  fp8 sample files; hs-connectors' ``HiddenStatesBackend`` registry, through which online training
+  (``hidden_states_source=engine``) hands samples over (:mod:`eagleflow.train.online.backend`).
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ class SpeculatorsRelease:
     version: str
     noise_std_flag: bool  # speculators adds the training noise itself (--noise-std)
     fp8_backend: bool  # --hidden-states-backend fp8 reads fp8 sample files
+    transfer_backends: bool  # hs-connectors' HiddenStatesBackend registry: the online feed's seam
 
 
 RELEASES = {
-    "0.8.1": SpeculatorsRelease("0.8.1", noise_std_flag=True, fp8_backend=False),
-    "0.9.0": SpeculatorsRelease("0.9.0", noise_std_flag=False, fp8_backend=True),
+    "0.8.1": SpeculatorsRelease("0.8.1", noise_std_flag=True, fp8_backend=False, transfer_backends=False),
+    "0.9.0": SpeculatorsRelease("0.9.0", noise_std_flag=False, fp8_backend=True, transfer_backends=True),
 }
 
 # "module:attribute.path" of every speculators name eagleflow patches, wraps or calls.
@@ -50,6 +52,14 @@ INTERNALS = (
 NOISE_INTERNALS = (
     "speculators.train.dataloader:ArrowDataset",  # the train split gets eagleflow's noise
     "speculators.train.data:SampleUnavailable",
+)
+ONLINE_INTERNALS = (
+    "hs_connectors.transfer:HiddenStatesBackend.register",  # the online feed's backend
+    "hs_connectors.transfer:HiddenStatesTransfer.get_cached",  # how a sample is handed over
+    "speculators.train.data:ArrowDataset._get_raw_data",  # asks get_cached first
+    "speculators.train.dataloader:_setup_dataloader",  # builds each split's sampler: the order goes to the feed
+    "speculators.train.dataloader:MultipackDistributedBatchSamplerV2._generate_batches",
+    "speculators.train.trainer:Trainer.train_epoch",  # the trainer's wait for data
 )
 
 
@@ -78,9 +88,23 @@ def installed_release() -> SpeculatorsRelease:
     return release
 
 
-def check_internals(release: SpeculatorsRelease) -> None:
-    """Import every name of :data:`INTERNALS` (and, without ``--noise-std``, the noise ones); refuse what is missing."""
+def check_online(release: SpeculatorsRelease) -> None:
+    """Refuse, by name, a release that cannot train from the engines (``hidden_states_source=engine``)."""
+    if not release.transfer_backends:
+        raise UserError(
+            f"hidden_states_source engine needs speculators 0.9.0: speculators {release.version} has no hidden-states "
+            "transfer backends (hs-connectors' HiddenStatesBackend), the seam the online feed plugs into; "
+            "use hidden_states_source disk, or install speculators 0.9.0"
+        )
+
+
+def check_internals(release: SpeculatorsRelease, online: bool = False) -> None:
+    """Import every name of :data:`INTERNALS` (and, without ``--noise-std``, the noise ones; online, the
+    online ones); refuse what is missing."""
     names = INTERNALS if release.noise_std_flag else INTERNALS + NOISE_INTERNALS
+    if online:
+        check_online(release)
+        names += ONLINE_INTERNALS
     missing = [name for name in names if not _resolves(name)]
     if missing:
         raise UnsupportedSpeculators(release.version, f"lacks {', '.join(missing)}")

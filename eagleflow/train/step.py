@@ -25,14 +25,17 @@ from eagleflow.errors import UserError
 from eagleflow.export.targets import serving_target
 from eagleflow.files import atomic_write_json
 from eagleflow.layout import TrainLayout, hidden_states_dir
+from eagleflow.progress import format_bytes
 from eagleflow.results import emit_result
 from eagleflow.train.child import (
-    TrainerChild, TrainingFailed, TrainLog, child_command, child_env, resolve_device, run_child, speculators_flags,
+    TrainerChild, TrainingFailed, TrainLog, child_command, child_env, online_flags, resolve_device, run_child,
+    speculators_flags,
 )
 from eagleflow.train.config import TrainConfig
 from eagleflow.train.lock import TrainFolderLock
 from eagleflow.train.resume import best_checkpoint, epoch_dirs, prepare_checkpoints
-from eagleflow.train.speculators_support import installed_release
+from eagleflow.train.online.settings import EngineEndpoint, FeedLayout, FeedSettings, read_status
+from eagleflow.train.speculators_support import check_online, installed_release
 from sglang_patch.sample_format import HiddenStatesDtype
 
 
@@ -40,17 +43,14 @@ def check_dataset(cfg: TrainConfig, hidden_size: int) -> tuple[int, HiddenStates
     """Fail early, naming the file or row, on what speculators would trip over mid-run.
 
     Checks: the folder is a ``datasets`` folder saved in torch format (speculators compares
-    each row's ``input_ids`` with ``torch.equal``), every row has its ``hs_{row}`` file, all in
-    one storage dtype (read from each header: the dtype decides how speculators reads them),
-    the first file has ``len(aux_layer_ids) + 1`` slots of the verifier's hidden size, and both
-    the train and the validation split get at least one row. Returns the rows and the dtype.
+    each row's ``input_ids`` with ``torch.equal``), both the train and the validation split get
+    at least one row, and (from disk) every row has its ``hs_{row}`` file, all in one storage
+    dtype (read from each header: the dtype decides how speculators reads them), the first file
+    with ``len(aux_layer_ids) + 1`` slots of the verifier's hidden size. Online
+    (``--hidden-states-source engine``) there are no files: the largest sample must fit in the
+    online window. Returns the rows and the storage dtype.
     """
     import datasets
-
-    from safetensors import safe_open
-
-    from eagleflow.extract.sample_store import sample_path, stored_dtype
-    from sglang_patch.sample_file import HIDDEN_STATES_KEY  # it imports torch: not before the child has started
 
     state = cfg.dataset / "state.json"
     if not state.exists():
@@ -66,12 +66,52 @@ def check_dataset(cfg: TrainConfig, hidden_size: int) -> tuple[int, HiddenStates
     if missing_columns:
         raise UserError(f"--dataset {cfg.dataset} lacks column(s) {sorted(missing_columns)}")
     rows = len(table)
+    train_rows = int(rows * cfg.train_data_ratio)
+    if not 0 < train_rows < rows:
+        raise UserError(
+            f"--train-data-ratio {cfg.train_data_ratio} of {rows} rows leaves the train or the validation split empty"
+        )
+    if cfg.hidden_states_source == "engine":
+        check_online_window(cfg, hidden_size, [int(n) for n in table.with_format(None)["seq_len"]])
+        return rows, cfg.hidden_states_dtype
+    return rows, _check_hidden_state_files(cfg, hidden_size, rows)
+
+
+def online_window_bytes(cfg: TrainConfig) -> int:
+    """The online window in bytes: ``--online-window-gb``, else the engines' own default dump queue budget."""
+    from sglang_patch.dump_writer import default_queue_budget
+
+    return int(cfg.online_window_gb * 1e9) if cfg.online_window_gb else default_queue_budget()
+
+
+def check_online_window(cfg: TrainConfig, hidden_size: int, lengths: list[int]) -> None:
+    """Refuse, before training, a window too small for the largest sample (it could never be fetched)."""
+    from sglang_patch.sample_file import sample_file_bytes
+
+    n_slots = len(cfg.aux_layer_ids) + 1
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    needed = sample_file_bytes(lengths[longest], n_slots, hidden_size, cfg.hidden_states_dtype)
+    window = online_window_bytes(cfg)
+    if needed > window:
+        raise UserError(
+            f"the online window ({format_bytes(window)}: Param dump_queue_gb, flag --online-window-gb) is smaller than "
+            f"the largest sample, row {longest} ({lengths[longest]} tokens, {format_bytes(needed)} as "
+            f"{cfg.hidden_states_dtype}); raise it to at least {needed / 1e9:.3g} GB or lower max_len"
+        )
+
+
+def _check_hidden_state_files(cfg: TrainConfig, hidden_size: int, rows: int) -> HiddenStatesDtype:
+    from safetensors import safe_open
+
+    from eagleflow.extract.sample_store import sample_path, stored_dtype
+    from sglang_patch.sample_file import HIDDEN_STATES_KEY  # it imports torch: not before the child has started
+
     hs_dir = hidden_states_dir(cfg.dataset)
     missing = [row for row in range(rows) if not sample_path(hs_dir, row).exists()]
     if missing:
         raise UserError(
             f"--dataset {cfg.dataset}: {len(missing)} of {rows} rows have no hidden states in {hs_dir} "
-            f"(rows {_rows_text(missing)}); finish extraction first"
+            f"(rows {_rows_text(missing)}); finish extraction first, or train with --hidden-states-source engine"
         )
     stored_as: dict[HiddenStatesDtype | None, list[int]] = {}
     for row in range(rows):
@@ -94,12 +134,28 @@ def check_dataset(cfg: TrainConfig, hidden_size: int) -> tuple[int, HiddenStates
             f"{first} has hidden_states of shape {shape}; --aux-layer-ids {cfg.aux_layer_ids} and the verifier's "
             f"hidden size need [seq_len, {expected[0]}, {expected[1]}] (aux slots + the final state)"
         )
-    train_rows = int(rows * cfg.train_data_ratio)
-    if not 0 < train_rows < rows:
-        raise UserError(
-            f"--train-data-ratio {cfg.train_data_ratio} of {rows} rows leaves the train or the validation split empty"
-        )
-    return rows, dtype  # type: ignore[return-value]  # None was refused above
+    return dtype  # type: ignore[return-value]  # None was refused above
+
+
+def feed_settings(cfg: TrainConfig, paths: TrainLayout, hidden_size: int) -> FeedSettings:
+    """What the online feed in the speculators child needs (written to ``<train>/online/feed.json``)."""
+    names = cfg.engine_names or [f"engine-{i}" for i in range(len(cfg.engine_urls))]
+    assert cfg.dump_dir is not None  # TrainConfig requires it with --hidden-states-source engine
+    return FeedSettings(
+        dataset=cfg.dataset,
+        folder=paths.online,
+        engines=[EngineEndpoint(name=n, url=u, dump_dir=cfg.dump_dir.absolute()) for n, u in zip(names, cfg.engine_urls)],
+        n_slots=len(cfg.aux_layer_ids) + 1,
+        hidden_size=hidden_size,
+        hidden_states_dtype=cfg.hidden_states_dtype,
+        prefetch=cfg.online_prefetch,
+        window_bytes=online_window_bytes(cfg),
+        cache_bytes=int(cfg.online_cache_gb * 1e9),
+        request_timeout=cfg.request_timeout,
+        dump_wait=cfg.dump_wait,
+        max_retries=cfg.max_retries,
+        engine_wait=cfg.engine_wait,
+    )
 
 
 def _rows_text(rows: list[int]) -> str:
@@ -154,6 +210,9 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
     paths = TrainLayout(cfg.out)
     paths.root.mkdir(parents=True, exist_ok=True)
     release = installed_release()  # fail before any work; the child checks the names it patches
+    online = cfg.hidden_states_source == "engine"
+    if online:
+        check_online(release)
     lock = TrainFolderLock(paths.lock, cfg.lock_wait)
     lock.acquire()  # before the folder is touched: resume moves checkpoints aside
     log = TrainLog(paths.log)
@@ -164,15 +223,16 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
         noise = 0.0 if release.noise_std_flag else cfg.noise_std  # else speculators adds it itself
         if device.gpus <= 1:
             # Started now, it imports speculators while we check; it trains once given its flags.
-            trainer = TrainerChild(child_command(device, paths, None, noise), child_env(device), log, lock)
+            trainer = TrainerChild(child_command(device, paths, None, noise, online), child_env(device), log, lock)
         text = text_config(cfg.verifier)
         hidden, layers, vocab = int(text["hidden_size"]), int(text["num_hidden_layers"]), int(text["vocab_size"])
         resolve_aux_layer_ids(cfg.verifier, cfg.aux_layer_ids)
         rows, stored = check_dataset(cfg, hidden)
         if cfg.draft_vocab_size > vocab:
             raise UserError(f"--draft-vocab-size {cfg.draft_vocab_size} exceeds the verifier vocabulary ({vocab})")
+        source = f"from the engines ({', '.join(cfg.engine_urls)})" if online else "stored"
         log.say(
-            f"{rows} rows, hidden states stored as {stored}; verifier: {layers} layers, hidden {hidden}, vocab {vocab}; "
+            f"{rows} rows, hidden states {source} as {stored}; verifier: {layers} layers, hidden {hidden}, vocab {vocab}; "
             f"device {device.kind}" + (f" x{device.gpus}" if device.kind == "cuda" else "") + f"; speculators {release.version}"
         )
 
@@ -188,10 +248,14 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
             target = serving_target(cfg.serve_with)
             log.say(f"serving with {target.name}: norm_before_residual {target.norm_before_residual} ({target.why})")
             flags = speculators_flags(cfg, verifier, device, paths, release, stored)
+            if online:
+                flags += online_flags(feed_settings(cfg, paths, hidden).write())
             if trainer is not None:
                 returncode, forwarded = trainer.run(flags)
             else:
-                returncode, forwarded = run_child(child_command(device, paths, flags, noise), child_env(device), log, lock)
+                returncode, forwarded = run_child(
+                    child_command(device, paths, flags, noise, online), child_env(device), log, lock
+                )
             if forwarded is not None:
                 name = signal.Signals(forwarded).name
                 raise TrainingFailed(f"training stopped by {name}; rerun the step to resume", 128 + forwarded)
@@ -208,12 +272,14 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
         best = best_checkpoint(paths)
         if best is None:
             raise TrainingFailed(f"no checkpoint in {paths.checkpoints}", 1)
-        result = {
+        result: dict[str, Any] = {
             "checkpoint_dir": str(paths.checkpoints),
             "best_checkpoint": str(best),
             "metrics_path": str(paths.metrics),
             "log_path": str(paths.log),
         }
+        if online:
+            result["online"] = online_summary(FeedLayout(paths.online), log)
         atomic_write_json(paths.result, result)
         if paths.drafter.exists():
             log.say(summary_line(json.loads(paths.drafter.read_text())))
@@ -222,8 +288,27 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
     finally:
         if trainer is not None:
             trainer.cancel()  # a no-op once it has trained; else it exits without training
+        if online:
+            from eagleflow.train.online.journal import settle_journal
+
+            # The child is gone: whatever it left in flight (killed, crashed) is aborted and its dumps removed.
+            settle_journal(FeedLayout(paths.online), log.say)
         log.close()
         lock.release()
+
+
+def online_summary(layout: FeedLayout, log: TrainLog) -> dict[str, Any]:
+    """The feed's figures for the train result (and the run page): samples fetched, peak bytes held, data wait."""
+    status = read_status(layout)
+    keys = ("fetched", "fetched_bytes", "cached", "cached_bytes", "peak_bytes", "window_bytes", "cache_bytes", "data_wait_s", "seconds")
+    summary = {key: status.get(key) for key in keys}
+    if status:
+        log.say(
+            f"online: {status.get('fetched', 0)} samples fetched ({format_bytes(status.get('fetched_bytes', 0))}), peak on disk "
+            f"{format_bytes(status.get('peak_bytes', 0))} (window {format_bytes(status.get('window_bytes', 0))}, cache "
+            f"{format_bytes(status.get('cache_bytes', 0))}), trainer waited {status.get('data_wait_s', 0):.1f}s for data"
+        )
+    return summary
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

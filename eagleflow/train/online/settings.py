@@ -1,0 +1,136 @@
+"""What the training step hands its speculators child for online training, and where the feed keeps its files.
+
+Light (no torch), so the step writes it before the child has imported anything, and the run
+page can read the feed's status.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from sglang_patch.handoff import STATUS_PREFIX
+from sglang_patch.sample_format import HiddenStatesDtype
+
+BACKEND_NAME = "eagleflow-engine"  # speculators --hidden-states-backend
+SETTINGS_FLAG = "--eagleflow-feed"  # the backend's one flag: the settings file
+
+
+@dataclass(frozen=True)
+class FeedLayout:
+    """Files of the online feed under ``<train>/online/``."""
+
+    root: Path
+
+    @property
+    def settings(self) -> Path:
+        return self.root / "feed.json"
+
+    @property
+    def ready(self) -> Path:
+        """Samples fetched ahead of the trainer; each is deleted once the trainer has it."""
+        return self.root / "ready"
+
+    @property
+    def cache(self) -> Path:
+        """Samples kept for later epochs (``online_cache_gb``)."""
+        return self.root / "cache"
+
+    @property
+    def status(self) -> Path:
+        """The feed's figures: samples fetched, bytes held (peak), the trainer's data wait."""
+        return self.root / "status.json"
+
+    @property
+    def journal(self) -> Path:
+        """Requests sent and not yet settled; the next start (or the step) aborts them and removes their dumps."""
+        return self.root / "in-flight.json"
+
+    @property
+    def failure(self) -> Path:
+        """Why the feed stopped (an engine gone too long, a row the engines cannot give, a full disk)."""
+        return self.root / "failed.json"
+
+    def sample(self, folder: Path, row: int) -> Path:
+        from sglang_patch.sample_file import sample_file_name
+
+        return folder / sample_file_name(row)
+
+
+class EngineEndpoint(BaseModel):
+    """One engine the feed asks: its name, URL and the folder its capture writes dumps to."""
+
+    name: str
+    url: str
+    dump_dir: Path
+
+
+class FeedSettings(BaseModel):
+    """The online feed's settings (``<train>/online/feed.json``)."""
+
+    dataset: Path
+    folder: Path
+    engines: list[EngineEndpoint] = Field(min_length=1)
+    n_slots: int
+    hidden_size: int
+    hidden_states_dtype: HiddenStatesDtype
+    prefetch: int = Field(ge=1)
+    window_bytes: int = Field(ge=1)
+    cache_bytes: int = Field(ge=0)
+    request_timeout: float
+    dump_wait: float
+    max_retries: int
+    engine_wait: float
+
+    @property
+    def layout(self) -> FeedLayout:
+        return FeedLayout(self.folder)
+
+    @property
+    def stall_seconds(self) -> float:
+        """How long the trainer waits for one sample before it gives up on the feed (it reports failures sooner)."""
+        return self.request_timeout * (self.max_retries + 1) + self.engine_wait + self.dump_wait + 60.0
+
+    def write(self) -> Path:
+        from eagleflow.files import atomic_write_json
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        return atomic_write_json(self.layout.settings, json.loads(self.model_dump_json()))
+
+    @classmethod
+    def read(cls, path: Path) -> FeedSettings:
+        return cls.model_validate_json(Path(path).read_text())
+
+
+def read_status(layout: FeedLayout) -> dict[str, Any]:
+    """The feed's last status (empty when it never ran or the file is torn)."""
+    try:
+        data = json.loads(layout.status.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def held_bytes(folders: list[Path]) -> int:
+    """Bytes of hidden states on disk in ``folders``: dumps, their temp files, ready and cached samples.
+
+    The engine writers' status and reserve files (``STATUS_PREFIX``…) are bookkeeping, not samples.
+    """
+    total = 0
+    for folder in folders:
+        try:
+            entries = list(folder.iterdir())
+        except OSError:
+            continue
+        for entry in entries:
+            if entry.name.startswith(STATUS_PREFIX):
+                continue
+            try:
+                total += entry.stat().st_size
+            except OSError:
+                pass  # consumed or renamed while we looked
+    return total
