@@ -152,8 +152,9 @@ TRAIN_KEYS = {"kind", "step", "epoch", "lr", "loss", "tokens_per_s", "time"}
 VAL_KEYS = {"kind", "step", "epoch", "loss", "time"}
 
 
-def assert_records(metrics: Path, epochs: int) -> tuple[list[dict], list[dict]]:
-    """The metrics file holds one train record per step and one val record per epoch, every key present."""
+def assert_records(metrics: Path, epochs: int, online: bool = False) -> tuple[list[dict], list[dict]]:
+    """The metrics file holds one train record per step and one val record per epoch, every key present
+    (``online``: the train records also carry the trainer's ``data_wait_s``)."""
     records = list(read_records(metrics))
     train = [r for r in records if r["kind"] == "train"]
     val = [r for r in records if r["kind"] == "val"]
@@ -161,8 +162,9 @@ def assert_records(metrics: Path, epochs: int) -> tuple[list[dict], list[dict]]:
     assert sorted({r["epoch"] for r in train}) == list(range(epochs))
     assert [r["epoch"] for r in val] == list(range(epochs))
     ttt = {f"{name}_{k}" for k in range(3) for name in ("loss", "full_acc", "cond_acc")}
+    train_keys = TRAIN_KEYS | ttt | ({"data_wait_s"} if online else set())
     for r in train:
-        assert set(r) == TRAIN_KEYS | ttt, set(r) ^ (TRAIN_KEYS | ttt)
+        assert set(r) == train_keys, set(r) ^ train_keys
         assert isinstance(r["lr"], float) and isinstance(r["loss"], float) and r["tokens_per_s"] > 0
     for r in val:
         assert set(r) == VAL_KEYS | ttt

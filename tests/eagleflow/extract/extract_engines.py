@@ -3,16 +3,13 @@ and checked for readiness with the same functions the operators use."""
 
 from __future__ import annotations
 
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
+import reference_engines
 import torch
 
-from eagleflow.config import model_to_argv
-from eagleflow.engine.process import Readiness, ServerInfo, check_ready, free_port, pid_alive, start_server
-from eagleflow.engine.reference.config import ReferenceEngineConfig
+from eagleflow.engine.process import ServerInfo
 from eagleflow.extract.config import ExtractConfig
 
 AUX = [2, 4, 5]
@@ -35,13 +32,6 @@ def config(dataset: Path, server: ServerInfo, model: Path, rows: str, **override
     return ExtractConfig(**values)
 
 
-def launch_engine(model: Path, dump_dir: Path, log: Path, *extra: str) -> ServerInfo:
-    port = free_port()
-    engine = ReferenceEngineConfig(model=model, dump_dir=dump_dir, aux_layers=AUX, port=port, warmup_seconds=0)
-    argv = [sys.executable, "-m", "eagleflow", "serve-reference", *model_to_argv(engine), *extra]
-    info = start_server(argv, {}, log, log.with_suffix(".json"), f"http://127.0.0.1:{port}", dump_dir)
-    deadline = time.monotonic() + 120
-    while check_ready(info).state is not Readiness.READY:
-        assert time.monotonic() < deadline and pid_alive(info.pid), log.read_text()[-3000:]
-        time.sleep(0.3)
-    return info
+def launch_engine(model: Path, dump_dir: Path, log: Path, *extra: str, **kwargs: Any) -> ServerInfo:
+    """:func:`reference_engines.launch_engine` capturing this module's :data:`AUX`."""
+    return reference_engines.launch_engine(model, dump_dir, log, *extra, aux=kwargs.pop("aux", AUX), **kwargs)

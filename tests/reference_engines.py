@@ -1,0 +1,26 @@
+"""A real reference engine for the tests that need one, started and awaited with the functions the operators use."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from eagleflow.config import model_to_argv
+from eagleflow.engine.process import Readiness, ServerInfo, check_ready, free_port, pid_alive, start_server
+from eagleflow.engine.reference.config import ReferenceEngineConfig
+
+
+def launch_engine(
+    model: Path, dump_dir: Path, log: Path, *extra: str, aux: list[int], port: int | None = None, name: str = "engine-0"
+) -> ServerInfo:
+    """A reference engine capturing ``aux`` into ``dump_dir``, once it is ready (``extra``: more of its flags)."""
+    port = port or free_port()
+    engine = ReferenceEngineConfig(model=model, dump_dir=dump_dir, aux_layers=aux, port=port, warmup_seconds=0)
+    argv = [sys.executable, "-m", "eagleflow", "serve-reference", *model_to_argv(engine), *extra]
+    info = start_server(argv, {}, log, log.with_suffix(".json"), f"http://127.0.0.1:{port}", dump_dir, name)
+    deadline = time.monotonic() + 120
+    while check_ready(info).state is not Readiness.READY:
+        assert time.monotonic() < deadline and pid_alive(info.pid), log.read_text()[-3000:]
+        time.sleep(0.3)
+    return info
