@@ -13,7 +13,10 @@ The story of DESIGN.md §1, top to bottom:
 4. extract_shard runs once per shard (rows_0-2000, …) on one of the engines, each retryable
    (on an engine that is up) and clearable alone;
 5. stop_server (teardown, one instance per engine) stops the engines, even when a shard fails;
-6. build_vocab, train_drafter and plot_metrics turn the hidden states into a drafter and charts;
+6. build_vocab, train_drafter and plot_metrics turn the hidden states into a drafter and charts.
+   Online (hidden_states_source engine) no shard is extracted (each instance is skipped, saying
+   why), the engines stay up, train_drafter asks them for each sample while it trains, and
+   stop_server_after_training stops them once it is done, however it ended;
 7. export_drafter writes the drafter as SGLang and vLLM load it, and evaluate_drafter serves it,
    measuring accept length and speedup on held-out prompts.
 """
@@ -97,8 +100,14 @@ with DAG(
         task_id="stop_server", map_index_template=ENGINE_MAP_INDEX_TEMPLATE, **on_gpu
     ).expand(engine=plan_engines.output)
 
-    build_vocab = BuildVocabOperator(task_id="build_vocab")
-    train_drafter = TrainOperator(task_id="train_drafter", **on_gpu)
+    # none_failed: online, every shard is skipped and training goes on without them.
+    build_vocab = BuildVocabOperator(task_id="build_vocab", trigger_rule="none_failed")
+    train_drafter = TrainOperator(task_id="train_drafter", engines=wait_server_ready.output, **on_gpu)
+    # Online the engines serve training: stopped here (all_done: whatever training's outcome).
+    stop_server_after_training = StopServerOperator.partial(
+        task_id="stop_server_after_training", map_index_template=ENGINE_MAP_INDEX_TEMPLATE, after_training=True,
+        trigger_rule="all_done", **on_gpu
+    ).expand(engine=plan_engines.output)
     plot_metrics = PlotOperator(task_id="plot_metrics")
     export_drafter = ExportOperator(task_id="export_drafter")
     evaluate_drafter = EvaluateOperator(task_id="evaluate_drafter", **on_gpu)
@@ -109,4 +118,5 @@ with DAG(
     prepare_dataset >> verify_capture
     check_disk >> extract_shard
     [extract_shard, stop_server] >> build_vocab >> train_drafter >> plot_metrics
+    train_drafter >> stop_server_after_training
     train_drafter >> export_drafter >> evaluate_drafter

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, Field, create_model, field_validator, model_validator
 
 from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype, build_model
+from eagleflow.engine.process import ServerInfo
 from eagleflow.data.regenerate import CONVERSATIONS_FILE, RegenerateConfig
 from eagleflow.evaluate.config import EvaluateConfig
 from eagleflow.extract.verify_config import VerifyCaptureConfig
@@ -52,6 +53,9 @@ TRAIN_PARAMS = (
     "gpus",
     "restart",
     "serve_with",
+    "hidden_states_source",
+    "online_prefetch",
+    "online_cache_gb",
 )
 
 # Evaluation knobs offered in the Params form; their types, defaults and help are EvaluateConfig's.
@@ -242,16 +246,32 @@ class PipelineConfig(BaseModel):
         """The Params of the step whose config is ``model``, as given."""
         return {name: value for name, value in self.step_params.items() if STEP_PARAMS[name] is model}
 
-    def train_config(self) -> TrainConfig:
-        """The training step's config: the training Params plus this run's folders and aux ids."""
+    def train_config(self, engines: list[ServerInfo] | None = None) -> TrainConfig:
+        """The training step's config: the training Params plus this run's folders and aux ids.
+
+        :param engines: online (``hidden_states_source`` engine), the engines training asks.
+        """
         values = {
             **self.step_values(TrainConfig),
             "dataset": self.layout.dataset,
             "verifier": model_dir(self),
             "out": self.layout.train.root,
             "aux_layer_ids": self.resolved_aux_layer_ids(),
+            "hidden_states_dtype": self.hidden_states_dtype,
         }
+        if engines:
+            values.update(
+                engine_urls=[e.url for e in engines],
+                engine_names=[e.name for e in engines],
+                dump_dir=Path(engines[0].dump_dir),  # one hand-off folder for all of a run's engines
+                online_window_gb=self.dump_queue_gb,  # what the engines' writers may hold, the trainer may hold ahead
+            )
         return build_model(TrainConfig, values, param_name)
+
+    @property
+    def online(self) -> bool:
+        """Online training: no shard is extracted; the engines stay up through training."""
+        return self.step_params.get("hidden_states_source", TrainConfig.model_fields["hidden_states_source"].default) == "engine"
 
 
     @property

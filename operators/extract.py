@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 
 from operators.links import EagleflowRunLink
 from operators.step import EagleflowStepOperator, StepFailed, pipeline_config
@@ -84,6 +84,10 @@ class ShardExtractOperator(EagleflowStepOperator):
         from eagleflow.pipeline import model_dir
 
         cfg = pipeline_config(context)
+        if cfg.online:
+            raise AirflowSkipException(
+                f"hidden_states_source engine: training asks the engines for {self.shard['name']} itself; nothing is extracted"
+            )
         engines = engines_from_xcom(self.engines)
         shard_index = max(int(getattr(context.get("ti"), "map_index", 0) or 0), 0)
         try:

@@ -116,16 +116,22 @@ class StopServerOperator(BaseOperator):
     Finds the engine's process in ``<run>/server/<engine>.json``, which launch wrote, so it works
     whatever launch pushed or whether it failed.
 
+    Online (``hidden_states_source`` engine) the engines serve training too: the teardown after
+    extraction leaves them running, and the instance with ``after_training`` (after
+    train_drafter, whatever its outcome) stops them.
+
     :param engine: one entry of plan_engines' list (templated; mapped over).
     :param grace_seconds: how long SIGTERM gets before SIGKILL.
+    :param after_training: this instance follows training (it stops only online runs' engines).
     """
 
     template_fields: Sequence[str] = ("engine",)
 
-    def __init__(self, *, engine: Any = None, grace_seconds: float = 30.0, **kwargs: Any) -> None:
+    def __init__(self, *, engine: Any = None, grace_seconds: float = 30.0, after_training: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.engine = engine
         self.grace_seconds = grace_seconds
+        self.after_training = after_training
 
     def execute(self, context: Context) -> str:
         import json
@@ -137,6 +143,10 @@ class StopServerOperator(BaseOperator):
         if cfg.remote:
             self.log.info("Remote mode: %s at %s is not ours to stop", name, self.engine["url"])
             return "remote engine left running"
+        if cfg.online != self.after_training:
+            when = "after training" if cfg.online else "after extraction"
+            self.log.info("hidden_states_source %s: %s is stopped %s, not here", "engine" if cfg.online else "disk", name, when)
+            return f"left for the stop {when}"
         state = cfg.layout.engine_state(name)
         try:
             info = ServerInfo.from_dict(json.loads(state.read_text()))

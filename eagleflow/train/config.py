@@ -128,9 +128,6 @@ class TrainConfig(BaseModel):
     def _check(self) -> TrainConfig:
         if self.device == "cpu" and self.gpus is not None:
             raise ValueError("--gpus does not apply with --device cpu")
-        if self.hidden_states_source == "engine":
-            if not self.engine_urls or self.dump_dir is None:
-                raise ValueError("--hidden-states-source engine needs --engine-urls and --dump-dir (the run's engines)")
-            if self.engine_names and len(self.engine_names) != len(self.engine_urls):
-                raise ValueError("--engine-names must name each of --engine-urls")
+        if self.engine_names and len(self.engine_names) != len(self.engine_urls):
+            raise ValueError("--engine-names must name each of --engine-urls")
         return self

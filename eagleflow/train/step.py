@@ -213,6 +213,8 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
     online = cfg.hidden_states_source == "engine"
     if online:
         check_online(release)
+        if not cfg.engine_urls or cfg.dump_dir is None:
+            raise UserError("--hidden-states-source engine needs --engine-urls and --dump-dir (the run's engines)")
     lock = TrainFolderLock(paths.lock, cfg.lock_wait)
     lock.acquire()  # before the folder is touched: resume moves checkpoints aside
     log = TrainLog(paths.log)

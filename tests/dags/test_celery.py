@@ -37,7 +37,7 @@ SHARD_OF_12 = [f"rows_{s}-{s + 12}" for s in range(0, ROWS, 12)]
 RUN_TIMEOUT = 900.0
 GPU_TASKS = {
     "launch_server", "wait_server_ready", "verify_capture", "regenerate_dataset", "extract_shard", "stop_server",
-    "train_drafter", "evaluate_drafter",
+    "train_drafter", "stop_server_after_training", "evaluate_drafter",
 }
 
 

@@ -24,7 +24,7 @@ def test_the_dag_tells_the_story(eagleflow_dag) -> None:
     assert set(tasks) == {
         "plan_engines", "launch_server", "wait_server_ready", "regenerate_dataset", "prepare_dataset", "dataset_stats",
         "check_disk", "plan_shards", "verify_capture", "extract_shard", "stop_server", "build_vocab", "train_drafter",
-        "plot_metrics", "export_drafter", "evaluate_drafter",
+        "stop_server_after_training", "plot_metrics", "export_drafter", "evaluate_drafter",
     }
     # The capture check is a setup too: clearing a shard re-checks the restarted engine.
     assert all(tasks[name].is_setup for name in ("launch_server", "wait_server_ready", "verify_capture"))
@@ -46,7 +46,13 @@ def test_the_dag_tells_the_story(eagleflow_dag) -> None:
     for name in ("regenerate_dataset", "prepare_dataset", "dataset_stats", "check_disk", "plan_shards"):
         assert "wait_server_ready" not in tasks[name].get_flat_relative_ids(upstream=True)
     assert tasks["build_vocab"].upstream_task_ids == {"extract_shard", "stop_server"}
-    assert tasks["train_drafter"].upstream_task_ids == {"build_vocab"}
+    assert tasks["build_vocab"].trigger_rule == "none_failed"  # online, every shard is skipped
+    # the engines' list: online, training asks them
+    assert tasks["train_drafter"].upstream_task_ids == {"build_vocab", "wait_server_ready"}
+    # online, the engines stop after training, however it ended (disk: stop_server stopped them)
+    assert tasks["stop_server_after_training"].upstream_task_ids == {"plan_engines", "train_drafter"}
+    assert tasks["stop_server_after_training"].trigger_rule == "all_done"
+    assert not tasks["stop_server_after_training"].is_teardown  # so clearing train_drafter relaunches no engine
     assert tasks["plot_metrics"].upstream_task_ids == {"train_drafter"}
     assert tasks["export_drafter"].upstream_task_ids == {"train_drafter"}
     assert tasks["evaluate_drafter"].upstream_task_ids == {"export_drafter"}
@@ -61,7 +67,8 @@ def test_engine_extraction_and_training_run_on_the_gpu_queue_and_pool(eagleflow_
 
     on_gpu = {t.task_id for t in eagleflow_dag.tasks if (t.queue, t.pool) == (GPU_QUEUE, GPU_POOL)}
     assert on_gpu == {
-        "launch_server", "wait_server_ready", "verify_capture", "extract_shard", "stop_server", "train_drafter", "evaluate_drafter",
+        "launch_server", "wait_server_ready", "verify_capture", "extract_shard", "stop_server", "train_drafter",
+        "stop_server_after_training", "evaluate_drafter",
     }
     for task in eagleflow_dag.tasks:
         if task.task_id not in on_gpu:

@@ -29,6 +29,8 @@ SHARD_NAMES = [f"rows_{s}-{s + SHARD_SIZE}" for s in range(0, ROWS, SHARD_SIZE)]
 # teardown are the single instance (map index 0) of each engine task.
 SETUPS_AND_TEARDOWN = [("launch_server", 0), ("wait_server_ready", 0), ("verify_capture", 0), ("stop_server", 0)]
 DOWNSTREAM = [(task, -1) for task in ("build_vocab", "train_drafter", "plot_metrics", "export_drafter", "evaluate_drafter")]
+# Runs whatever training's outcome (it stops an online run's engines; here, disk mode, nothing).
+AFTER_TRAINING = [("stop_server_after_training", 0)]
 UNTOUCHED = [
     (task, -1) for task in ("plan_engines", "regenerate_dataset", "prepare_dataset", "dataset_stats", "check_disk", "plan_shards")
 ]
@@ -73,7 +75,7 @@ def test_failed_shard_cleared_through_the_api_reruns_alone(airflow_stack: Any, r
         SHARD_NAMES[1]: "failed",
         SHARD_NAMES[2]: "success",
     }, airflow_stack.describe(run_id)
-    for key in SETUPS_AND_TEARDOWN + UNTOUCHED:
+    for key in SETUPS_AND_TEARDOWN + UNTOUCHED + AFTER_TRAINING:
         assert tis[key]["state"] == "success", airflow_stack.describe(run_id)
     for key in DOWNSTREAM:
         assert tis[key]["state"] == "upstream_failed", airflow_stack.describe(run_id)
@@ -103,7 +105,7 @@ def test_failed_shard_cleared_through_the_api_reruns_alone(airflow_stack: Any, r
     }
     planned = airflow_stack.request("POST", f"/dags/{DAG_ID}/clearTaskInstances", json={**clear, "dry_run": True})
     planned_keys = {(ti["task_id"], ti["map_index"]) for ti in planned["task_instances"]}
-    expected_keys = {("extract_shard", FAILED_SHARD), *SETUPS_AND_TEARDOWN, *DOWNSTREAM}
+    expected_keys = {("extract_shard", FAILED_SHARD), *SETUPS_AND_TEARDOWN, *DOWNSTREAM, *AFTER_TRAINING}
     assert planned_keys == expected_keys, sorted(planned_keys)
     airflow_stack.request("POST", f"/dags/{DAG_ID}/clearTaskInstances", json={**clear, "dry_run": False})
 
@@ -231,5 +233,5 @@ def test_bad_aux_layer_ids_are_refused_at_trigger_or_by_the_first_tasks(
     log = airflow_stack.task_log(run_id, "launch_server", tis[("launch_server", 0)]["try_number"], 0)
     assert "Param aux_layer_ids: aux layer ids [9] are outside 0..8" in log, log[-2000:]
     ran = {task for (task, _), ti in tis.items() if ti["state"] not in ("upstream_failed", "skipped", None)}
-    assert ran <= {"plan_engines", "launch_server", "stop_server"}, airflow_stack.describe(run_id)
+    assert ran <= {"plan_engines", "launch_server", "stop_server", "stop_server_after_training"}, airflow_stack.describe(run_id)
     assert not (tmp_path / "runs" / "bad-aux" / "dataset").exists()
