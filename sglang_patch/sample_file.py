@@ -37,11 +37,15 @@ from pathlib import Path
 import torch
 
 from sglang_patch.file_mode import published_file_mode
-from sglang_patch.sample_format import HIDDEN_STATES_DTYPES, HiddenStatesDtype, check_hidden_states_dtype
-
-HIDDEN_STATES_KEY = "hidden_states"
-TOKEN_IDS_KEY = "token_ids"
-SCALES_KEY = "hidden_states_scales"
+from sglang_patch.sample_format import (  # noqa: F401  (the file's names, re-exported with its format)
+    HIDDEN_STATES_DTYPES,
+    HIDDEN_STATES_KEY,
+    SCALES_KEY,
+    TOKEN_IDS_KEY,
+    HiddenStatesDtype,
+    check_hidden_states_dtype,
+    sample_file_name,
+)
 TOKEN_IDS_DTYPE = torch.int64
 SCALES_DTYPE = torch.float32
 STORAGE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
@@ -57,11 +61,6 @@ SAFETENSORS_DTYPE_NAMES = {
 }
 _IOV_MAX = 1024  # Linux's limit of buffers per writev call
 _WRITE_CHUNK = 1 << 30  # one write() moves at most ~2 GB on Linux; stay well below
-
-
-def sample_file_name(row: int) -> str:
-    """File name of dataset row ``row`` inside ``<dataset>/hidden_states/``."""
-    return f"hs_{row}.safetensors"
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,6 @@ __all__ = [
     "load_sample",
     "publish_dump",
     "sample_path",
-    "stored_dtype",
     "validate",
     "validate_dataset",
     "write_sample",
@@ -92,19 +91,6 @@ def load_sample(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(path))
-
-
-def stored_dtype(path: str | os.PathLike[str]) -> HiddenStatesDtype | None:
-    """The storage dtype of a sample file, from its header alone; None when it is neither (or unreadable)."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            name = handle.get_slice(HIDDEN_STATES_KEY).get_dtype()
-    except Exception:  # missing, truncated or without hidden_states: the caller names the file
-        return None
-    dtype = _SAFETENSORS_DTYPES.get(name)
-    return storage_dtype_of(dtype) if dtype is not None else None
 
 
 def validate(

@@ -34,7 +34,9 @@ from eagleflow.train.child import (
 from eagleflow.train.config import TrainConfig
 from eagleflow.train.lock import TrainFolderLock
 from eagleflow.train.resume import best_checkpoint, epoch_dirs, prepare_checkpoints
-from eagleflow.train.online.settings import EngineEndpoint, FeedLayout, FeedSettings, read_status
+from eagleflow.train.online.settings import (
+    EngineEndpoint, FeedLayout, FeedSettings, online_cache_bytes, online_window_bytes, read_status,
+)
 from eagleflow.train.speculators_support import check_online, installed_release
 from sglang_patch.sample_format import HiddenStatesDtype
 
@@ -50,38 +52,27 @@ def check_dataset(cfg: TrainConfig, hidden_size: int) -> tuple[int, HiddenStates
     (``--hidden-states-source engine``) there are no files: the largest sample must fit in the
     online window. Returns the rows and the storage dtype.
     """
-    import datasets
+    from eagleflow.data.dataset_files import dataset_column, dataset_shape, dataset_state
 
-    state = cfg.dataset / "state.json"
-    if not state.exists():
-        raise UserError(f"--dataset {cfg.dataset} is not a prepared dataset (no state.json)")
-    format_type = json.loads(state.read_text()).get("_format_type")
+    format_type = dataset_state(cfg.dataset).get("_format_type")
     if format_type != "torch":
         raise UserError(
             f"--dataset {cfg.dataset} is saved in format {format_type!r}; speculators reads rows as torch "
             f"tensors, so the dataset must be saved after set_format('torch') (re-run prepare-dataset)"
         )
-    table = datasets.load_from_disk(str(cfg.dataset))
-    missing_columns = {"input_ids", "loss_mask", "seq_len"} - set(table.column_names)
+    rows, columns = dataset_shape(cfg.dataset)
+    missing_columns = {"input_ids", "loss_mask", "seq_len"} - set(columns)
     if missing_columns:
         raise UserError(f"--dataset {cfg.dataset} lacks column(s) {sorted(missing_columns)}")
-    rows = len(table)
     train_rows = int(rows * cfg.train_data_ratio)
     if not 0 < train_rows < rows:
         raise UserError(
             f"--train-data-ratio {cfg.train_data_ratio} of {rows} rows leaves the train or the validation split empty"
         )
     if cfg.hidden_states_source == "engine":
-        check_online_window(cfg, hidden_size, [int(n) for n in table.with_format(None)["seq_len"]])
+        check_online_window(cfg, hidden_size, [int(n) for n in dataset_column(cfg.dataset, "seq_len")])
         return rows, cfg.hidden_states_dtype
     return rows, _check_hidden_state_files(cfg, hidden_size, rows)
-
-
-def online_window_bytes(cfg: TrainConfig) -> int:
-    """The online window in bytes: ``--online-window-gb``, else the engines' own default dump queue budget."""
-    from sglang_patch.dump_writer import default_queue_budget
-
-    return int(cfg.online_window_gb * 1e9) if cfg.online_window_gb else default_queue_budget()
 
 
 def check_online_window(cfg: TrainConfig, hidden_size: int, lengths: list[int]) -> None:
@@ -101,21 +92,29 @@ def check_online_window(cfg: TrainConfig, hidden_size: int, lengths: list[int]) 
 
 
 def _check_hidden_state_files(cfg: TrainConfig, hidden_size: int, rows: int) -> HiddenStatesDtype:
-    from safetensors import safe_open
-
-    from eagleflow.extract.sample_store import sample_path, stored_dtype
-    from sglang_patch.sample_file import HIDDEN_STATES_KEY  # it imports torch: not before the child has started
+    """Every row's file exists, all in one storage dtype, the first of the right shape: headers only (no torch)."""
+    from sglang_patch.sample_format import HIDDEN_STATES_KEY, sample_file_name
+    from sglang_patch.sample_header import read_header
 
     hs_dir = hidden_states_dir(cfg.dataset)
-    missing = [row for row in range(rows) if not sample_path(hs_dir, row).exists()]
+    missing = [row for row in range(rows) if not (hs_dir / sample_file_name(row)).exists()]
     if missing:
         raise UserError(
             f"--dataset {cfg.dataset}: {len(missing)} of {rows} rows have no hidden states in {hs_dir} "
             f"(rows {_rows_text(missing)}); finish extraction first, or train with --hidden-states-source engine"
         )
     stored_as: dict[HiddenStatesDtype | None, list[int]] = {}
+    first_shape: tuple[int, ...] = ()
     for row in range(rows):
-        stored_as.setdefault(stored_dtype(sample_path(hs_dir, row)), []).append(row)
+        try:
+            header = read_header(hs_dir / sample_file_name(row))
+        except (OSError, ValueError):
+            dtype = None
+        else:
+            dtype = header.storage_dtype(HIDDEN_STATES_KEY)
+            if row == 0 and dtype is not None:
+                first_shape = header.tensors[HIDDEN_STATES_KEY].shape
+        stored_as.setdefault(dtype, []).append(row)
     if len(stored_as) > 1 or None in stored_as:
         kinds = "; ".join(
             f"{dtype or 'unreadable or another dtype'}: rows {_rows_text(found)}" for dtype, found in stored_as.items()
@@ -125,14 +124,12 @@ def _check_hidden_state_files(cfg: TrainConfig, hidden_size: int, rows: int) -> 
             "re-extract the odd rows with the run's hidden_states_dtype"
         )
     (dtype,) = stored_as
-    first = sample_path(hs_dir, 0)
-    with safe_open(str(first), framework="pt") as handle:
-        shape = list(handle.get_slice(HIDDEN_STATES_KEY).get_shape())
     expected = [len(cfg.aux_layer_ids) + 1, hidden_size]
-    if shape[1:] != expected:
+    if list(first_shape[1:]) != expected:
         raise UserError(
-            f"{first} has hidden_states of shape {shape}; --aux-layer-ids {cfg.aux_layer_ids} and the verifier's "
-            f"hidden size need [seq_len, {expected[0]}, {expected[1]}] (aux slots + the final state)"
+            f"{hs_dir / sample_file_name(0)} has hidden_states of shape {list(first_shape)}; --aux-layer-ids "
+            f"{cfg.aux_layer_ids} and the verifier's hidden size need [seq_len, {expected[0]}, {expected[1]}] "
+            "(aux slots + the final state)"
         )
     return dtype  # type: ignore[return-value]  # None was refused above
 
@@ -150,7 +147,7 @@ def feed_settings(cfg: TrainConfig, paths: TrainLayout, hidden_size: int) -> Fee
         hidden_states_dtype=cfg.hidden_states_dtype,
         prefetch=cfg.online_prefetch,
         window_bytes=online_window_bytes(cfg),
-        cache_bytes=int(cfg.online_cache_gb * 1e9),
+        cache_bytes=online_cache_bytes(cfg),
         request_timeout=cfg.request_timeout,
         dump_wait=cfg.dump_wait,
         max_retries=cfg.max_retries,

@@ -9,12 +9,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
 from sglang_patch.handoff import STATUS_PREFIX
 from sglang_patch.sample_format import HiddenStatesDtype
+
+if TYPE_CHECKING:
+    from eagleflow.train.config import TrainConfig
 
 BACKEND_NAME = "eagleflow-engine"  # speculators --hidden-states-backend
 SETTINGS_FLAG = "--eagleflow-feed"  # the backend's one flag: the settings file
@@ -104,6 +107,17 @@ class FeedSettings(BaseModel):
     @classmethod
     def read(cls, path: Path) -> FeedSettings:
         return cls.model_validate_json(Path(path).read_text())
+
+
+def online_window_bytes(cfg: TrainConfig) -> int:
+    """The online window in bytes: ``--online-window-gb``, else the engines' own default dump queue budget."""
+    from sglang_patch.dump_writer import default_queue_budget
+
+    return int(cfg.online_window_gb * 1e9) if cfg.online_window_gb else default_queue_budget()
+
+
+def online_cache_bytes(cfg: TrainConfig) -> int:
+    return int(cfg.online_cache_gb * 1e9)
 
 
 def read_status(layout: FeedLayout) -> dict[str, Any]:
