@@ -258,13 +258,14 @@ class PipelineConfig(BaseModel):
             "out": self.layout.train.root,
             "aux_layer_ids": self.resolved_aux_layer_ids(),
             "hidden_states_dtype": self.hidden_states_dtype,
+            # What the engines' writers may hold, online training may hold ahead of the trainer.
+            "online_window_gb": self.dump_queue_gb,
         }
         if engines:
             values.update(
                 engine_urls=[e.url for e in engines],
                 engine_names=[e.name for e in engines],
                 dump_dir=Path(engines[0].dump_dir),  # one hand-off folder for all of a run's engines
-                online_window_gb=self.dump_queue_gb,  # what the engines' writers may hold, the trainer may hold ahead
             )
         return build_model(TrainConfig, values, param_name)
 

@@ -153,6 +153,20 @@ def capture_check_summary(report: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
+def online_summary(layout: RunLayout, result: dict[str, Any]) -> dict[str, Any] | None:
+    """Online training's figures (samples fetched, peak bytes on disk, the trainer's data wait): from the
+    finished step's result, else the feed's live status; None for a run trained from disk."""
+    from eagleflow.train.online.settings import FeedLayout, read_status
+
+    figures = result.get("online")
+    if not isinstance(figures, dict):
+        figures = read_status(FeedLayout(layout.train.online)) or None
+    if not figures:
+        return None
+    keys = ("fetched", "fetched_bytes", "cached", "peak_bytes", "window_bytes", "cache_bytes", "data_wait_s", "seconds")
+    return {key: figures.get(key) for key in keys}
+
+
 def run_summary(layout: RunLayout, metrics: MetricsCache | None = None) -> dict[str, Any]:
     """Everything a page or a summary shows about a run, as plain JSON (paths relative to the run)."""
     shards = read_shards(layout)
@@ -182,6 +196,7 @@ def run_summary(layout: RunLayout, metrics: MetricsCache | None = None) -> dict[
         "metrics": (metrics or MetricsCache()).latest(layout.train.metrics),
         "charts": charts,
         "checkpoint": result.get("best_checkpoint") or result.get("checkpoint_dir"),
+        "online": online_summary(layout, result),
         "capture_checks": capture_check_summaries(layout),
         "evaluation": evaluation_summary(layout),
         "files": [str(p.relative_to(layout.root)) for p in readable_files(layout) if p.is_file()],

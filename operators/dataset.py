@@ -100,7 +100,16 @@ class CheckDiskOperator(EagleflowStepOperator):
     def step_argv(self, context: Context) -> list[str]:
         cfg = pipeline_config(context)
         needed = int(self.stats["estimated_bytes"])
-        return ["--folder", str(cfg.layout.hidden_states), "--needed-bytes", str(needed), "--margin", str(cfg.disk_margin)]
+        folder = cfg.layout.hidden_states
+        if cfg.online:
+            # Online the disk holds the window fetched ahead of the trainer and the cache, not the dataset.
+            from eagleflow.train.online.settings import online_cache_bytes, online_window_bytes
+
+            train = cfg.train_config()
+            needed = online_window_bytes(train) + online_cache_bytes(train)
+            folder = cfg.layout.train.online
+            self.log.info("Online training: the disk holds at most the window and the cache, %d bytes", needed)
+        return ["--folder", str(folder), "--needed-bytes", str(needed), "--margin", str(cfg.disk_margin)]
 
 
 class PlanShardsOperator(BaseOperator):

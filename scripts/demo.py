@@ -6,9 +6,11 @@ real scheduling loop, deferrals and mapped tasks; no scheduler daemon needed) wi
 demo's Params, then prints where everything is and a short summary (the capture check's
 figures among it).
 
-``--hidden-states-dtype fp8`` runs the same DAG storing fp8 hidden states, and ``--regenerate``
-with the verifier's own answers (``regenerate_responses``), each in its own run folder
-(``demo-fp8``, ``demo-regenerated``), so each can be compared with ``demo``.
+``--hidden-states-dtype fp8`` runs the same DAG storing fp8 hidden states, ``--regenerate``
+with the verifier's own answers (``regenerate_responses``), and ``--online`` trains from the
+live engine instead of extracted files (``hidden_states_source=engine``, a 2 MB window on
+disk), each in its own run folder (``demo-fp8``, ``demo-regenerated``, ``demo-online``), so
+each can be compared with ``demo``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+ONLINE_WINDOW_GB = 0.002
 DEMO_DIR = REPO / ".cache" / "demo"
 AIRFLOW_HOME = REPO / ".airflow-demo"
 
@@ -48,6 +51,8 @@ def main() -> int:
                         help="how the run stores hidden states (the Param hidden_states_dtype)")
     parser.add_argument("--regenerate", action="store_true",
                         help="train on the verifier's own answers (the Param regenerate_responses)")
+    parser.add_argument("--online", action="store_true",
+                        help="train from the live engine, no extraction (the Param hidden_states_source engine)")
     args = parser.parse_args()
     dtype = args.hidden_states_dtype
 
@@ -64,9 +69,16 @@ def main() -> int:
     if bag.import_errors:
         print(f"[demo] the DAG does not import: {bag.import_errors}", file=sys.stderr)
         return 1
-    variant = ([] if dtype == DEFAULT_HIDDEN_STATES_DTYPE else [dtype]) + (["regenerated"] if args.regenerate else [])
+    variant = (
+        ([] if dtype == DEFAULT_HIDDEN_STATES_DTYPE else [dtype])
+        + (["regenerated"] if args.regenerate else [])
+        + (["online"] if args.online else [])
+    )
     conf = {**demo_params(DEMO_DIR), "run_name": "-".join([DEMO_RUN_NAME, *variant]), "hidden_states_dtype": dtype,
             "regenerate_responses": args.regenerate}
+    if args.online:
+        # A window of a few samples: the disk holds megabytes whatever the dataset's size.
+        conf.update(hidden_states_source="engine", dump_queue_gb=ONLINE_WINDOW_GB)
     print(f"[demo] running DAG eagleflow with conf {json.dumps(conf)}", flush=True)
     run = bag.get_dag("eagleflow").test(run_conf=conf)
     states = {f"{ti.task_id}{'' if ti.map_index < 0 else f'[{ti.map_index}]'}": ti.state for ti in run.get_task_instances()}
@@ -78,12 +90,20 @@ def main() -> int:
     print(f"[demo] DAG run {run.run_id}: {run.state} in {time.monotonic() - began:.0f}s")
     if summary.get("prepared_from"):
         print(f"  prepared     from {summary['prepared_from']}")
-    print(f"  dataset      {summary['dataset']} ({summary['rows']} rows, {summary.get('tokens', '?')} tokens, "
-          f"{format_bytes(summary['hidden_state_bytes'])} of {dtype} hidden states in shards {', '.join(summary['shards'])})")
-    if summary.get("tokens"):
-        print(f"  on disk      {summary['hidden_state_bytes'] / summary['tokens']:.1f} B of hidden states per token")
-    print(f"  validated    {summary.get('validated_rows', 0)}/{summary['rows']} rows' hidden-state files"
-          + (f"; problems: {summary['invalid_rows']}" if summary.get("invalid_rows") else ""))
+    online = summary.get("online")
+    if online:
+        print(f"  dataset      {summary['dataset']} ({summary.get('tokens', '?')} tokens; no hidden states stored: "
+              f"training asked the engine; no shard extracted)")
+        print(f"  online       {online['fetched']} samples from the engine ({format_bytes(online['fetched_bytes'] or 0)} of "
+              f"{dtype} hidden states), peak on disk {format_bytes(online['peak_bytes'] or 0)} (window "
+              f"{format_bytes(online['window_bytes'] or 0)}), trainer waited {online['data_wait_s'] or 0:.1f}s for data")
+    else:
+        print(f"  dataset      {summary['dataset']} ({summary['rows']} rows, {summary.get('tokens', '?')} tokens, "
+              f"{format_bytes(summary['hidden_state_bytes'])} of {dtype} hidden states in shards {', '.join(summary['shards'])})")
+        if summary.get("tokens"):
+            print(f"  on disk      {summary['hidden_state_bytes'] / summary['tokens']:.1f} B of hidden states per token")
+        print(f"  validated    {summary.get('validated_rows', 0)}/{summary['rows']} rows' hidden-state files"
+              + (f"; problems: {summary['invalid_rows']}" if summary.get("invalid_rows") else ""))
     for check in summary.get("capture_checks", []):
         worst = check["worst"]
         print(f"  capture      {check['name']} {'passed' if check['passed'] else 'FAILED'} on {check['rows']} rows: final slot "
@@ -99,7 +119,7 @@ def main() -> int:
         print(f"  drafter      accept length {evaluation['accept_length']['mean']:.2f} on {evaluation['prompts']} held-out "
               f"prompts, speedup {single['speedup']:.2f}x ({single['drafter']:.1f} vs {single['baseline']:.1f} tokens/s, "
               f"{evaluation['engine']} engine); report {cfg.layout.evaluation / 'report.json'}")
-    complete = summary.get("validated_rows") == summary["rows"] > 0
+    complete = (online or {}).get("fetched", 0) > 0 if args.online else summary.get("validated_rows") == summary["rows"] > 0
     evaluated = bool(evaluation) and (evaluation["accept_length"]["mean"] or 0) > 1
     checked = bool(check) and check["passed"]
     return 0 if str(run.state) == "success" and complete and evaluated and checked else 1

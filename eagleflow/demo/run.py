@@ -90,6 +90,7 @@ def run_summary(
         "checkpoint": facts["checkpoint"],
         "capture_checks": facts["capture_checks"],
         "evaluation": facts["evaluation"],
+        "online": facts["online"],
         "charts": sorted(str(p) for p in layout.charts.glob("*.*")),
     }
     if layout.hidden_states.exists():

@@ -185,3 +185,36 @@ def test_a_wrong_capture_stops_the_run_before_any_shard(eagleflow_dag, tmp_path:
     report = json.loads((run_dir / "verify" / "engine-0" / "report.json").read_text())
     assert not report["passed"] and [f["check"] for f in report["findings"]] == ["final slot is pre-norm"]
     assert report["findings"][0]["cause"].startswith("post-norm final state")
+
+
+def test_online_mode_skips_every_shard_trains_from_the_engine_and_stops_it_after_training(
+    eagleflow_dag, tmp_path: Path, random_tiny_model: Path
+) -> None:
+    """hidden_states_source engine through dag.test(): the run launches its engine, every shard is skipped
+    (visibly, by name), the engine outlives the teardown after extraction, training asks it for every
+    sample, and the stop after training stops it."""
+    from eagleflow.demo.synthetic_data import DatasetConfig, make_dataset
+    from eagleflow.layout import RunLayout
+
+    make_dataset(DatasetConfig(tokenizer=random_tiny_model, out=tmp_path / "conv.jsonl", rows=12))
+    conf = {
+        "model_path": str(random_tiny_model), "dataset_input": str(tmp_path / "conv.jsonl"), "output_root": str(tmp_path / "runs"),
+        "run_name": "online", "shard_size": 5, "max_len": 256, "server_port": 0, "server_extra_args": ["--threads", "1"],
+        "hidden_states_source": "engine", "dump_queue_gb": 0.001, "epochs": 1, "total_seq_len": 256, "num_workers": 0,
+        "draft_vocab_size": 256, "device": "cpu",
+    }
+    run = eagleflow_dag.test(run_conf=conf, mark_success_pattern="plot_metrics|export_drafter|evaluate_drafter")
+    tis = {(ti.task_id, ti.map_index): ti for ti in run.get_task_instances()}
+    states = {f"{task}[{index}]": ti.state for (task, index), ti in tis.items()}
+    assert str(run.state) == "success", states
+    shards = {ti.rendered_map_index: ti.state for (task, _), ti in tis.items() if task == "extract_shard"}
+    assert shards == {"rows_0-5": "skipped", "rows_5-10": "skipped", "rows_10-12": "skipped"}
+    layout = RunLayout(tmp_path / "runs" / "online")
+    assert not layout.hidden_states.exists() and not list(layout.shards.glob("*.json")), "nothing was extracted"
+    assert tis[("stop_server", 0)].xcom_pull(task_ids="stop_server", map_indexes=0) == "left for the stop after training"
+    engine = tis[("launch_server", 0)].xcom_pull(task_ids="launch_server", map_indexes=0)
+    result = json.loads(layout.train.result.read_text())
+    assert result["online"]["fetched"] == 12, "training asked the engine for every row (1 epoch, no cache)"
+    assert 0 < result["online"]["peak_bytes"] <= result["online"]["window_bytes"] + 256 * 4 * 64 * 2 + 64
+    assert tis[("stop_server_after_training", 0)].state == "success"
+    assert not pid_alive(int(engine["pid"])), "the stop after training stopped the engine"
