@@ -6,7 +6,7 @@ where the figure is about us alone (DAG parse time, bytes per token, parse+plot 
 On a machine shared with other work the absolute MB/s swing; the ratios are measured in pairs,
 back to back, and repeated. Figures that need hardware this machine lacks are listed as pending.
 
-Run: ``.venv/bin/python benchmarks/bench.py [--only extraction,writer,dag,training,metrics]``.
+Run: ``.venv/bin/python benchmarks/bench.py [--only extraction,writer,dag,training,metrics,online]``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import bench_dag_parse
 import bench_dump_writer
 import bench_extraction
 import bench_metrics_plot
+import bench_online
 import bench_training
 from bench_common import Row, measure_in_scratch, print_table
 
@@ -58,6 +59,7 @@ SUITES = {
     "dag": bench_dag_parse.measure,
     "training": lambda: measure_in_scratch(bench_training.measure, "bench-training"),
     "metrics": metrics_rows,
+    "online": lambda: measure_in_scratch(bench_online.measure, "bench-online"),
 }
 
 
