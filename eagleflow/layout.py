@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagleflow.errors import UserError
+from sglang_patch.sample_format import sample_file_name
 
 # A run's folder name: one plain path component, so a run never reaches outside the output root.
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -215,7 +216,7 @@ class TrainLayout:
 
     @property
     def online(self) -> Path:
-        """The online feed's folder (``hidden_states_source=engine``): :class:`~eagleflow.train.online.settings.FeedLayout`."""
+        """The online feed's folder (``hidden_states_source=engine``): :class:`FeedLayout`."""
         return self.root / "online"
 
     @property
@@ -226,3 +227,43 @@ class TrainLayout:
     def previous(self) -> Path:
         """Where a restart or an unusable left-over is moved aside, one ``<time>/`` folder each."""
         return self.root / "previous"
+
+
+@dataclass(frozen=True)
+class FeedLayout:
+    """Files of the online feed (``hidden_states_source=engine``) under :attr:`TrainLayout.online`."""
+
+    root: Path
+
+    @property
+    def settings(self) -> Path:
+        return self.root / "feed.json"
+
+    @property
+    def ready(self) -> Path:
+        """Samples fetched ahead of the trainer; each is deleted once the trainer has it."""
+        return self.root / "ready"
+
+    @property
+    def cache(self) -> Path:
+        """Samples kept for later epochs (``online_cache_gb``)."""
+        return self.root / "cache"
+
+    @property
+    def status(self) -> Path:
+        """The feed's figures: samples fetched, bytes held (peak), the trainer's data wait."""
+        return self.root / "status.json"
+
+    @property
+    def journal(self) -> Path:
+        """Requests sent and not yet settled; the next start (or the step) aborts them and removes their dumps."""
+        return self.root / "in-flight.json"
+
+    @property
+    def failure(self) -> Path:
+        """Why the feed stopped (an engine gone too long, a row the engines cannot give, a full disk)."""
+        return self.root / "failed.json"
+
+    def sample(self, folder: Path, row: int) -> Path:
+        """Row ``row``'s file in ``folder`` (:attr:`ready` or :attr:`cache`), named as in a dataset."""
+        return folder / sample_file_name(row)

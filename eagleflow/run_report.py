@@ -156,7 +156,8 @@ def capture_check_summary(report: dict[str, Any]) -> dict[str, Any] | None:
 def online_summary(layout: RunLayout, result: dict[str, Any]) -> dict[str, Any] | None:
     """Online training's figures (samples fetched, peak bytes on disk, the trainer's data wait): from the
     finished step's result, else the feed's live status; None for a run trained from disk."""
-    from eagleflow.train.online.settings import FeedLayout, read_status
+    from eagleflow.layout import FeedLayout
+    from eagleflow.train.online.settings import read_status
 
     figures = result.get("online")
     if not isinstance(figures, dict):

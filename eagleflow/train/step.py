@@ -24,7 +24,7 @@ from eagleflow.data.verifier import resolve_aux_layer_ids, text_config
 from eagleflow.errors import UserError
 from eagleflow.export.targets import serving_target
 from eagleflow.files import atomic_write_json
-from eagleflow.layout import TrainLayout, hidden_states_dir
+from eagleflow.layout import FeedLayout, TrainLayout, hidden_states_dir
 from eagleflow.progress import format_bytes
 from eagleflow.results import emit_result
 from eagleflow.train.child import (
@@ -35,7 +35,7 @@ from eagleflow.train.config import TrainConfig
 from eagleflow.train.lock import TrainFolderLock
 from eagleflow.train.resume import best_checkpoint, epoch_dirs, prepare_checkpoints
 from eagleflow.train.online.settings import (
-    EngineEndpoint, FeedLayout, FeedSettings, online_cache_bytes, online_window_bytes, read_status,
+    EngineEndpoint, FeedSettings, online_cache_bytes, online_window_bytes, read_status,
 )
 from eagleflow.train.speculators_support import check_online, installed_release
 from sglang_patch.sample_format import HiddenStatesDtype

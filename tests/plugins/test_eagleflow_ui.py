@@ -92,6 +92,20 @@ def test_the_drafter_evaluation_is_shown_once_it_ran(client: TestClient, output_
     assert "eval/report.json" in client.get("/api/runs/demo").json()["files"]
 
 
+def test_online_training_figures_are_shown_live_and_from_the_result(client: TestClient, output_root: Path) -> None:
+    assert "Online training" not in client.get("/runs/demo", headers=HTML).text  # trained from disk
+    train = output_root / "demo" / "train"
+    status = {"fetched": 57, "fetched_bytes": 3_100_000, "cached": 0, "peak_bytes": 1_234_000, "window_bytes": 2_000_000,
+              "cache_bytes": 0, "data_wait_s": 4.25, "seconds": 30.0, "failure": None, "updated": 0}
+    (train / "online").mkdir()
+    (train / "online" / "status.json").write_text(json.dumps(status))  # while the feed runs
+    page = client.get("/runs/demo", headers=HTML).text
+    assert "Online training" in page and "<b>57</b>" in page and "<b>1.23 MB</b>" in page and "<b>4.2 s</b>" in page
+    (train / "result.json").write_text(json.dumps({"best_checkpoint": "c", "online": {**status, "fetched": 240}}))
+    summary = client.get("/api/runs/demo").json()["online"]
+    assert summary["fetched"] == 240 and summary["peak_bytes"] == 1_234_000 and summary["window_bytes"] == 2_000_000
+
+
 def capture_report(passed: bool, findings: list[str]) -> dict[str, Any]:
     """A ``verify/<engine>/report.json`` shaped as ``verify-capture`` writes it (figures of a demo run's size)."""
     slots = [

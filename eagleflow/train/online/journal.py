@@ -12,7 +12,7 @@ from pathlib import Path
 
 from eagleflow.extract.client import EngineClient
 from eagleflow.files import atomic_write_json
-from eagleflow.train.online.settings import FeedLayout
+from eagleflow.layout import FeedLayout
 from sglang_patch.handoff import read_writer_statuses
 from sglang_patch.request_ids import row_request_glob
 

@@ -7,12 +7,12 @@ page can read the feed's status.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
+from eagleflow.layout import FeedLayout
 from sglang_patch.handoff import STATUS_PREFIX
 from sglang_patch.sample_format import HiddenStatesDtype
 
@@ -21,47 +21,6 @@ if TYPE_CHECKING:
 
 BACKEND_NAME = "eagleflow-engine"  # speculators --hidden-states-backend
 SETTINGS_FLAG = "--eagleflow-feed"  # the backend's one flag: the settings file
-
-
-@dataclass(frozen=True)
-class FeedLayout:
-    """Files of the online feed under ``<train>/online/``."""
-
-    root: Path
-
-    @property
-    def settings(self) -> Path:
-        return self.root / "feed.json"
-
-    @property
-    def ready(self) -> Path:
-        """Samples fetched ahead of the trainer; each is deleted once the trainer has it."""
-        return self.root / "ready"
-
-    @property
-    def cache(self) -> Path:
-        """Samples kept for later epochs (``online_cache_gb``)."""
-        return self.root / "cache"
-
-    @property
-    def status(self) -> Path:
-        """The feed's figures: samples fetched, bytes held (peak), the trainer's data wait."""
-        return self.root / "status.json"
-
-    @property
-    def journal(self) -> Path:
-        """Requests sent and not yet settled; the next start (or the step) aborts them and removes their dumps."""
-        return self.root / "in-flight.json"
-
-    @property
-    def failure(self) -> Path:
-        """Why the feed stopped (an engine gone too long, a row the engines cannot give, a full disk)."""
-        return self.root / "failed.json"
-
-    def sample(self, folder: Path, row: int) -> Path:
-        from sglang_patch.sample_file import sample_file_name
-
-        return folder / sample_file_name(row)
 
 
 class EngineEndpoint(BaseModel):

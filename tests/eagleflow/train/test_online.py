@@ -24,10 +24,10 @@ from eagleflow.engine.process import ServerInfo, pid_alive
 from eagleflow.errors import UserError
 from eagleflow.extract.config import ExtractConfig
 from eagleflow.extract.shard import ShardExtractor
-from eagleflow.layout import TrainLayout, hidden_states_dir
+from eagleflow.layout import FeedLayout, TrainLayout, hidden_states_dir
 from eagleflow.metrics.records import read_records
 from eagleflow.results import find_result
-from eagleflow.train.online.settings import FeedLayout, held_bytes
+from eagleflow.train.online.settings import held_bytes
 from eagleflow.train.speculators_support import RELEASES, check_online
 from sglang_patch.handoff import read_writer_statuses
 from sglang_patch.sample_file import sample_file_bytes
