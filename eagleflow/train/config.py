@@ -117,8 +117,8 @@ class TrainConfig(BaseModel):
     hidden_states_dtype: StoredHiddenStatesDtype
     engine_wait: float = Field(
         120.0, ge=0,
-        description="engine mode: seconds the trainer waits for an engine to answer again when none does, before "
-        "it stops naming them (a retry resumes from the last checkpoint)",
+        description="engine mode: seconds the trainer waits for an engine to be ready again when none is, before "
+        "it stops naming them (a retry resumes from the last checkpoint); above the warmup if engines may restart",
     )
     request_timeout: float = ExtractConfig.model_fields["request_timeout"]
     max_retries: int = ExtractConfig.model_fields["max_retries"]

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from eagleflow.engine.process import Readiness, ServerInfo, check_ready
 from eagleflow.extract.client import EngineClient, RowFailed, ServerGone
 from eagleflow.extract.dump_wait import DiskFull
 from eagleflow.extract.row_fetch import RowFetcher, SampleShape
@@ -207,7 +208,8 @@ class SampleFeed:
                 return
             row, target, size = job
             try:
-                self._fetch(row, target)
+                if not self._fetch(row, target):
+                    return  # stopping
             except FeedFailed as exc:
                 self._fail(str(exc))
                 return
@@ -221,16 +223,19 @@ class SampleFeed:
                 self.fetched_bytes += size
                 self._cond.notify_all()
 
-    def _fetch(self, row: int, target: Path) -> None:
-        """Fetch one row from an engine that is up; another one when it goes away; :class:`FeedFailed` when none will."""
+    def _fetch(self, row: int, target: Path) -> bool:
+        """Fetch one row from an engine that is up, another one when it goes away; False when the feed stops.
+
+        :raises FeedFailed: no engine answers within ``engine_wait``, the row fails for good, or the disk is full.
+        """
         ids = self.rows_of(row)
         while not self._stop.is_set():
             engine = self._choose_engine()
             if engine is None:
-                return
+                return False
             try:
                 engine.fetcher.fetch(row, ids, target, on_rid=lambda rid, e=engine: self._journal_rid(row, e, rid))
-                return
+                return True
             # A request that did not end well stays in the journal: its dump may still come, and the
             # stop's settle_journal removes it once written.
             except ServerGone as exc:
@@ -239,11 +244,12 @@ class SampleFeed:
                 raise FeedFailed(f"row {row}: {exc.reason}") from exc
             except RowFailed as exc:
                 if self._stop.is_set():
-                    return
+                    return False
                 raise FeedFailed(f"row {row}: {engine.label}: {exc.reason}") from exc
             finally:
                 with self._cond:
                     engine.in_flight -= 1
+        return False
 
     def _choose_engine(self) -> _Engine | None:
         """The least busy engine that is up (probing gone ones); waits while none is, up to ``engine_wait``."""
@@ -252,7 +258,8 @@ class SampleFeed:
             for engine in self._engines:
                 if engine.down_since is not None and now >= engine.next_probe:
                     engine.next_probe = now + PROBE_EVERY_S
-                    if engine.client.reachable(timeout=PROBE_EVERY_S):
+                    # Ready, not merely answering: a restarted engine answers 503 through its warmup.
+                    if check_ready(ServerInfo.at(engine.endpoint.url), timeout=PROBE_EVERY_S).state is Readiness.READY:
                         self.say(f"online feed: {engine.label} answers again after {now - engine.down_since:.0f}s")
                         engine.down_since = None
             with self._cond:
