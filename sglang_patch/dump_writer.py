@@ -5,18 +5,20 @@ process) and eagleflow's reference engine. What it guarantees the engine:
 
 - **Bounded host memory.** Every request reserves the bytes its host buffer holds before any
   host buffer is taken; reservations never exceed ``max_pending_bytes``. Pinned memory for
-  CUDA tensors is allocated only after the reservation. States handed over whole
-  (:meth:`DumpWriter.submit`) are encoded in the run's storage dtype where they are (fp8
-  quantisation on the GPU), so only the stored bytes cross to the host and count; the hook's
-  layer-by-layer buffer (:meth:`DumpWriter.begin`) holds the model dtype, since one fp8 scale
-  covers every slot of a token, and a writer thread quantises it.
+  CUDA tensors is allocated only after the reservation. fp8 is quantised where the states are
+  (:func:`~sglang_patch.sample_file.quantize_fp8_into`, the same code for CPU and CUDA tensors):
+  states handed over whole (:meth:`DumpWriter.submit`) at once, the hook's layer-by-layer
+  dumps (:meth:`DumpWriter.begin`) after their last slot, from a staging tensor on the states'
+  device (one fp8 scale covers every slot of a token). Only the fp8 bytes and the scales cross to
+  the host and count; no writer thread quantises anything.
 - **A forward pass never stalls on the disk.** When the budget stays full for ``wait_seconds``
   the request gets a :data:`~sglang_patch.handoff.WRITER_BEHIND` error record instead (the
   extractor sends it again later), so rank 0 never blocks long inside a pass while the other
   tensor-parallel ranks wait in NCCL.
 - **Nothing non-finite is written.** The finiteness check runs where the tensor already is (on
-  the GPU before the copy, or in a writer thread for CPU tensors) and its verdict goes into the
-  file's metadata, so the extractor reads back only the header and the token ids.
+  the GPU before the copy, in the fp8 quantiser on either device, or in a writer thread for CPU
+  bf16 tensors) and its verdict goes into the file's metadata, so the extractor reads back only
+  the header and the token ids.
 - **Atomic files, no per-file fsync.** Dumps are published by rename; the extractor makes the
   final files durable once per shard.
 
@@ -41,7 +43,7 @@ from typing import Any
 
 import torch
 
-from sglang_patch.finite import all_finite_cpu, finite_on_device, nonfinite_report
+from sglang_patch.finite import all_finite_cpu, finite_on_device, nonfinite_report, nonfinite_slots_report
 from sglang_patch.handoff import (
     DISK_FULL,
     NONFINITE,
@@ -56,12 +58,17 @@ from sglang_patch.handoff import (
     status_path,
 )
 from sglang_patch.sample_file import (
+    HIDDEN_STATES_KEY,
+    SCALES_DTYPE,
+    SCALES_KEY,
+    STORAGE_DTYPES,
     TOKEN_IDS_KEY,
     VALUES_FINITE,
     VALUES_KEY,
     SlotMajor,
     decode_hidden_states,
     encode_hidden_states,
+    quantize_fp8_into,
     sample_file_bytes,
     write_encoded_sample,
     write_sample_file,
@@ -75,6 +82,14 @@ _MEMORY_SHARE = 8  # default budget: this share of the host's memory ...
 _BUDGET_CAP = 32 << 30  # ... at most 32 GiB (pinned memory is locked memory)
 _BUDGET_FLOOR = 256 << 20
 RECORD_RESERVE_BYTES = 256 << 10  # kept free for the records that say the disk is full
+
+
+def _fp8_host_buffers(seq_len: int, n_slots: int, hidden: int, pinned: bool) -> dict[str, torch.Tensor]:
+    """Host memory for one request's fp8 values and scales (pinned when they come from a GPU)."""
+    return {
+        HIDDEN_STATES_KEY: torch.empty((seq_len, n_slots, hidden), dtype=STORAGE_DTYPES["fp8"], pin_memory=pinned),
+        SCALES_KEY: torch.empty((seq_len, 1, 1), dtype=SCALES_DTYPE, pin_memory=pinned),
+    }
 
 
 def default_queue_budget() -> int:
@@ -130,33 +145,62 @@ class DumpWriter:
     # -- the capture's side --------------------------------------------------------------
 
     def begin(
-        self, rid: str, seq_len: int, n_slots: int, hidden: int, dtype: torch.dtype, on_cuda: bool, deadline: float | None = None
+        self,
+        rid: str,
+        seq_len: int,
+        n_slots: int,
+        hidden: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        deadline: float | None = None,
     ) -> PendingDump | None:
-        """Reserve budget and a slot-major host buffer for one request; None when it got an error record.
+        """Reserve budget and the buffers of one request filled slot by slot; None when it got an error record.
 
+        bf16: a slot-major host buffer (pinned for CUDA states). fp8: a staging tensor on
+        ``device`` in the model's ``dtype``, quantised there at commit, and host buffers for the
+        fp8 bytes and scales alone (what the budget counts).
+
+        :param dtype: the dtype the model computes the states in.
+        :param device: where the states are.
         :param deadline: ``time.monotonic()`` after which not to wait for budget (a pass of many
             requests waits ``wait_seconds`` in all, not per request).
         """
-        num_bytes = host_bytes(seq_len * n_slots * hidden, dtype, seq_len)
+        device = torch.device(device)
+        on_cuda = device.type == "cuda"
+        stored = sample_file_bytes(seq_len, n_slots, hidden, self.hidden_states_dtype)
+        fp8 = self.hidden_states_dtype == "fp8"
+        num_bytes = stored if fp8 else host_bytes(seq_len * n_slots * hidden, STORAGE_DTYPES["bf16"], seq_len)
         if not self._reserve(rid, num_bytes, deadline):
             return None
-        host = torch.empty((n_slots, seq_len, hidden), dtype=dtype, pin_memory=on_cuda)
-        stored = sample_file_bytes(seq_len, n_slots, hidden, self.hidden_states_dtype)
+        if fp8:
+            staging = torch.empty((seq_len, n_slots, hidden), dtype=dtype, device=device)
+            encoded = _fp8_host_buffers(seq_len, n_slots, hidden, pinned=on_cuda)
+            return PendingDump(self, rid, num_bytes, stored, None, slot_major=False, on_cuda=on_cuda, encoded=encoded, staging=staging)
+        host = torch.empty((n_slots, seq_len, hidden), dtype=STORAGE_DTYPES["bf16"], pin_memory=on_cuda)
         return PendingDump(self, rid, num_bytes, stored, host, slot_major=True, on_cuda=on_cuda)
 
     def submit(self, rid: str, hidden_states: torch.Tensor, token_ids: torch.Tensor) -> bool:
         """Queue ``[seq_len, n_slots, hidden]`` states and ``[seq_len]`` ids of request ``rid``.
 
-        A CPU tensor is taken as it is, not copied: the caller must not change it afterwards.
+        fp8 states are quantised here, where they are, and only the fp8 bytes and scales are
+        held on the host; bf16 states on a GPU are copied to pinned memory; a CPU tensor in bf16
+        is taken as it is, not copied: the caller must not change it afterwards.
         Returns False when the request got an error record instead (e.g. writer behind).
         """
         seq_len, n_slots, hidden = hidden_states.shape
         stored = sample_file_bytes(seq_len, n_slots, hidden, self.hidden_states_dtype)
-        # On a GPU the host holds the encoded tensors; a CPU tensor is held as it is.
-        num_bytes = stored if hidden_states.is_cuda else host_bytes(hidden_states.numel(), hidden_states.dtype, seq_len)
+        fp8 = self.hidden_states_dtype == "fp8"
+        on_cuda = bool(hidden_states.is_cuda)
+        # The host holds the encoded tensors, except a CPU tensor stored as bf16, held as it is.
+        num_bytes = stored if fp8 or on_cuda else host_bytes(hidden_states.numel(), hidden_states.dtype, seq_len)
         if not self._reserve(rid, num_bytes):
             return False
-        if hidden_states.is_cuda:
+        if fp8:
+            encoded = _fp8_host_buffers(seq_len, n_slots, hidden, pinned=on_cuda)
+            verdict = quantize_fp8_into(hidden_states, encoded[HIDDEN_STATES_KEY], encoded[SCALES_KEY])
+            pending = PendingDump(self, rid, num_bytes, stored, None, slot_major=False, on_cuda=on_cuda, encoded=encoded,
+                                  slot_verdict=verdict)
+        elif on_cuda:
             encoded = {}
             for key, value in encode_hidden_states(hidden_states, self.hidden_states_dtype).items():
                 encoded[key] = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
@@ -266,8 +310,11 @@ class DumpWriter:
         else:
             finite = all_finite_cpu(pending.host)
         if not finite:
-            states = pending.host if pending.encoded is None else decode_hidden_states(pending.encoded)
-            report = nonfinite_report(states, slot_axis=0 if pending.slot_major else 1)
+            if pending.encoded is not None and SCALES_KEY in pending.encoded:  # quantised at the source
+                report = nonfinite_slots_report(job.verdict, pending.encoded[SCALES_KEY])
+            else:
+                states = pending.host if pending.encoded is None else decode_hidden_states(pending.encoded)
+                report = nonfinite_report(states, slot_axis=0 if pending.slot_major else 1)
             self.submit_error(pending.rid, report, kind=NONFINITE)
             return
         free = shutil.disk_usage(self.dump_dir).free

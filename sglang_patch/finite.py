@@ -4,8 +4,10 @@ On a GPU the check is one reduction on the device, queued on the current stream:
 waits for it; the writer reads the verdict after the copy's event. On the CPU,
 ``torch.isfinite`` runs at ~0.1 GB/s on bf16, slower than a disk: bf16/fp16 are checked as
 integers instead (a value is NaN/Inf exactly when its exponent bits are all ones), in
-cache-sized chunks, at several GB/s. The verdict is written into the file's metadata, so the
-extractor never reads the states back.
+cache-sized chunks, at several GB/s. States stored as fp8 need no check of their own: the
+quantiser's per-token maxima already say it, on either device
+(:func:`sglang_patch.sample_file.quantize_fp8_into`). The verdict is written into the file's
+metadata, so the extractor never reads the states back.
 
 Standard library, torch and numpy (torch's own dependency) only: runs inside the SGLang server.
 """
@@ -52,3 +54,15 @@ def nonfinite_report(states: Any, slot_axis: int) -> str:
     bad = ~torch.isfinite(states)
     slots = [int(s) for s in bad.any(dim=other[1]).any(dim=other[0]).nonzero().flatten().tolist()] if len(other) == 2 else []
     return f"non-finite values: {int(torch.isnan(states).sum())} NaN, {int(torch.isinf(states).sum())} Inf in slots {slots}"
+
+
+def nonfinite_slots_report(slots_finite: torch.Tensor, scales: torch.Tensor) -> str:
+    """Where the NaN/Inf values were, for states quantised where they were computed.
+
+    Only the quantiser's per-slot verdict and the per-token scales came to the host (a token
+    holding a NaN or an Inf gets a non-finite scale), so the report names slots and tokens, not counts.
+    """
+    slots = [int(s) for s in (~slots_finite.reshape(-1)).nonzero().flatten().tolist()]
+    tokens = (~torch.isfinite(scales.reshape(-1))).nonzero().flatten().tolist()
+    shown = ", ".join(str(int(t)) for t in tokens[:10]) + (f" and {len(tokens) - 10} more" if len(tokens) > 10 else "")
+    return f"non-finite values (NaN or Inf) in slots {slots}, {len(tokens)} token(s): {shown}"

@@ -21,18 +21,21 @@ add in place), so:
 Each request of an EXTEND pass (rid from ``forward_batch.rids``) gets
 ``<dump_dir>/<rid>.safetensors`` with ``hidden_states [seq_len, n_aux + 1, hidden]`` in the run's
 storage dtype (bf16, or fp8 with per-token scales) and ``token_ids [seq_len]``, written by
-:class:`sglang_patch.dump_writer.DumpWriter` (encoded on the GPU, host copy, background thread,
-atomic files). Only tensor-parallel rank 0 writes; where reading a layer's state is a collective
+:class:`sglang_patch.dump_writer.DumpWriter` (encoded where the states are, host copy,
+background thread, atomic files). Only tensor-parallel rank 0 writes; where reading a layer's state is a collective
 (an owed TP sum completed on a copy), every rank reads it at the same point and discards it.
 Health-check requests and decode/idle passes are skipped; a request whose pass reuses a cached
 prefix (``extend_prefix_len > 0``) would give a short dump, so it gets ``<rid>.error.json``.
 
-Memory: at the pass's first hooked layer each request reserves its bytes in the writer's
-budget and gets a host buffer (or, when the writer stays behind, an error record: the pass
-never waits more than the writer's ``wait_seconds`` in all). Each layer's state is copied to
-the host as soon as it is read, so the capture holds at most one layer's state on the GPU,
-never the whole batch's slots until the last layer. fp8 dumps are quantised by the writer
-thread (one scale spans every slot of a token, and the slots arrive one layer at a time).
+Memory: at the pass's first hooked layer each request reserves its host bytes in the writer's
+budget and gets its buffers (or, when the writer stays behind, an error record: the pass never
+waits more than the writer's ``wait_seconds`` in all). In bf16 each layer's state is copied to
+the host as soon as it is read, so the capture holds at most one layer's state on the GPU. In
+fp8 one scale spans every slot of a token, so each request's slots are kept on the states' own
+device (a staging tensor: n_slots x tokens x hidden in the model dtype, 57 KB per token at Kimi
+shape) until the last captured layer; there they are quantised, and only the fp8 bytes and the
+scales are copied to (pinned) host memory, half the bytes of bf16. The same code runs on CPU
+tensors, where the "device" is the host.
 
 The factory refuses an SGLang outside :data:`sglang_patch.hook_spec.SUPPORTED_RANGE`.
 """
@@ -244,7 +247,8 @@ class HiddenStateCapture:
         if int(state.shape[0]) != self._total_tokens:
             raise RuntimeError(f"layer {layer_id} output has {int(state.shape[0])} rows, the pass {self._total_tokens} tokens")
         # Copied out now (on the GPU the reader's state is a new tensor; on CPU tensors the sum is
-        # added straight into the host buffers), so the GPU holds one layer's state at a time.
+        # added straight into the buffers): in bf16 to the host, so the GPU holds one layer's state
+        # at a time; in fp8 into each request's staging, quantised after the last captured layer.
         for slot in slots:
             self._copy_out(slot, state, 0)
         self._filled.update(slots)
@@ -291,8 +295,6 @@ class HiddenStateCapture:
             )
         if not any(is_captured(rid) for rid in rids):
             return
-        from sglang_patch.sample_file import STORAGE_DTYPES
-
         writer = self._get_writer()
         deadline = time.monotonic() + writer.wait_seconds  # the whole pass waits at most this long
         start = 0
@@ -310,8 +312,8 @@ class HiddenStateCapture:
                 )
                 continue
             dump = writer.begin(
-                rid, length, self.n_slots, int(hidden_states.shape[-1]), STORAGE_DTYPES["bf16"],
-                on_cuda=bool(hidden_states.is_cuda), deadline=deadline,
+                rid, length, self.n_slots, int(hidden_states.shape[-1]), hidden_states.dtype,
+                device=hidden_states.device, deadline=deadline,
             )
             if dump is not None:
                 self._requests.append(_Request(rid, offset, length, dump))

@@ -6,9 +6,10 @@ hook on layer k-1 sees that layer's output, and SGLang hands it over in one of t
 
 - ``layer_tuple`` (0.5.10-0.5.20): the layer returns ``(hidden_states, residual, topk)``, both
   complete on every rank. The sum is taken before the hook returns: the next layer's fused
-  add+norm rewrites both in place. On the GPU it is a new tensor, copied to pinned memory on the
-  same stream; on CPU tensors it is a :class:`StateSum`, added straight into each request's host
-  buffer (one pass over the memory, not a new tensor and then a copy). Rank 0 alone reads it.
+  add+norm rewrites both in place. On the GPU it is a new tensor, copied out on the same stream
+  (to pinned memory, or an fp8 request's staging on the GPU); on CPU tensors it is a
+  :class:`StateSum`, added straight into each request's buffer (one pass over the memory, not a
+  new tensor and then a copy). Rank 0 alone reads it.
 - ``residual_stream`` (0.5.21-0.5.23): the layer returns ``(hidden_states, topk_indices)``; the
   residual lives in ``forward_batch.residual_stream`` and ``hidden_states`` may be an opaque
   owed value (a tensor-parallel sum not yet done). SGLang's own
@@ -58,6 +59,14 @@ class StateSum:
     @property
     def shape(self) -> torch.Size:
         return self.hidden.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.hidden.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.hidden.device
 
     def __getitem__(self, rows: slice) -> StateSum:
         return StateSum(self.hidden[rows], self.residual[rows])

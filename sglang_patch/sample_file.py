@@ -108,17 +108,84 @@ def bytes_per_token(n_slots: int, hidden: int, hidden_states_dtype: HiddenStates
 def quantize_fp8(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(fp8 states, float32 scales [seq_len, 1, 1])`` on the states' own device.
 
-    Byte-identical to hs-connectors' ``quantize_tensor_to_fp8``; the per-token maximum is
-    taken on the input dtype (exact) and the division done in place, so the only float32
-    temporary is one copy of the states.
+    Byte-identical to hs-connectors' ``quantize_tensor_to_fp8`` on the same device (see
+    :func:`quantize_fp8_into`, which does the work).
     """
+    seq_len = hidden_states.shape[0]
+    values = torch.empty(hidden_states.shape, dtype=STORAGE_DTYPES["fp8"], device=hidden_states.device)
+    scales = torch.empty((seq_len, *[1] * (hidden_states.dim() - 1)), dtype=SCALES_DTYPE, device=hidden_states.device)
+    quantize_fp8_into(hidden_states, values, scales)
+    return values, scales
+
+
+def quantize_fp8_into(states: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Quantise ``states [seq_len, n_slots, hidden]`` to fp8 where they are; write the fp8 values
+    and the float32 scales ``[seq_len, 1, 1]`` into ``values`` / ``scales`` (on any device: host
+    memory, pinned for a CUDA source, takes only the fp8 bytes and the scales).
+
+    The arithmetic is hs-connectors' ``fp8_utils.quantize_tensor_to_fp8``, op for op, so the
+    bytes are its bytes on the same device: per token ``amax`` over every slot and hidden value,
+    ``scale = (amax / 448).clamp(min=1e-12)``, ``fp8 = (float32(x) / scale).to(float8_e4m3fn)``.
+    What differs is only how the work is laid out, never a value: a chunk of tokens at a time
+    (small enough for the CPU's cache, large on a GPU), so the only temporaries are one chunk's;
+    and ``amax(|x|)`` read off the bit patterns (sign bit cleared: for IEEE floats the integer
+    order of the magnitudes is their numeric order, and upcasting to float32 is exact). One code path for CPU and CUDA
+    tensors: on a GPU each chunk's fp8 bytes cross with an asynchronous copy, on the CPU the same
+    copy is a memcpy.
+
+    :returns: a bool tensor ``[n_slots]`` on the states' device, False for a slot holding a NaN or
+        an Inf (read off the same maxima, no extra pass; nothing waits for it).
+    """
+    if states.dim() != 3:
+        raise ValueError(f"states must be [seq_len, n_slots, hidden], got shape {tuple(states.shape)}")
+    seq_len, n_slots, hidden = states.shape
+    if tuple(values.shape) != tuple(states.shape) or values.dtype != STORAGE_DTYPES["fp8"]:
+        raise ValueError(f"values must be {STORAGE_DTYPES['fp8']} {tuple(states.shape)}, got {values.dtype} {tuple(values.shape)}")
+    if tuple(scales.shape) != (seq_len, 1, 1) or scales.dtype != SCALES_DTYPE:
+        raise ValueError(f"scales must be {SCALES_DTYPE} {(seq_len, 1, 1)}, got {scales.dtype} {tuple(scales.shape)}")
+    bits_dtype = _MAGNITUDE_BITS.get(states.dtype)
+    if bits_dtype is None:
+        raise ValueError(f"cannot quantise {states.dtype} states (one of {sorted(map(str, _MAGNITUDE_BITS))})")
+    states = states.detach().contiguous()
+    device = states.device
     fp8 = STORAGE_DTYPES["fp8"]
-    reduce_dims = tuple(range(1, hidden_states.dim()))
-    amax = hidden_states.detach().abs().amax(dim=reduce_dims, keepdim=True).float()
-    scales = (amax / torch.finfo(fp8).max).clamp(min=FP8_MIN_SCALE)
-    values = hidden_states.detach().to(torch.float32, copy=True)  # a copy even of float32 states: divided in place
-    values.div_(scales)
-    return values.to(fp8), scales
+    fp8_max = torch.finfo(fp8).max
+    no_sign = torch.iinfo(bits_dtype).max  # every bit but the sign bit
+    inf_bits = int(torch.tensor(float("inf"), dtype=states.dtype).view(bits_dtype))
+    per_token = n_slots * hidden
+    chunk = max(1, (_CHUNK_ELEMENTS_CPU if device.type == "cpu" else _CHUNK_ELEMENTS_DEVICE) // max(per_token, 1))
+    on_device_scales = torch.empty((seq_len, 1, 1), dtype=SCALES_DTYPE, device=device)
+    slots_finite = torch.ones(n_slots, dtype=torch.bool, device=device)
+    shape = (min(chunk, seq_len), n_slots, hidden)
+    magnitudes = torch.empty(shape, dtype=bits_dtype, device=device)
+    quotients = torch.empty(shape, dtype=torch.float32, device=device)
+    out = torch.empty(shape, dtype=fp8, device=device)
+    copy_async = values.device != device  # a pinned host buffer: the copy overlaps the next chunk's work
+    for begin in range(0, seq_len, chunk):
+        end = min(begin + chunk, seq_len)
+        rows, n = states[begin:end], end - begin
+        torch.bitwise_and(rows.view(bits_dtype), no_sign, out=magnitudes[:n])
+        slot_max = magnitudes[:n].amax(dim=2)  # [n, n_slots]: |x| maxima as bit patterns
+        slots_finite &= (slot_max < inf_bits).all(dim=0)  # NaN and Inf patterns sort above every finite one
+        amax = slot_max.amax(dim=1).view(states.dtype).float().view(n, 1, 1)
+        scale = on_device_scales[begin:end]
+        torch.div(amax, fp8_max, out=scale)  # hs-connectors' ``amax / fp8_max``, a Python-scalar divisor
+        scale.clamp_(min=FP8_MIN_SCALE)
+        # float32(x) / scale, then rounded to fp8: two steps, as hs-connectors does (a division
+        # straight into an fp8 output gives the same bytes but takes a slow unvectorised loop on the CPU).
+        torch.div(rows, scale, out=quotients[:n])
+        out[:n].copy_(quotients[:n])
+        values[begin:end].copy_(out[:n], non_blocking=copy_async)
+    scales.copy_(on_device_scales, non_blocking=scales.device != device)
+    return slots_finite
+
+
+# Sign-less magnitudes of each float dtype's bit patterns, as integers of the same width.
+_MAGNITUDE_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+# Elements per quantised chunk: on the CPU its temporaries (1 MB) stay in cache; on a GPU a 2K-token
+# Kimi request takes four chunks (tens of MB of temporaries, a handful of kernels each).
+_CHUNK_ELEMENTS_CPU = 1 << 19
+_CHUNK_ELEMENTS_DEVICE = 1 << 24
 
 
 def encode_hidden_states(hidden_states: torch.Tensor, hidden_states_dtype: HiddenStatesDtype) -> dict[str, torch.Tensor]:

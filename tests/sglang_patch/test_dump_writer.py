@@ -87,7 +87,7 @@ def test_non_finite_states_are_never_written_and_finite_ones_carry_the_verdict(t
 def test_slot_major_buffers_write_the_same_file_as_token_major_states(tmp_path: Path) -> None:
     writer = DumpWriter(tmp_path)
     x = states(3)
-    pending = writer.begin("row3-a", SEQ, SLOTS, HIDDEN, torch.bfloat16, on_cuda=False)
+    pending = writer.begin("row3-a", SEQ, SLOTS, HIDDEN, torch.bfloat16, device="cpu")
     assert pending is not None
     for slot in range(SLOTS):  # filled the way the hook fills it: per slot, in two token chunks
         pending.put(slot, x[:20, slot], start=0)
@@ -107,7 +107,7 @@ def test_fp8_dumps_match_the_sample_formats_encoder_from_either_buffer_and_disk_
     folder = small_tmpfs("1m")
     writer = DumpWriter(folder, hidden_states_dtype="fp8")
     x = states(8)
-    pending = writer.begin("row8-a", SEQ, SLOTS, HIDDEN, torch.bfloat16, on_cuda=False)
+    pending = writer.begin("row8-a", SEQ, SLOTS, HIDDEN, torch.bfloat16, device="cpu")
     assert pending is not None
     for slot in range(SLOTS):
         pending.put(slot, x[:, slot])
@@ -125,6 +125,57 @@ def test_fp8_dumps_match_the_sample_formats_encoder_from_either_buffer_and_disk_
             assert handle.metadata() == {VALUES_KEY: VALUES_FINITE}
     record = ErrorRecord.read(error_path(folder, "row10-a"))
     assert record.kind == DISK_FULL and record.details["needed_bytes"] == sample_file_bytes(8192, SLOTS, HIDDEN, "fp8")
+
+
+def test_fp8_is_quantised_at_the_source_into_hs_connectors_bytes_and_only_fp8_reaches_the_host(tmp_path: Path) -> None:
+    """Kimi-shaped bf16 states through both ways in (the hook's slot-by-slot dump and a whole
+    tensor): each file is hs-connectors' quantisation of the same states, bit for bit; the host
+    holds only fp8 bytes, scales and ids (the budget says so), never a bf16 buffer."""
+    from hs_connectors.fp8_utils import quantize_tensor_to_fp8
+
+    seq, slots, hidden = 48, 4, 7168
+    x = torch.randn(seq, slots, hidden, generator=torch.Generator().manual_seed(11))
+    x = (x * torch.logspace(-20, 20, seq).view(-1, 1, 1)).to(torch.bfloat16)
+    x[5] = 0.0
+    x[9, 3, 100] = 3e4  # one slot's outlier sets the token's scale for every slot
+    stored = sample_file_bytes(seq, slots, hidden, "fp8")
+    writer = DumpWriter(tmp_path, hidden_states_dtype="fp8", threads=1, write_delay=1.0)  # both stay queued
+    pending = writer.begin("row20-a", seq, slots, hidden, torch.bfloat16, device="cpu")
+    assert pending is not None and pending.host is None and writer.status().pending_bytes == stored
+    assert pending.staging.dtype == torch.bfloat16 and pending.staging.device.type == "cpu"
+    assert {k: v.dtype for k, v in pending.encoded.items()} == {"hidden_states": torch.float8_e4m3fn, "hidden_states_scales": torch.float32}
+    for slot in range(slots):  # the hook's order: slot by slot, each in two token pieces
+        pending.put(slot, x[:30, slot], start=0)
+        pending.put(slot, x[30:, slot], start=30)
+    pending.commit(torch.arange(seq))
+    assert pending.staging is None, "the staging is given back at commit"
+    writer.submit("row21-a", x, torch.arange(seq))
+    writer.close()
+    assert writer.status().peak_pending_bytes == 2 * stored
+    values, scales = quantize_tensor_to_fp8(x)
+    for rid in ("row20-a", "row21-a"):
+        sample = load_file(dump_path(tmp_path, rid))
+        assert torch.equal(sample["hidden_states"].view(torch.uint8), values.view(torch.uint8))
+        assert torch.equal(sample["hidden_states_scales"], scales)
+        with safe_open(str(dump_path(tmp_path, rid)), "pt") as handle:
+            assert handle.metadata() == {VALUES_KEY: VALUES_FINITE}
+
+
+def test_non_finite_fp8_states_are_never_written_and_the_record_names_slots_and_tokens(tmp_path: Path) -> None:
+    writer = DumpWriter(tmp_path, hidden_states_dtype="fp8")
+    bad = states(12)
+    bad[3, 2, 5] = float("nan")
+    bad[7, 0, 6] = float("-inf")
+    pending = writer.begin("row12-a", SEQ, SLOTS, HIDDEN, torch.bfloat16, device="cpu")
+    assert pending is not None
+    for slot in range(SLOTS):
+        pending.put(slot, bad[:, slot])
+    pending.commit(torch.arange(SEQ))
+    writer.submit("row13-a", bad, torch.arange(SEQ))
+    writer.close()
+    for rid in ("row12-a", "row13-a"):
+        assert outcome(tmp_path, rid) == NONFINITE
+        assert "in slots [0, 2], 2 token(s): 3, 7" in ErrorRecord.read(error_path(tmp_path, rid)).error
 
 
 def test_default_budget_is_sized_from_the_hosts_memory() -> None:

@@ -130,6 +130,38 @@ def test_fp8_dumps_are_what_speculators_fp8_backend_reads(tmp_path: Path, api: s
     torch.testing.assert_close(read["hidden_states"], expected_slots(model, aux)[:6], rtol=0.07, atol=1e-3)
 
 
+def test_fp8_is_quantised_after_the_last_captured_layer_and_only_fp8_reaches_the_host(
+    tmp_path: Path, api: str, fake_sglang, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three requests of one pass, the embedding slot included, quantised a few tokens at a time
+    (chunks that end mid-request): every dump is hs-connectors' quantisation of that request's
+    bf16 states, bit for bit, and the writer's budget held only the fp8 files' bytes."""
+    from hs_connectors.fp8_utils import quantize_tensor_to_fp8
+
+    from sglang_patch import sample_file
+    from sglang_patch.sample_file import sample_file_bytes
+
+    aux, hidden = [0, 2, 5], 64
+    monkeypatch.setattr(sample_file, "_CHUNK_ELEMENTS_CPU", 3 * (len(aux) + 1) * hidden)
+    model, _ = hooked_model(tmp_path, aux, dtype=torch.bfloat16, api=api, hidden_states_dtype="fp8", hidden=hidden)
+    requests = {"row0-a": [5, 6, 7, 8, 9, 10, 11], "row1-b": [1], "row2-c": [11, 12, 13, 14, 15, 16, 17, 18, 19]}
+    fakes.run(model, fakes.extend_batch(requests))
+    capture = captured_hook(model)
+    assert capture._writer is not None
+    peak = capture._writer.status().peak_pending_bytes
+    drain(model)
+    expected = expected_slots(model, aux)
+    start = 0
+    for rid, ids in requests.items():
+        sample = load_file(dump_path(tmp_path, rid))
+        values, scales = quantize_tensor_to_fp8(expected[start : start + len(ids)])
+        assert torch.equal(sample["hidden_states"].view(torch.uint8), values.view(torch.uint8)), rid
+        assert torch.equal(sample["hidden_states_scales"], scales), rid
+        assert sample["token_ids"].tolist() == ids
+        start += len(ids)
+    assert peak == sum(sample_file_bytes(len(ids), len(aux) + 1, hidden, "fp8") for ids in requests.values())
+
+
 def test_model_output_is_untouched(tmp_path: Path, api: str, fake_sglang) -> None:
     batch = fakes.extend_batch({"r0": [1, 2, 3, 4], "r1": [7, 8]})
     plain = fakes.build_model("deepseek", NUM_LAYERS, layer_api=api)
