@@ -30,10 +30,6 @@ class ShardSummary(ShardManifest):
         return max(self.end - self.start, 0)
 
     @property
-    def complete(self) -> int:
-        return self.done + self.skipped
-
-    @property
     def rows_per_s(self) -> float | None:
         return self.done / self.seconds if self.seconds > 0 and self.done else None
 
@@ -42,12 +38,14 @@ class ShardSummary(ShardManifest):
         return self.tokens / self.seconds if self.seconds > 0 and self.tokens else None
 
     def as_json(self) -> dict[str, Any]:
+        """The shard for a page: its size is its totals over every attempt; the rates are the latest attempt's."""
         return {
             "name": self.name, "start": self.start, "end": self.end, "state": self.state, "rows": self.rows,
-            "done": self.done, "skipped": self.skipped, "failed": len(self.failed), "failed_rows": self.failed[:50],
-            "tokens": self.tokens, "bytes": self.bytes, "gb": self.bytes / 1e9, "seconds": self.seconds,
-            "rows_per_s": self.rows_per_s, "tokens_per_s": self.tokens_per_s, "updated": self.updated,
-            "error": self.error, "engine": self.engine,
+            "done": self.done, "skipped": self.skipped, "complete": self.total_rows, "failed": len(self.failed),
+            "failed_rows": self.failed[:50], "tokens": self.total_tokens, "bytes": self.total_bytes,
+            "gb": self.total_bytes / 1e9, "attempt_tokens": self.tokens, "attempt_bytes": self.bytes,
+            "seconds": self.seconds, "rows_per_s": self.rows_per_s, "tokens_per_s": self.tokens_per_s,
+            "updated": self.updated, "error": self.error, "engine": self.engine,
         }
 
 
@@ -184,10 +182,10 @@ def run_summary(layout: RunLayout, metrics: MetricsCache | None = None) -> dict[
         "shards": len(shards),
         "shards_done": sum(1 for s in shards if s.state == "success"),
         "rows": sum(s.rows for s in shards),
-        "rows_complete": sum(s.complete for s in shards),
+        "rows_complete": sum(s.total_rows for s in shards),
         "rows_failed": sum(len(s.failed) for s in shards),
-        "tokens": sum(s.tokens for s in shards),
-        "gb": sum(s.bytes for s in shards) / 1e9,
+        "tokens": sum(s.total_tokens for s in shards),
+        "gb": sum(s.total_bytes for s in shards) / 1e9,
     }
     result = _json_or_empty(layout.train.result)
     return {

@@ -64,7 +64,8 @@ class ShardExtractOperator(EagleflowStepOperator):
     manifest name it. Rows already complete are skipped, so a retry or a cleared instance redoes
     only what is missing. Airflow retries a shard whose engine went away (or whose step was
     killed); rows the engine refused or that failed their checks fail it for good, naming them.
-    Returns ``{name, done, skipped, failed, tokens, bytes, seconds, manifest}``.
+    Returns ``{name, done, skipped, failed, tokens, bytes, seconds, manifest}`` (this attempt's
+    figures) plus ``total_rows``, ``total_tokens`` and ``total_bytes``: the shard's over every attempt.
 
     :param shard: ``{name, start, end}`` from plan_shards (templated; mapped over).
     :param engines: every engine's ``{url, pid, host, log_path, dump_dir, name}`` from the

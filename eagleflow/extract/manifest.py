@@ -28,6 +28,13 @@ class ShardManifest:
     ``state`` is one of :data:`STATES`; ``failed`` lists ``{"row", "reason"}``; ``error`` says why
     the shard is not ``success`` (rows failed, the engine went away, the disk is full, SIGTERM);
     ``engine`` names the engine of the latest attempt (``engine-1 at http://…``).
+
+    ``done``, ``tokens``, ``bytes`` and ``seconds`` are the latest attempt's (what it extracted, how
+    fast); ``skipped`` counts the rows it found complete. The shard's totals over every attempt
+    are ``total_rows`` (= done + skipped), ``total_tokens`` and ``total_bytes``: this attempt's rows
+    plus the skipped ones, whose token count and file size come from the headers the extractor
+    validates before it skips a row. A reader that shows a shard's size uses the totals: after a
+    resume or a cleared shard the attempt's own figures may be 0.
     """
 
     name: str
@@ -43,15 +50,43 @@ class ShardManifest:
     seconds: float = 0.0
     error: str = ""
     updated: float | None = None
+    total_tokens: int = 0
+    total_bytes: int = 0
+
+    @property
+    def total_rows(self) -> int:
+        """Rows of the shard complete on disk, over every attempt."""
+        return self.done + self.skipped
+
+    def count_complete(self, tokens: int, num_bytes: int, extracted: bool) -> None:
+        """One more complete row: extracted by this attempt, or found complete (skipped)."""
+        if extracted:
+            self.done += 1
+            self.tokens += tokens
+            self.bytes += num_bytes
+        else:
+            self.skipped += 1
+        self.total_tokens += tokens
+        self.total_bytes += num_bytes
+
+    def result(self, manifest_path: Path) -> dict[str, Any]:
+        """The extract step's XCom (DESIGN.md §3.5's shard result) plus the shard's totals."""
+        return {
+            "name": self.name, "done": self.done, "skipped": self.skipped, "failed": len(self.failed),
+            "tokens": self.tokens, "bytes": self.bytes, "seconds": self.seconds, "manifest": str(manifest_path),
+            "total_rows": self.total_rows, "total_tokens": self.total_tokens, "total_bytes": self.total_bytes,
+        }
 
     def write(self, path: Path) -> None:
-        """Publish atomically, stamped with the time of writing."""
+        """Publish atomically, stamped with the time of writing (``total_rows`` written for readers)."""
         self.updated = time.time()
-        atomic_write_json(path, asdict(self))
+        atomic_write_json(path, {**asdict(self), "total_rows": self.total_rows})
 
     @classmethod
     def read(cls, path: Path) -> ShardManifest:
-        """Load a manifest; unknown keys (from a newer writer) are ignored."""
+        """Load a manifest; unknown keys (from a newer writer, or the derived ``total_rows``) are ignored."""
         data = json.loads(Path(path).read_text())
         known = {f.name for f in fields(cls)}
+        if "total_tokens" not in data:  # written before totals were recorded: the best it knows is its attempt's
+            data = {**data, "total_tokens": data.get("tokens", 0), "total_bytes": data.get("bytes", 0)}
         return cls(**{k: v for k, v in data.items() if k in known})

@@ -6,8 +6,9 @@ wait for the engine's dump ``<dump_dir>/<rid>.safetensors`` (:mod:`~eagleflow.ex
 check it (DESIGN.md §3.4: its header, its token ids and the writer's finiteness verdict; the
 states are not read back) and move it to ``hidden_states/hs_{row}.safetensors`` by rename. The
 published files are fsynced in the background and the shard reports ``success`` only after
-that barrier. A per-shard manifest records what was done, skipped and failed; a rerun redoes
-only what is not complete.
+that barrier. A per-shard manifest records what was done, skipped and failed, and the shard's
+totals over every attempt (rows, tokens, bytes: a skipped row's come from the header checked
+before it is skipped); a rerun redoes only what is not complete.
 
 Failure policy: 5xx answers and timeouts are retried with backoff (bounded), after
 ``/abort_request`` of the first rid; a 4xx is not retried and its message names the row; "writer
@@ -164,8 +165,8 @@ class ShardExtractor:
                 sample_path(self.hidden_dir, row), ids, self.n_slots, self.hidden_size, self.cfg.hidden_states_dtype,
                 check_values=False,
             )
-            if check.ok:
-                self.report.skipped += 1
+            if check.ok:  # its header's token count and the file's size go into the shard's totals
+                self.report.count_complete(check.num_tokens, check.num_bytes, extracted=False)
                 continue
             if check.state is SampleState.CORRUPT:
                 print(f"row {row}: existing file is corrupt ({check.reason}); redoing it", flush=True)
@@ -209,9 +210,7 @@ class ShardExtractor:
                             break  # stopped: the row is not at fault
                         self._row_failed(row, exc.reason)
                     else:
-                        self.report.done += 1
-                        self.report.tokens += n_tokens
-                        self.report.bytes += n_bytes
+                        self.report.count_complete(n_tokens, n_bytes, extracted=True)
                         tokens += n_tokens
                         written_bytes += n_bytes
                     elapsed = max(time.monotonic() - began, 1e-9)
@@ -290,18 +289,7 @@ def main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"shard {extractor.name} interrupted; finished rows are kept, a rerun resumes", flush=True)
         os._exit(1)
-    emit_result(
-        {
-            "name": report.name,
-            "done": report.done,
-            "skipped": report.skipped,
-            "failed": len(report.failed),
-            "tokens": report.tokens,
-            "bytes": report.bytes,
-            "seconds": report.seconds,
-            "manifest": str(extractor.manifest_path),
-        }
-    )
+    emit_result(report.result(extractor.manifest_path))
     if report.failed:
         rows = ", ".join(str(f["row"]) for f in report.failed[:MAX_LISTED_FAILURES])
         more = len(report.failed) - MAX_LISTED_FAILURES

@@ -35,8 +35,10 @@ def output_root(tmp_path: Path) -> Path:
     run = root / "demo"
     shards = run / "shards"
     shards.mkdir(parents=True)
-    write_manifest(shards, name="rows_0-40", start=0, end=40, done=38, skipped=2, tokens=9120, bytes=9120 * 4 * 64 * 2,
-                   seconds=12.0, engine="engine-1 at http://127.0.0.1:30001")
+    # A resumed shard: its last attempt extracted 38 rows (8,664 tokens) and skipped 2 done before;
+    # the totals count all 40. The other two were written before manifests had totals.
+    write_manifest(shards, name="rows_0-40", start=0, end=40, done=38, skipped=2, tokens=8664, bytes=8664 * 4 * 64 * 2,
+                   total_tokens=9120, total_bytes=9120 * 4 * 64 * 2, seconds=12.0, engine="engine-1 at http://127.0.0.1:30001")
     write_manifest(shards, name="rows_40-80", start=40, end=80, state="failed", done=39, tokens=9001,
                    bytes=9001 * 512, seconds=11.5,
                    failed=[{"row": 57, "reason": "engine answered 400: <script>alert(1)</script>"}])

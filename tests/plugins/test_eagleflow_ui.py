@@ -40,7 +40,8 @@ def test_run_page_shows_shards_charts_and_metrics(client: TestClient) -> None:
     assert names == ["rows_0-40", "rows_40-80", "rows_80-120"]
     assert 'class="state running"' in page and 'class="state failed"' in page
     assert "40 / 40" in page and "39 / 40" in page and "7 / 40" in page  # done + skipped of each
-    assert "9,120" in page and "3.17 rows/s" in page  # tokens; 38 rows in 12 s
+    assert "9,120" in page and "3.17 rows/s" in page  # the shard's tokens over every attempt; 38 rows in 12 s
+    assert "8,664 this attempt" in page and "722 tok/s" in page  # the last attempt's own tokens and rate
     assert f"{9120 * 4 * 64 * 2 / 1e9:.3f}" in page  # GB
     assert "row 57" in page and "&lt;script&gt;" in page and "<script>" not in page  # escaped reasons
     assert "<small>engine-1 at http://127.0.0.1:30001</small>" in page  # the engine that served the shard

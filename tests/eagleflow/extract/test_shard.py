@@ -28,6 +28,7 @@ from eagleflow.extract.client import EngineClient
 from eagleflow.extract.sample_store import sample_path, validate, write_sample
 from eagleflow.extract.manifest import ShardManifest
 from eagleflow.extract.shard import EXIT_ENGINE_GONE, ShardExtractor
+from eagleflow.results import find_result
 from extract_engines import AUX, HIDDEN, ROWS, config, launch_engine, make_rows
 from sglang_patch.dump_writer import DumpWriter
 
@@ -73,6 +74,16 @@ def test_shard_extracts_every_row_then_a_rerun_skips_them_without_reading_them(d
     again = ShardExtractor(config(path, engine, random_tiny_model, "6:24"), client=client).run()
     assert (again.done, again.skipped, again.failed, again.state) == (0, 18, [], "success")
     assert client.generated == 0  # not one request reached the engine
+    # The shard's totals survive the resume: this attempt extracted nothing, yet the manifest and
+    # the XCom still count every row's tokens and bytes (from the headers it checked to skip them).
+    on_disk = sum(sample_path(path / "hidden_states", row).stat().st_size for row in range(6, 24))
+    assert (again.tokens, again.bytes) == (0, 0)
+    assert (again.total_rows, again.total_tokens, again.total_bytes) == (18, report.tokens, on_disk)
+    assert (report.total_tokens, report.total_bytes) == (report.tokens, report.bytes)  # the first attempt did it all
+    manifest = json.loads((path.parent / "shards" / "rows_6-24.json").read_text())
+    assert (manifest["total_rows"], manifest["total_tokens"], manifest["total_bytes"]) == (18, report.tokens, on_disk)
+    result = again.result(path.parent / "shards" / "rows_6-24.json")
+    assert (result["tokens"], result["total_rows"], result["total_tokens"], result["total_bytes"]) == (0, 18, report.tokens, on_disk)
     for row, stat in inodes.items():
         now = sample_path(path / "hidden_states", row).stat()
         assert (now.st_ino, now.st_mtime_ns) == (stat.st_ino, stat.st_mtime_ns)
@@ -133,6 +144,10 @@ def test_failed_row_is_recorded_the_shard_carries_on_and_the_cli_names_it(datase
     assert data["failed"][0]["row"] == 5 and "injected failure for row 5" in data["failed"][0]["reason"]
     assert "after 2 attempts" in data["failed"][0]["reason"]  # a 500 is retried
     assert not sample_path(path / "hidden_states", 5).exists()
+    # The XCom the operator pushes: this attempt's figures and the shard's totals.
+    result = find_result(proc.stdout.splitlines())
+    assert result is not None and (result["failed"], result["total_rows"]) == (1, 5)
+    assert result["total_tokens"] == sum(len(rows[r]) for r in range(5)) == data["total_tokens"]
 
 
 def test_a_4xx_is_not_retried_and_names_the_row(tmp_path: Path, engine, random_tiny_model) -> None:
@@ -177,6 +192,10 @@ def test_killing_the_engine_mid_shard_stops_within_seconds_and_the_next_attempt_
     finally:
         stop_server(server.pid, grace=10)
     assert report.skipped == len(done_before) and report.done == 40 - len(done_before) and not report.failed
+    # Totals over both attempts: every row's tokens and every file's bytes, not the second attempt's alone.
+    files = [sample_path(dataset / "hidden_states", row) for row in range(40)]
+    assert report.total_tokens == sum(len(r) for r in rows[:40]) > report.tokens
+    assert report.total_bytes == sum(f.stat().st_size for f in files) > report.bytes
     assert report.engine == f"engine-0 at {server.url}"  # the manifest names the engine of the attempt that finished
     for name, mtime in done_before.items():
         assert (dataset / "hidden_states" / name).stat().st_mtime_ns == mtime
