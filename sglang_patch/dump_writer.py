@@ -173,7 +173,7 @@ class DumpWriter:
         if not self._reserve(rid, num_bytes, deadline):
             return None
         if fp8:
-            staging = torch.empty((seq_len, n_slots, hidden), dtype=dtype, device=device)
+            staging = torch.empty((n_slots, seq_len, hidden), dtype=dtype, device=device)  # slot-major: contiguous puts
             encoded = _fp8_host_buffers(seq_len, n_slots, hidden, pinned=on_cuda)
             return PendingDump(self, rid, num_bytes, stored, None, slot_major=False, on_cuda=on_cuda, encoded=encoded, staging=staging)
         host = torch.empty((n_slots, seq_len, hidden), dtype=STORAGE_DTYPES["bf16"], pin_memory=on_cuda)

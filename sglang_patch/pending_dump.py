@@ -7,7 +7,7 @@ comes in two forms, by the run's storage dtype:
 - bf16: a slot-major host buffer (pinned for CUDA states); each layer's state is copied into it as
   soon as it is read, so the GPU holds one layer's state at a time;
 - fp8: one fp8 scale spans every slot of a token, so the slots are kept where the states are (a
-  device *staging* tensor, token-major) until the last captured layer; :meth:`PendingDump.commit`
+  slot-major *staging* tensor on the states' device) until the last captured layer; :meth:`PendingDump.commit`
   then quantises there (:func:`~sglang_patch.sample_file.quantize_fp8_into`) and only the fp8
   bytes and the scales cross to host memory.
 
@@ -44,8 +44,8 @@ class PendingDump:
         itself; None when ``encoded`` holds them.
     :param encoded: the file's state tensors in the storage dtype, on the host (for an fp8
         ``staging`` dump: the buffers :meth:`commit` quantises into).
-    :param staging: fp8 only: ``[seq_len, n_slots, hidden]`` on the states' device, filled per slot
-        by :meth:`put` and quantised by :meth:`commit`.
+    :param staging: fp8 only: ``[n_slots, seq_len, hidden]`` on the states' device in the model
+        dtype, filled per slot by :meth:`put` and quantised by :meth:`commit`.
     :param slot_verdict: fp8 states already quantised: the quantiser's per-slot finiteness.
     """
 
@@ -72,10 +72,8 @@ class PendingDump:
     def put(self, slot: int, states: torch.Tensor | StateSum, start: int = 0) -> None:
         """Copy ``[tokens, hidden]`` states of ``slot`` (tokens ``start``…) into the buffer
         (a :class:`~sglang_patch.layer_output.StateSum` is added straight into it)."""
-        if self.staging is not None:
-            destination = self.staging[start : start + states.shape[0], slot]
-        else:
-            destination = self.host[slot, start : start + states.shape[0]]
+        buffer = self.staging if self.staging is not None else self.host
+        destination = buffer[slot, start : start + states.shape[0]]
         if isinstance(states, StateSum):
             states.add_into(destination)
             return
@@ -93,7 +91,8 @@ class PendingDump:
         self._done = True
         if self.staging is not None:
             assert self.encoded is not None
-            self._slot_verdict = quantize_fp8_into(self.staging, self.encoded[HIDDEN_STATES_KEY], self.encoded[SCALES_KEY])
+            token_major = self.staging.permute(1, 0, 2)  # a view: the quantiser reads chunks of it in place
+            self._slot_verdict = quantize_fp8_into(token_major, self.encoded[HIDDEN_STATES_KEY], self.encoded[SCALES_KEY])
             self.staging = None  # on a GPU the allocator reuses it only after the queued work (same stream)
         event = None
         verdict = self._slot_verdict

@@ -146,7 +146,7 @@ def quantize_fp8_into(states: torch.Tensor, values: torch.Tensor, scales: torch.
     bits_dtype = _MAGNITUDE_BITS.get(states.dtype)
     if bits_dtype is None:
         raise ValueError(f"cannot quantise {states.dtype} states (one of {sorted(map(str, _MAGNITUDE_BITS))})")
-    states = states.detach().contiguous()
+    states = states.detach()  # any strides: the hook stages slot-major, a chunk is read in place
     device = states.device
     fp8 = STORAGE_DTYPES["fp8"]
     fp8_max = torch.finfo(fp8).max
