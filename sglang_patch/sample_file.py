@@ -154,26 +154,26 @@ def quantize_fp8_into(states: torch.Tensor, values: torch.Tensor, scales: torch.
     inf_bits = int(torch.tensor(float("inf"), dtype=states.dtype).view(bits_dtype))
     per_token = n_slots * hidden
     chunk = max(1, (_CHUNK_ELEMENTS_CPU if device.type == "cpu" else _CHUNK_ELEMENTS_DEVICE) // max(per_token, 1))
-    on_device_scales = torch.empty((seq_len, 1, 1), dtype=SCALES_DTYPE, device=device)
-    slots_finite = torch.ones(n_slots, dtype=torch.bool, device=device)
     shape = (min(chunk, seq_len), n_slots, hidden)
     magnitudes = torch.empty(shape, dtype=bits_dtype, device=device)
+    slot_max = torch.empty((seq_len, n_slots), dtype=bits_dtype, device=device)  # |x| maxima as bit patterns
+    for begin in range(0, seq_len, chunk):
+        end = min(begin + chunk, seq_len)
+        torch.bitwise_and(states[begin:end].view(bits_dtype), no_sign, out=magnitudes[: end - begin])
+        torch.amax(magnitudes[: end - begin], dim=2, out=slot_max[begin:end])
+    slots_finite = (slot_max < inf_bits).all(dim=0)  # NaN and Inf patterns sort above every finite one
+    amax = slot_max.amax(dim=1).view(states.dtype).float().view(seq_len, 1, 1)
+    on_device_scales = torch.div(amax, fp8_max)  # hs-connectors' ``amax / fp8_max``, a Python-scalar divisor
+    on_device_scales.clamp_(min=FP8_MIN_SCALE)
     quotients = torch.empty(shape, dtype=torch.float32, device=device)
     out = torch.empty(shape, dtype=fp8, device=device)
     copy_async = values.device != device  # a pinned host buffer: the copy overlaps the next chunk's work
     for begin in range(0, seq_len, chunk):
         end = min(begin + chunk, seq_len)
-        rows, n = states[begin:end], end - begin
-        torch.bitwise_and(rows.view(bits_dtype), no_sign, out=magnitudes[:n])
-        slot_max = magnitudes[:n].amax(dim=2)  # [n, n_slots]: |x| maxima as bit patterns
-        slots_finite &= (slot_max < inf_bits).all(dim=0)  # NaN and Inf patterns sort above every finite one
-        amax = slot_max.amax(dim=1).view(states.dtype).float().view(n, 1, 1)
-        scale = on_device_scales[begin:end]
-        torch.div(amax, fp8_max, out=scale)  # hs-connectors' ``amax / fp8_max``, a Python-scalar divisor
-        scale.clamp_(min=FP8_MIN_SCALE)
+        n = end - begin
         # float32(x) / scale, then rounded to fp8: two steps, as hs-connectors does (a division
         # straight into an fp8 output gives the same bytes but takes a slow unvectorised loop on the CPU).
-        torch.div(rows, scale, out=quotients[:n])
+        torch.div(states[begin:end], on_device_scales[begin:end], out=quotients[:n])
         out[:n].copy_(quotients[:n])
         values[begin:end].copy_(out[:n], non_blocking=copy_async)
     scales.copy_(on_device_scales, non_blocking=scales.device != device)
@@ -182,9 +182,11 @@ def quantize_fp8_into(states: torch.Tensor, values: torch.Tensor, scales: torch.
 
 # Sign-less magnitudes of each float dtype's bit patterns, as integers of the same width.
 _MAGNITUDE_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
-# Elements per quantised chunk: on the CPU its temporaries (1 MB) stay in cache; on a GPU a 2K-token
-# Kimi request takes four chunks (tens of MB of temporaries, a handful of kernels each).
-_CHUNK_ELEMENTS_CPU = 1 << 19
+# Elements per quantised chunk. On the CPU, torch's grain (32768): each op stays on the calling thread,
+# its temporaries in cache; a parallel region per chunk costs more than the chunk's work once other
+# processes share the cores. On a GPU a 2K-token Kimi request takes four chunks (tens of MB of
+# temporaries, a handful of kernels each).
+_CHUNK_ELEMENTS_CPU = 1 << 15
 _CHUNK_ELEMENTS_DEVICE = 1 << 24
 
 
