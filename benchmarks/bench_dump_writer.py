@@ -7,6 +7,14 @@
 2. The capture hook on CPU tensors: one extend pass of two 2,048-token requests through the four
    hooked layers of Kimi-K2.5 (aux ids 3, 31, 59 and the last layer), against the least any
    capture must do: ``hidden + residual`` of each captured layer into a preallocated host buffer.
+3. The same pass captured as fp8 against bf16, five alternating pairs, median: until the pass's
+   dumps are in the hand-off folder (the hook, then the writer's check and write: what a pass's
+   capture costs the engine; goal <= 1.1x), and inside the pass alone (reported). fp8 is
+   quantised where the states are, after the last captured layer; on CPU tensors that is the
+   hook's own thread, so inside the pass fp8 costs the quantisation on top (hs-connectors'
+   arithmetic, bit for bit: about 2.5 ns per value on one core, against the bf16 capture's one
+   add per value), and saves half the bytes written. On a GPU the quantisation is a few kernels
+   on the stream (``benchmarks/gpu_check.py`` measures both figures there).
 
 Run: ``.venv/bin/python benchmarks/bench_dump_writer.py``. Not a timed test.
 """
@@ -16,6 +24,8 @@ from __future__ import annotations
 import shutil
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,8 +35,10 @@ SLOTS, HIDDEN, TOKENS, REQUESTS = 4, 7168, 2048, 8
 AUX, NUM_LAYERS = [3, 31, 59], 61
 GOAL_RATIO = 0.9
 GOAL_HOOK_OVER_MINIMUM = 2.0
+GOAL_FP8_OVER_BF16 = 1.1
 REPEATS = 5  # pairs, in alternating order (raw first, then ours first, …) so drift hits both alike
 HOOK_REPEATS = 3
+FP8_PAIRS = 5
 
 
 def fsync_folder(folder: Path) -> None:
@@ -37,12 +49,13 @@ def fsync_folder(folder: Path) -> None:
     fsync_path(folder)
 
 
-def writer_run(folder: Path, states, ids) -> float:
+def writer_run(folder: Path, states, ids, hidden_states_dtype: str = "bf16") -> float:
+    """Seconds for the writer to take ``REQUESTS`` requests of ``states`` (CPU or CUDA) and write them, fsynced."""
     from sglang_patch.dump_writer import DumpWriter
 
     folder.mkdir(parents=True)
     started = time.perf_counter()
-    writer = DumpWriter(folder, max_pending_bytes=REQUESTS * states.numel() * 4)
+    writer = DumpWriter(folder, max_pending_bytes=REQUESTS * states.numel() * 4, hidden_states_dtype=hidden_states_dtype)
     for i in range(REQUESTS):
         writer.submit(f"row{i}-bench", states, ids)
     writer.close()
@@ -81,31 +94,98 @@ class _Mode:
         return False
 
 
-def hook_pass_seconds(folder: Path, layers: dict, batch_ids) -> tuple[float, float]:
-    """(seconds the hook spends in one pass, seconds of the minimum capture) on CPU tensors."""
+@dataclass(frozen=True)
+class PassTimes:
+    """One captured pass: seconds inside the pass (the hook's calls, and on a GPU the device work
+    they queued), and seconds until its dumps are in the hand-off folder (the writer's work too)."""
+
+    hook: float
+    written: float
+
+
+def kimi_layers(device: str = "cpu", tokens: int = 2 * TOKENS) -> dict[int, tuple]:
+    """Each hooked Kimi-K2.5 layer's ``(hidden_states, residual, None)`` output for one pass, bf16."""
     import torch
 
+    generator = torch.Generator().manual_seed(1)
+    return {
+        k - 1 if k < NUM_LAYERS else NUM_LAYERS - 1: (
+            torch.randn(tokens, HIDDEN, generator=generator).to(device, torch.bfloat16),
+            torch.randn(tokens, HIDDEN, generator=generator).to(device, torch.bfloat16),
+            None,
+        )
+        for k in [*AUX, NUM_LAYERS]
+    }
+
+
+def capture_pass(folder: Path, layers: dict, batch_ids, hidden_states_dtype: str = "bf16",
+                 sync: Callable[[], None] = lambda: None) -> PassTimes:
+    """One extend pass of two ``TOKENS``-token requests through the hooked layers, the way SGLang
+    calls the hook (its writer already running, as in a server that captured before).
+
+    :param sync: waits for the device's queued work (``torch.cuda.synchronize`` on a GPU).
+    """
     from sglang_patch.dump_writer import DumpWriter
     from sglang_patch.hook import HiddenStateCapture
 
-    capture = HiddenStateCapture(AUX, NUM_LAYERS, folder, tp_rank=lambda: 0,
+    capture = HiddenStateCapture(AUX, NUM_LAYERS, folder, tp_rank=lambda: 0, hidden_states_dtype=hidden_states_dtype,
                                  writer_factory=lambda d, **kw: DumpWriter(d, max_pending_bytes=8 << 30, **kw))
+    writer = capture._get_writer()
     config = SimpleNamespace(num_hidden_layers=NUM_LAYERS)
     modules = {i: SimpleNamespace(layer_id=i, config=config) for i in layers}
+    half = int(batch_ids.shape[0]) // 2
     batch = SimpleNamespace(forward_mode=_Mode(), rids=["row0-a", "row1-b"], input_ids=batch_ids,
-                            extend_seq_lens_cpu=[TOKENS, TOKENS], extend_prefix_lens_cpu=[0, 0],
+                            extend_seq_lens_cpu=[half, half], extend_prefix_lens_cpu=[0, 0],
                             extend_seq_lens=None, extend_prefix_lens=None)
+    sync()
     started = time.perf_counter()
     for i, output in layers.items():
         capture(modules[i], (None, None, batch), output)
+    sync()
     hook = time.perf_counter() - started
-    capture.close()  # the writes happen in the writer's threads, not in the pass
+    writer.flush()
+    written = time.perf_counter() - started
+    capture.close()
+    if writer.write_errors or len(list(folder.glob("*.safetensors"))) != 2:
+        raise RuntimeError(f"the pass left {sorted(p.name for p in folder.iterdir())}: {writer.write_errors}")
     shutil.rmtree(folder, ignore_errors=True)
-    buffer = torch.empty(len(layers), 2 * TOKENS, HIDDEN, dtype=torch.bfloat16)
+    return PassTimes(hook, written)
+
+
+def minimum_capture_seconds(layers: dict) -> float:
+    """The least any capture must do on CPU tensors: hidden + residual of each layer into one host buffer."""
+    import torch
+
+    hidden, _, _ = next(iter(layers.values()))
+    buffer = torch.empty(len(layers), hidden.shape[0], HIDDEN, dtype=torch.bfloat16)
     started = time.perf_counter()
     for slot, (hidden, residual, _) in enumerate(layers.values()):
         torch.add(hidden, residual, out=buffer[slot])
-    return hook, time.perf_counter() - started
+    return time.perf_counter() - started
+
+
+def dtype_pairs(folder: Path, layers: dict, batch_ids, pairs: int, sync: Callable[[], None] = lambda: None) -> list[dict[str, PassTimes]]:
+    """``pairs`` bf16 and fp8 passes, alternating which goes first (drift hits both alike)."""
+    runs = []
+    for pair in range(pairs):
+        order = ("bf16", "fp8") if pair % 2 == 0 else ("fp8", "bf16")
+        runs.append({dtype: capture_pass(folder, layers, batch_ids, dtype, sync) for dtype in order})
+    return runs
+
+
+def fp8_rows(runs: list[dict[str, PassTimes]], where: str, goal: float | None) -> list[Row]:
+    """fp8 vs bf16 per pass: until written (against ``goal``) and inside the pass (reported)."""
+    rows = []
+    for field, figure in (("written", f"fp8 vs bf16 capture per pass, until written ({where})"),
+                          ("hook", f"fp8 vs bf16 time inside the pass ({where})")):
+        ratios = [getattr(r["fp8"], field) / getattr(r["bf16"], field) for r in runs]
+        shown = median(ratios)
+        pick = runs[min(range(len(runs)), key=lambda i: abs(ratios[i] - shown))]
+        value = f"{getattr(pick['fp8'], field) * 1e3:.0f} vs {getattr(pick['bf16'], field) * 1e3:.0f} ms = {shown:.2f}x"
+        checked = goal if field == "written" else None
+        note = f"ratios of {len(runs)} alternating pairs: {', '.join(f'{r:.2f}' for r in ratios)} (median shown)"
+        rows.append(Row(figure, value, f"<= {checked:.1f}x" if checked else "report", shown <= checked if checked else None, note))
+    return rows
 
 
 def measure(work: Path) -> list[Row]:
@@ -128,18 +208,12 @@ def measure(work: Path) -> list[Row]:
     shown = median([o / r for o, r in runs])
     pick = min(runs, key=lambda run: abs(run[0] / run[1] - shown))
 
-    generator = torch.Generator().manual_seed(1)
-    layers = {
-        k - 1 if k < NUM_LAYERS else NUM_LAYERS - 1: (
-            torch.randn(2 * TOKENS, HIDDEN, generator=generator).to(torch.bfloat16),
-            torch.randn(2 * TOKENS, HIDDEN, generator=generator).to(torch.bfloat16),
-            None,
-        )
-        for k in [*AUX, NUM_LAYERS]
-    }
-    passes = [hook_pass_seconds(work / "hook", layers, torch.arange(2 * TOKENS)) for _ in range(HOOK_REPEATS)]
-    hook = median([h for h, _ in passes])
-    minimum = median([m for _, m in passes])
+    layers = kimi_layers()
+    batch_ids = torch.arange(2 * TOKENS)
+    bf16 = [capture_pass(work / "hook", layers, batch_ids) for _ in range(HOOK_REPEATS)]
+    hook = median([p.hook for p in bf16])
+    minimum = median([minimum_capture_seconds(layers) for _ in range(HOOK_REPEATS)])
+    fp8 = fp8_rows(dtype_pairs(work / "hook", layers, batch_ids, FP8_PAIRS), "CPU tensors", GOAL_FP8_OVER_BF16)
     return [
         ratio_row("dump writer, 2K-token Kimi requests, vs raw save", pick[0], pick[1], GOAL_RATIO,
                   note=f"ratios of {REPEATS} runs: {', '.join(f'{o / r:.2f}' for o, r in runs)} (median shown)"),
@@ -149,6 +223,7 @@ def measure(work: Path) -> list[Row]:
             f"{hook / (2 * TOKENS) * 1e6:.1f} us per token. Minimum: hidden + residual of each captured layer added straight "
             "into a host buffer, in one go; the hook does the same per request, into each request's reserved buffer (on a GPU "
             "the sum is made on the device and copied to pinned memory, one layer at a time)"),
+        *fp8,
     ]
 
 
