@@ -12,7 +12,7 @@ export MPLCONFIGDIR := $(CURDIR)/.cache/matplotlib
 export HF_HUB_OFFLINE := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv test test-fast demo airflow bench clean
+.PHONY: venv test test-fast demo airflow bench gpu-check clean
 
 venv:
 	@scripts/bootstrap.sh
@@ -36,6 +36,10 @@ airflow: venv
 ## every benchmark, one table of figures, goals and pass/fail (about five minutes on 2 cores)
 bench: venv
 	$(PY) benchmarks/bench.py
+
+## the figures only a CUDA GPU gives, in the same table; needs only PyTorch there (no venv, no network), says why it skips elsewhere
+gpu-check:
+	$(if $(wildcard $(PY)),$(PY),python3) benchmarks/gpu_check.py
 
 clean:
 	rm -rf .cache .airflow .airflow-demo runs

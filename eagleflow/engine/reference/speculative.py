@@ -26,13 +26,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from eagleflow.engine.reference.config import ReferenceEngineConfig
 from eagleflow.engine.reference.draft_model import Eagle3Drafter
 from eagleflow.errors import UserError
+
+if TYPE_CHECKING:  # pydantic stays out of the decoder itself: benchmarks/gpu_check.py runs it on a bare GPU machine
+    from eagleflow.engine.reference.config import ReferenceEngineConfig
 
 
 @dataclass
@@ -152,17 +155,23 @@ class SpeculativeDecoder:
 
 def speculative_decoder(model: Any, config: ReferenceEngineConfig) -> Any:
     """The EAGLE-3 decoder of ``--speculative-draft-model-path`` for ``model``, capturing what SGLang's target would."""
+    return load_speculative_decoder(
+        model, config.speculative_draft_model_path, config.speculative_num_steps, config.speculative_draft_window_size
+    )
+
+
+def load_speculative_decoder(model: Any, folder: Path | None, num_steps: int, window: int | None) -> SpeculativeDecoder:
+    """The EAGLE-3 decoder of the exported SGLang drafter ``folder`` for ``model`` (flags as SGLang's)."""
     from eagleflow.engine.capture import AuxStateCapture
     from eagleflow.export.sglang_drafter import NotServable, captured_layer_ids
 
-    folder = config.speculative_draft_model_path
-    if folder is None or not (folder / "config.json").is_file():
+    if folder is None or not (Path(folder) / "config.json").is_file():
         raise UserError(f"--speculative-draft-model-path: {folder} has no config.json (run eagleflow export first)")
-    drafter = Eagle3Drafter(folder, model.get_input_embeddings(), model.dtype, next(model.parameters()).device)
-    drafter.window = config.speculative_draft_window_size
+    drafter = Eagle3Drafter(Path(folder), model.get_input_embeddings(), model.dtype, next(model.parameters()).device)
+    drafter.window = window
     architecture = (getattr(model.config, "architectures", None) or ["?"])[0]
     try:
         layers = captured_layer_ids(drafter.config["eagle_config"]["eagle_aux_hidden_state_layer_ids"], architecture)
     except NotServable as exc:
         raise UserError(f"--speculative-draft-model-path: {exc}") from exc
-    return SpeculativeDecoder(model, drafter, lambda: AuxStateCapture(model, layers), config.speculative_num_steps)
+    return SpeculativeDecoder(model, drafter, lambda: AuxStateCapture(model, layers), num_steps)
