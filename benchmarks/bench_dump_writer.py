@@ -7,14 +7,13 @@
 2. The capture hook on CPU tensors: one extend pass of two 2,048-token requests through the four
    hooked layers of Kimi-K2.5 (aux ids 3, 31, 59 and the last layer), against the least any
    capture must do: ``hidden + residual`` of each captured layer into a preallocated host buffer.
-3. The same pass captured as fp8 against bf16, five alternating pairs, median: until the pass's
-   dumps are in the hand-off folder (the hook, then the writer's check and write: what a pass's
-   capture costs the engine; goal <= 1.1x), and inside the pass alone (reported). fp8 is
-   quantised where the states are, after the last captured layer; on CPU tensors that is the
-   hook's own thread, so inside the pass fp8 costs the quantisation on top (hs-connectors'
-   arithmetic, bit for bit: about 2.5 ns per value on one core, against the bf16 capture's one
-   add per value), and saves half the bytes written. On a GPU the quantisation is a few kernels
-   on the stream (``benchmarks/gpu_check.py`` measures both figures there).
+3. The same pass captured as fp8 against bf16, five alternating pairs, median: the hook's time in
+   the pass (goal <= 1.1x), and until the pass's dumps are in the hand-off folder (reported). fp8
+   is quantised where the states are, after the last captured layer; for CPU tensors that is the
+   hook's own thread, so fp8 costs the quantisation on top (hs-connectors' arithmetic, bit for
+   bit: a few ns per value on one core, against the one add per value both dtypes make) and
+   misses the goal on CPU tensors; on a GPU it is a few kernels on the stream
+   (``benchmarks/gpu_check.py`` measures the same rows there).
 
 Run: ``.venv/bin/python benchmarks/bench_dump_writer.py``. Not a timed test.
 """
@@ -173,19 +172,34 @@ def dtype_pairs(folder: Path, layers: dict, batch_ids, pairs: int, sync: Callabl
     return runs
 
 
-def fp8_rows(runs: list[dict[str, PassTimes]], where: str, goal: float | None) -> list[Row]:
-    """fp8 vs bf16 per pass: until written (against ``goal``) and inside the pass (reported)."""
+def fp8_rows(runs: list[dict[str, PassTimes]], where: str, goal: float, why: str = "") -> list[Row]:
+    """fp8 vs bf16 per pass: the hook's time in the pass (against ``goal``) and until written (reported)."""
+    values = 2 * TOKENS * (len(AUX) + 1) * HIDDEN  # states one pass captures
+    bf16, fp8 = (median([r[dtype].hook for r in runs]) / values * 1e9 for dtype in ("bf16", "fp8"))
+    per_value = f"In the pass, per captured value: bf16 {bf16:.2f} ns, fp8 {fp8:.2f} ns"
     rows = []
-    for field, figure in (("written", f"fp8 vs bf16 capture per pass, until written ({where})"),
-                          ("hook", f"fp8 vs bf16 time inside the pass ({where})")):
+    for field, figure, note in (
+        ("hook", f"fp8 vs bf16 capture hook per pass ({where})", f"{per_value}. {why}" if why else per_value),
+        ("written", f"fp8 vs bf16 capture per pass until its dumps are written ({where})",
+         "The hook, then the writer's check and write: fp8 writes half the bytes"),
+    ):
         ratios = [getattr(r["fp8"], field) / getattr(r["bf16"], field) for r in runs]
         shown = median(ratios)
         pick = runs[min(range(len(runs)), key=lambda i: abs(ratios[i] - shown))]
         value = f"{getattr(pick['fp8'], field) * 1e3:.0f} vs {getattr(pick['bf16'], field) * 1e3:.0f} ms = {shown:.2f}x"
-        checked = goal if field == "written" else None
-        note = f"ratios of {len(runs)} alternating pairs: {', '.join(f'{r:.2f}' for r in ratios)} (median shown)"
-        rows.append(Row(figure, value, f"<= {checked:.1f}x" if checked else "report", shown <= checked if checked else None, note))
+        spread = f"ratios of {len(runs)} alternating pairs: {', '.join(f'{r:.2f}' for r in ratios)} (median shown)"
+        checked = field == "hook"
+        rows.append(Row(figure, value, f"<= {goal:.1f}x" if checked else "report", shown <= goal if checked else None,
+                        f"{spread}. {note}" if note else spread))
     return rows
+
+
+CPU_FP8_WHY = (
+    "On CPU tensors the states' device is the CPU, so fp8's quantisation (hs-connectors' arithmetic, bit for bit: per-token "
+    "maxima, a float32 division, torch's fp8 cast, none of them fusable in plain torch) runs in the pass on one core, on top "
+    "of the one add per value both dtypes make: the goal is out of reach here. On a GPU it is a few kernels queued on the "
+    "stream (benchmarks/gpu_check.py has this row on CUDA)"
+)
 
 
 def measure(work: Path) -> list[Row]:
@@ -213,7 +227,7 @@ def measure(work: Path) -> list[Row]:
     bf16 = [capture_pass(work / "hook", layers, batch_ids) for _ in range(HOOK_REPEATS)]
     hook = median([p.hook for p in bf16])
     minimum = median([minimum_capture_seconds(layers) for _ in range(HOOK_REPEATS)])
-    fp8 = fp8_rows(dtype_pairs(work / "hook", layers, batch_ids, FP8_PAIRS), "CPU tensors", GOAL_FP8_OVER_BF16)
+    fp8 = fp8_rows(dtype_pairs(work / "hook", layers, batch_ids, FP8_PAIRS), "CPU tensors", GOAL_FP8_OVER_BF16, CPU_FP8_WHY)
     return [
         ratio_row("dump writer, 2K-token Kimi requests, vs raw save", pick[0], pick[1], GOAL_RATIO,
                   note=f"ratios of {REPEATS} runs: {', '.join(f'{o / r:.2f}' for o, r in runs)} (median shown)"),

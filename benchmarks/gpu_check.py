@@ -5,7 +5,7 @@ capture hook needs anyway) and no network. What it measures:
 
 1. the capture hook's cost per pass at Kimi-K2.5's shape on CUDA tensors (two 2,048-token
    requests, 4 slots x 7168, aux ids 3, 31, 59 and the last layer), bf16 and fp8, with the pinned
-   host copies the hook makes; fp8 against bf16 (goal <= 1.1x), inside the pass and until written;
+   host copies the hook makes; fp8 against bf16 in the pass (goal <= 1.1x) and until written;
 2. fp8 quantised on the GPU against hs-connectors' quantisation on the GPU, bit for bit (where
    hs-connectors is installed; else against the same code on the CPU, as a count of differences);
 3. the dump writer's MB/s with CUDA states (its pinned copies, then its threads), against a raw
@@ -17,7 +17,7 @@ capture hook needs anyway) and no network. What it measures:
 Rows 4 and 5 need inputs a bare GPU machine cannot make (a trained drafter needs speculators,
 which it may lack), so they come in a bundle made on a CPU machine with the full environment:
 ``make demo``, then ``python benchmarks/gpu_check.py --prepare`` writes ``.cache/gpu-check``
-(about 15 MB; the device tool carries it with ``carry: [".cache/gpu-check"]``). A row whose
+(a few MB; the device tool carries it with ``carry: [".cache/gpu-check"]``). A row whose
 inputs or packages are missing says so and is skipped; without CUDA the whole check says why and
 exits 0.
 
@@ -108,7 +108,8 @@ def capture_rows(work: Path, device: str) -> list[Row]:
         rows.append(Row(f"capture hook per pass, {device}, {dtype} (2 x 2K tokens, 4 x 7168, pinned copies)",
                         f"{seconds * 1e3:.1f} ms = {seconds / tokens * 1e6:.2f} us/token", "report", None,
                         "until the pass's device work is done (torch.cuda.synchronize), the writer's threads not counted"))
-    return rows + hook_bench.fp8_rows(runs, f"{device}, pinned copies", GOAL_FP8_OVER_BF16)
+    why = "Until the pass's device work is done: the hook's launches, the sums, the quantisation and the copies to pinned memory"
+    return rows + hook_bench.fp8_rows(runs, f"{device}, pinned copies", GOAL_FP8_OVER_BF16, why)
 
 
 # -- 2. fp8 on the GPU: hs-connectors' bytes ----------------------------------------------------
@@ -128,7 +129,7 @@ def quantisation_rows(device: str) -> list[Row]:
     values, scales = quantize_fp8(on_gpu)
     sync()
     seconds = time.perf_counter() - started
-    rows = [Row(f"fp8 quantisation, {device} (2,048 x 4 x 7168 bf16)", f"{states.numel() * 2 / seconds / 1e9:.0f} GB/s of bf16",
+    rows = [Row(f"fp8 quantisation, {device} (2,048 x 4 x 7168 bf16)", f"{states.numel() * 2 / seconds / 1e9:.1f} GB/s of bf16",
                 "report", None, f"{seconds * 1e3:.2f} ms, a chunk of tokens per few kernels")]
     if importlib.util.find_spec("hs_connectors") is not None:
         from hs_connectors.fp8_utils import quantize_tensor_to_fp8
