@@ -158,7 +158,8 @@ class DumpWriter:
 
         bf16: a slot-major host buffer (pinned for CUDA states). fp8: a staging tensor on
         ``device`` in the model's ``dtype``, quantised there at commit, and host buffers for the
-        fp8 bytes and scales alone (what the budget counts).
+        fp8 bytes and scales alone: what the budget counts, since the staging lives only until
+        the pass's last captured layer (or the request's cancel).
 
         :param dtype: the dtype the model computes the states in.
         :param device: where the states are.

@@ -127,11 +127,11 @@ def quantize_fp8_into(states: torch.Tensor, values: torch.Tensor, scales: torch.
     bytes are its bytes on the same device: per token ``amax`` over every slot and hidden value,
     ``scale = (amax / 448).clamp(min=1e-12)``, ``fp8 = (float32(x) / scale).to(float8_e4m3fn)``.
     What differs is only how the work is laid out, never a value: a chunk of tokens at a time
-    (small enough for the CPU's cache, large on a GPU), so the only temporaries are one chunk's;
-    and ``amax(|x|)`` read off the bit patterns (sign bit cleared: for IEEE floats the integer
-    order of the magnitudes is their numeric order, and upcasting to float32 is exact). One code path for CPU and CUDA
-    tensors: on a GPU each chunk's fp8 bytes cross with an asynchronous copy, on the CPU the same
-    copy is a memcpy.
+    (small enough for the CPU's cache, large on a GPU), so the only large temporaries are one
+    chunk's; and ``amax(|x|)`` read off the bit patterns (sign bit cleared: for IEEE floats the
+    integer order of the magnitudes is their numeric order, and upcasting to float32 is exact).
+    One code path for CPU and CUDA tensors: on a GPU each chunk's fp8 bytes cross with an
+    asynchronous copy on the current stream, on the CPU the same copy is a memcpy.
 
     :returns: a bool tensor ``[n_slots]`` on the states' device, False for a slot holding a NaN or
         an Inf (read off the same maxima, no extra pass; nothing waits for it).
