@@ -118,7 +118,9 @@ class PipelineConfig(BaseModel):
     hidden_states_dtype: StoredHiddenStatesDtype = Field(title="Hidden-state storage")
     max_len: int = Field(2048, ge=2, title="Max sequence length", description="Rows longer than this are truncated.")
     skip_bad_rows: bool = Field(
-        False, title="Skip bad rows", description="Leave unusable input rows out (listed in bad_rows.jsonl) instead of failing."
+        False, title="Skip bad rows",
+        description="Leave unusable input rows out (listed in bad_rows.jsonl) instead of failing; with regeneration also rows "
+        "whose first prompt does not fit the engine's context (listed in regenerated/skipped_rows.jsonl).",
     )
     disk_margin: float = Field(
         1.1, ge=1.0, title="Disk margin", description="Fail early unless free space >= estimated hidden-state bytes × this."

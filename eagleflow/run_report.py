@@ -89,9 +89,11 @@ class MetricsCache:
 
 def readable_files(layout: RunLayout) -> list[Path]:
     """The logs a reader of the run may open: training log, the engines' logs, metrics, reports."""
+    from eagleflow.data.regenerate import SKIPPED_FILE, SUMMARY_FILE
+
     return [
-        layout.train.log, *layout.engine_logs, layout.train.metrics, *layout.capture_check_reports,
-        layout.evaluation / EVAL_REPORT,
+        layout.regenerated / SUMMARY_FILE, layout.regenerated / SKIPPED_FILE, layout.train.log, *layout.engine_logs,
+        layout.train.metrics, *layout.capture_check_reports, layout.evaluation / EVAL_REPORT,
     ]
 
 
@@ -117,6 +119,19 @@ def evaluation_summary(layout: RunLayout) -> dict[str, Any] | None:
         "mtime": int(png.stat().st_mtime) if png.is_file() else 0,
     }
     return summary
+
+
+def regeneration_summary(layout: RunLayout) -> dict[str, Any] | None:
+    """What regeneration did (``regenerated/regenerate.json``): rows, rows left out, conversations shortened to
+    fit the context and the turns they lost; None when the run did not regenerate (or has not finished it)."""
+    from eagleflow.data.regenerate import SUMMARY_FILE
+
+    summary = _json_or_empty(layout.regenerated / SUMMARY_FILE)
+    if not summary:
+        return None
+    keys = ("rows", "skipped_rows", "shortened_conversations", "dropped_turns", "capped_answers", "context_length",
+            "max_new_tokens", "temperature", "seconds")
+    return {key: summary.get(key) for key in keys}
 
 
 def capture_check_summaries(layout: RunLayout) -> list[dict[str, Any]]:
@@ -196,6 +211,7 @@ def run_summary(layout: RunLayout, metrics: MetricsCache | None = None) -> dict[
         "charts": charts,
         "checkpoint": result.get("best_checkpoint") or result.get("checkpoint_dir"),
         "online": online_summary(layout, result),
+        "regeneration": regeneration_summary(layout),
         "capture_checks": capture_check_summaries(layout),
         "evaluation": evaluation_summary(layout),
         "files": [str(p.relative_to(layout.root)) for p in readable_files(layout) if p.is_file()],

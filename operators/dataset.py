@@ -36,7 +36,7 @@ class RegenerateOperator(EagleflowStepOperator):
     another node), not all of them: regeneration is one pass before any shard, and it waits
     for that engine's warmup itself, so with regeneration off it returns at once and
     preparation still runs beside the warmup. Returns ``{regenerated, rows, skipped_rows,
-    source}`` or ``{"regenerated": None}``.
+    shortened_conversations, dropped_turns, source}`` or ``{"regenerated": None}``.
 
     :param engines: the mapped launch task's XCom, the engine list of
         :mod:`eagleflow.engine.pool` (templated).

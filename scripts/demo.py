@@ -88,6 +88,12 @@ def main() -> int:
     summary = run_summary(cfg.layout.root, cfg.model_path, cfg.resolved_aux_layer_ids(), cfg.hidden_states_dtype)
     print("\n[demo] task states: " + ", ".join(f"{k}={v}" for k, v in sorted(states.items())))
     print(f"[demo] DAG run {run.run_id}: {run.state} in {time.monotonic() - began:.0f}s")
+    regeneration = summary.get("regeneration")
+    if regeneration:
+        print(f"  regenerated  {regeneration['rows']} conversations in {regeneration['seconds']:.0f}s; "
+              f"{regeneration['shortened_conversations']} shortened to fit the {regeneration['context_length']}-token context "
+              f"({regeneration['dropped_turns']} turns dropped, {regeneration['capped_answers']} answers capped), "
+              f"{regeneration['skipped_rows']} rows left out")
     if summary.get("prepared_from"):
         print(f"  prepared     from {summary['prepared_from']}")
     online = summary.get("online")

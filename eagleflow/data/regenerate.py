@@ -7,11 +7,19 @@ SGLang's native ``/generate`` with the prompt tokenised by the verifier's chat t
 (``add_generation_prompt``). The rids start with ``regen-``, which the capture skips
 (:mod:`sglang_patch.request_ids`), so no hidden states are dumped for them.
 
+No request asks for more than the engine's context length allows (its ``/v1/models``, else the
+verifier's config as SGLang derives it: :mod:`eagleflow.engine.context`): each answer's
+``max_new_tokens`` is capped by the room its prompt leaves, and a conversation whose next prompt
+leaves none ends at its last answered turn; the turns after it are dropped, counted in the row's
+file (``shortened``) and in ``regenerate.json``. The verifier's answers are often longer than the
+dataset's, so long multi-turn conversations outgrow the context halfway.
+
 ``OUT/rows/<row>.json`` is written atomically when a conversation is done, so a killed or failed
 run resumes with the rows not yet done; ``OUT/conversations.jsonl`` (in input order, each line
 with its ``source_row``) and ``OUT/regenerate.json`` appear when every row is done. A row the
 engine fails on is named with its reason and the step fails; a row that is not a usable chat
-row fails too, unless ``--skip-bad-rows`` leaves it out (listed in ``OUT/skipped_rows.jsonl``).
+row, or whose first prompt leaves no room for an answer, fails too (before any is regenerated),
+unless ``--skip-bad-rows`` leaves it out (listed in ``OUT/skipped_rows.jsonl``).
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ from pydantic import BaseModel, Field
 
 from eagleflow.config import add_model_arguments, model_from_args
 from eagleflow.data.prepare import MAX_LISTED_ERRORS, check_messages, read_input_rows
+from eagleflow.data.verifier import text_config
+from eagleflow.engine.context import derived_context_length, max_new_tokens_left
 from eagleflow.engine.process import EngineGone, ServerInfo, wait_until_ready
 from eagleflow.errors import UserError
 from eagleflow.extract.client import EngineClient, RowFailed, ServerGone
@@ -51,15 +61,23 @@ class RegenerateConfig(BaseModel):
     server: str = Field(description="the running engine's base URL")
     server_pid: int | None = Field(None, description="the engine's process id on this machine (a dead engine stops the wait)")
     regen_temperature: float = Field(0.0, ge=0, description="sampling temperature of the regenerated answers (0: greedy)")
-    regen_max_new_tokens: int = Field(512, ge=1, description="longest regenerated answer, in tokens")
+    regen_max_new_tokens: int = Field(
+        512, ge=1, description="longest regenerated answer, in tokens (fewer where the engine's context leaves less after the prompt)"
+    )
     regen_concurrency: int = Field(8, ge=1, le=256, description="conversations regenerated at once")
-    skip_bad_rows: bool = Field(False, description="leave out rows that are not usable chat rows (listed) instead of failing")
+    skip_bad_rows: bool = Field(
+        False, description="leave out rows that are not usable chat rows, or whose first prompt does not fit the engine's "
+        "context, instead of failing (listed in skipped_rows.jsonl)",
+    )
     warmup_timeout: float = Field(2700.0, gt=0, description="seconds to wait for the engine to become ready")
     request_timeout: float = Field(600.0, gt=0, description="seconds to wait for one answer")
 
 
 class Regenerator:
-    """Regenerates conversations through one engine with the verifier's chat template."""
+    """Regenerates conversations through one engine with the verifier's chat template, within its context length.
+
+    Built once the engine is ready: it asks the engine for its context length (:func:`engine_context_length`).
+    """
 
     def __init__(self, cfg: RegenerateConfig) -> None:
         from transformers import AutoTokenizer
@@ -72,24 +90,73 @@ class Regenerator:
         if not self.tokenizer.chat_template:
             raise UserError(f"--tokenizer {cfg.tokenizer} has no chat template to build prompts with")
         self.client = EngineClient(cfg.server, cfg.request_timeout)
+        self.context_length, self.context_source = engine_context_length(self.client, cfg.tokenizer)
+
+    def prompt(self, messages: list[dict[str, Any]], turn: int) -> list[int]:
+        """The token ids sent for the assistant turn at ``turn``: the messages before it and the generation prompt."""
+        prompt = self.tokenizer.apply_chat_template(messages[:turn], add_generation_prompt=True, tokenize=True, return_dict=True)
+        return list(prompt["input_ids"])
+
+    def first_prompt_problem(self, messages: list[dict[str, Any]]) -> str | None:
+        """Why the conversation cannot be regenerated at all (its first prompt leaves no room), or None."""
+        first = next(turn for turn, m in enumerate(messages) if m["role"] == "assistant")
+        prompt_tokens = len(self.prompt(messages, first))
+        return self._no_room(prompt_tokens) if max_new_tokens_left(self.context_length, prompt_tokens) < 1 else None
+
+    def _no_room(self, prompt_tokens: int) -> str:
+        return (f"its first prompt is {prompt_tokens} tokens, which leaves no room for an answer in the engine's context "
+                f"length of {self.context_length} tokens")
 
     def conversation(self, row: int, messages: list[dict[str, Any]]) -> dict[str, Any]:
-        """``messages`` with every assistant turn replaced by the engine's answer, in order."""
+        """``messages`` with every assistant turn replaced by the engine's answer, in order, within the context."""
         messages = [dict(m) for m in messages]
         finish: list[Any] = []
+        asked: list[int] = []
         for turn, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            prompt = self.tokenizer.apply_chat_template(messages[:turn], add_generation_prompt=True, tokenize=True, return_dict=True)
+            prompt = self.prompt(messages, turn)
+            room = max_new_tokens_left(self.context_length, len(prompt))
+            if room < 1:
+                if not finish:  # regenerate() leaves such rows out before it starts; this is the backstop
+                    raise RowFailed(self._no_room(len(prompt)))
+                return self._shortened(row, messages, turn, len(prompt), finish, asked)
+            asked.append(min(self.cfg.regen_max_new_tokens, room))
             answer = self.client.complete(
-                regenerate_request_id(row, turn), list(prompt["input_ids"]), self.cfg.regen_max_new_tokens,
-                self.cfg.regen_temperature, row=row,
+                regenerate_request_id(row, turn), prompt, asked[-1], self.cfg.regen_temperature, row=row,
             )
             # The answer's tokens, not its text: SGLang and the reference engine differ in whether
             # the text keeps the end-of-turn token; the template adds it back.
             message["content"] = self.tokenizer.decode(answer.get("output_ids") or [], skip_special_tokens=True)
             finish.append((answer.get("meta_info") or {}).get("finish_reason"))
-        return {"source_row": row, "messages": messages, "finish_reasons": finish}
+        return self._record(row, messages, finish, asked)
+
+    def _shortened(
+        self, row: int, messages: list[dict[str, Any]], turn: int, prompt_tokens: int, finish: list[Any], asked: list[int]
+    ) -> dict[str, Any]:
+        """The conversation ended at its last answered turn, because the prompt of the one at ``turn`` does not fit."""
+        last = max(i for i in range(turn) if messages[i]["role"] == "assistant")
+        record = self._record(row, messages[: last + 1], finish, asked)
+        record["shortened"] = {
+            "at_message": turn, "prompt_tokens": prompt_tokens,
+            "dropped_turns": sum(m["role"] == "assistant" for m in messages[turn:]),
+            "dropped_messages": len(messages) - last - 1,
+        }
+        return record
+
+    def _record(self, row: int, messages: list[dict[str, Any]], finish: list[Any], asked: list[int]) -> dict[str, Any]:
+        # max_new_tokens per answer: below regen_max_new_tokens where the room its prompt left capped it.
+        return {"source_row": row, "messages": messages, "finish_reasons": finish, "max_new_tokens": asked,
+                "capped_answers": sum(n < self.cfg.regen_max_new_tokens for n in asked), "context_length": self.context_length}
+
+
+def engine_context_length(client: EngineClient, verifier: Path) -> tuple[int, str]:
+    """The engine's context length and where it came from: its ``/v1/models``, else the verifier's config."""
+    length = client.context_length()
+    if length is not None:
+        return length, f"from {client.url}/v1/models"
+    # An engine that does not say: SGLang's own derivation from the config it would load.
+    return derived_context_length(text_config(verifier)), f"derived from {verifier / 'config.json'}; the engine does not report it"
 
 
 def row_file(out: Path, row: int) -> Path:
@@ -130,7 +197,20 @@ def regenerate(cfg: RegenerateConfig) -> dict[str, Any]:
             wait_until_ready(ServerInfo.at(cfg.server, cfg.server_pid), cfg.warmup_timeout)
         except EngineGone as exc:
             raise UserError(f"the engine at {cfg.server} {exc}") from exc
-        failed = _regenerate_rows(Regenerator(cfg), todo, cfg.out, cfg.regen_concurrency)
+        regenerator = Regenerator(cfg)
+        print(f"regenerate: context length {regenerator.context_length} tokens ({regenerator.context_source}); "
+              "no answer asks for more than its prompt leaves", flush=True)
+        no_room = [(row, why) for row, messages in todo if (why := regenerator.first_prompt_problem(messages))]
+        if no_room and not cfg.skip_bad_rows:
+            listed = "; ".join(f"row {row}: {reason}" for row, reason in no_room[:MAX_LISTED_ERRORS])
+            raise UserError(f"{len(no_room)} row(s) of {cfg.input} cannot be regenerated ({listed}); --skip-bad-rows leaves them out")
+        if no_room:
+            left_out = {row for row, _ in no_room}
+            bad = sorted(bad + no_room)
+            usable = [(row, messages) for row, messages in usable if row not in left_out]
+            todo = [(row, messages) for row, messages in todo if row not in left_out]
+        if todo:
+            failed = _regenerate_rows(regenerator, todo, cfg.out, cfg.regen_concurrency)
     if failed:
         listed = "; ".join(f"row {row}: {reason}" for row, reason in sorted(failed.items())[:MAX_LISTED_ERRORS])
         raise UserError(
@@ -144,13 +224,17 @@ def _regenerate_rows(regenerator: Regenerator, todo: list[tuple[int, list[dict[s
     """Regenerate ``todo`` with ``concurrency`` in flight; each finished row is written at once."""
     progress = Progress(len(todo), label="conversations", every=max(1, min(50, len(todo) // 10)), interval=30.0)
     failed: dict[int, str] = {}
+    shortened: list[int] = []
 
     def one(item: tuple[int, list[dict[str, Any]]]) -> None:
         row, messages = item
         delay = 1.0
         for attempt in range(1, MAX_ATTEMPTS + 1):
             try:
-                atomic_write_json(row_file(out, row), regenerator.conversation(row, messages))
+                record = regenerator.conversation(row, messages)
+                atomic_write_json(row_file(out, row), record)
+                if "shortened" in record:
+                    shortened.append(row)
                 break
             except RowFailed as exc:
                 if exc.retryable and attempt < MAX_ATTEMPTS:
@@ -163,7 +247,7 @@ def _regenerate_rows(regenerator: Regenerator, todo: list[tuple[int, list[dict[s
                 failed[row] = str(exc)
             print(f"row {row}: FAILED: {failed[row]}", flush=True)
             break
-        progress.advance(extra=f"failed {len(failed)}")
+        progress.advance(extra=f"failed {len(failed)}, shortened {len(shortened)}")
 
     with ThreadPoolExecutor(concurrency, thread_name_prefix="regenerate") as pool:
         list(pool.map(one, todo))
@@ -172,9 +256,17 @@ def _regenerate_rows(regenerator: Regenerator, todo: list[tuple[int, list[dict[s
 
 def _publish(cfg: RegenerateConfig, usable: list[tuple[int, Any]], bad: list[tuple[int, str]], started: float) -> dict[str, Any]:
     lines = []
+    shortened = dropped = capped = 0
+    context_lengths: set[int] = set()
     for row, _ in usable:
         record = json.loads(row_file(cfg.out, row).read_text())
         lines.append(json.dumps({"messages": record["messages"], "source_row": row}) + "\n")
+        cut = record.get("shortened")
+        shortened += cut is not None
+        dropped += cut["dropped_turns"] if cut else 0
+        capped += record.get("capped_answers", 0)
+        if "context_length" in record:  # rows written before the cap existed have none
+            context_lengths.add(record["context_length"])
     conversations = cfg.out / CONVERSATIONS_FILE
     atomic_write_text(conversations, "".join(lines))
     if bad:
@@ -184,13 +276,24 @@ def _publish(cfg: RegenerateConfig, usable: list[tuple[int, Any]], bad: list[tup
         "regenerated": str(conversations),
         "rows": len(usable),
         "skipped_rows": len(bad),
+        # Conversations that ended early because their next prompt left no room in the context,
+        # the assistant turns they lost, and answers whose max_new_tokens the context cut.
+        "shortened_conversations": shortened,
+        "dropped_turns": dropped,
+        "capped_answers": capped,
+        # One length, unless rows were regenerated by engines of different lengths across reruns.
+        "context_length": next(iter(context_lengths)) if len(context_lengths) == 1 else sorted(context_lengths) or None,
         "temperature": cfg.regen_temperature,
         "max_new_tokens": cfg.regen_max_new_tokens,
         "verifier": str(cfg.tokenizer),
         "seconds": round(time.monotonic() - started, 1),
     }
     atomic_write_json(cfg.out / SUMMARY_FILE, summary)
-    print(f"regenerate: {len(usable)} conversations in {conversations} (from {cfg.input}); {len(bad)} rows left out", flush=True)
+    print(
+        f"regenerate: {len(usable)} conversations in {conversations} (from {cfg.input}); {shortened} shortened to fit the "
+        f"context ({dropped} turns dropped, {capped} answers capped); {len(bad)} rows left out",
+        flush=True,
+    )
     return summary
 
 
@@ -200,5 +303,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     summary = regenerate(model_from_args(RegenerateConfig, args))
-    emit_result({key: summary[key] for key in ("regenerated", "rows", "skipped_rows", "source")})
+    keys = ("regenerated", "rows", "skipped_rows", "shortened_conversations", "dropped_turns", "source")
+    emit_result({key: summary[key] for key in keys})
     return 0

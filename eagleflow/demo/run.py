@@ -88,6 +88,7 @@ def run_summary(
         "shards": [s["name"] for s in facts["shards"]],
         "hidden_state_bytes": sum(p.stat().st_size for p in layout.hidden_states.glob("hs_*.safetensors")),
         "checkpoint": facts["checkpoint"],
+        "regeneration": facts["regeneration"],
         "capture_checks": facts["capture_checks"],
         "evaluation": facts["evaluation"],
         "online": facts["online"],

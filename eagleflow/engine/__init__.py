@@ -6,7 +6,8 @@
 - :mod:`~eagleflow.engine.launch`: the command line a run launches;
 - :mod:`~eagleflow.engine.sglang_command`: SGLang's command line with the capture hook;
 - :mod:`~eagleflow.engine.reference`: the ``transformers`` stand-in for SGLang;
-- :mod:`~eagleflow.engine.capture`: hidden-state capture from a ``transformers`` model.
+- :mod:`~eagleflow.engine.capture`: hidden-state capture from a ``transformers`` model;
+- :mod:`~eagleflow.engine.context`: the context length as SGLang derives, reports and enforces it.
 
 The process helpers are exported here; they import no torch, so the Airflow processes that
 only start, probe and stop engines stay light.

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from eagleflow.engine.context import context_length_of_model_list
 from sglang_patch.request_ids import row_request_id
 
 
@@ -100,6 +101,16 @@ class EngineClient:
                 info = response.json()
                 return info if isinstance(info, dict) else {}
         return {}
+
+    def context_length(self) -> int | None:
+        """The engine's context length: ``max_model_len`` of SGLang's ``GET /v1/models`` (the length its
+        request checks use, ``--context-length`` included); None when the engine does not say."""
+        try:
+            response = self._requests.get(f"{self.url}/v1/models", timeout=30)
+            answer = response.json() if response.status_code == 200 else None
+        except (self._requests.RequestException, ValueError):
+            return None
+        return context_length_of_model_list(answer)
 
     def generate(self, row: int, input_ids: list[int], rid: str | None = None) -> tuple[str, dict[str, Any]]:
         """Send one prefill-only request (rid: a new one for ``row`` by default); return ``(rid, meta_info)`` or raise."""

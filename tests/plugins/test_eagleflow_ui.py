@@ -107,6 +107,26 @@ def test_online_training_figures_are_shown_live_and_from_the_result(client: Test
     assert summary["fetched"] == 240 and summary["peak_bytes"] == 1_234_000 and summary["window_bytes"] == 2_000_000
 
 
+def test_regeneration_is_shown_with_the_conversations_it_shortened(client: TestClient, output_root: Path) -> None:
+    assert "<h2>Regeneration</h2>" not in client.get("/runs/demo", headers=HTML).text  # this run did not regenerate
+    regenerated = output_root / "demo" / "regenerated"
+    regenerated.mkdir()
+    summary = {"source": "chat.jsonl", "regenerated": "conversations.jsonl", "rows": 119, "skipped_rows": 1,
+               "shortened_conversations": 23, "dropped_turns": 161, "capped_answers": 23, "context_length": 4096,
+               "temperature": 0.0, "max_new_tokens": 512, "verifier": "tiny-model", "seconds": 503.2}
+    (regenerated / "regenerate.json").write_text(json.dumps(summary))
+    (regenerated / "skipped_rows.jsonl").write_text(json.dumps({"row": 95, "reason": "its first prompt is 4100 tokens"}) + "\n")
+    page = client.get("/runs/demo", headers=HTML).text
+    assert "<h2>Regeneration</h2>" in page
+    for label, value in (("conversations", "119"), ("shortened to fit the context", "23"), ("turns dropped", "161"),
+                         ("answers capped", "23"), ("rows left out", "1")):
+        assert f'<span class="muted">{label}</span><b>{value}</b>' in page, label
+    assert "context length of 4,096 tokens" in page and "up to 512 tokens each" in page
+    facts = client.get("/api/runs/demo").json()
+    assert facts["regeneration"]["shortened_conversations"] == 23 and facts["regeneration"]["dropped_turns"] == 161
+    assert {"regenerated/regenerate.json", "regenerated/skipped_rows.jsonl"} <= set(facts["files"])
+
+
 def capture_report(passed: bool, findings: list[str]) -> dict[str, Any]:
     """A ``verify/<engine>/report.json`` shaped as ``verify-capture`` writes it (figures of a demo run's size)."""
     slots = [

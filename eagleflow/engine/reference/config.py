@@ -29,6 +29,11 @@ class ReferenceEngineConfig(BaseModel):
     warmup_seconds: float = Field(
         0.0, ge=0, description="simulated warmup: /health answers 503 this long after the model is loaded (one real forward runs meanwhile)"
     )
+    context_length: int | None = Field(
+        None, ge=2,
+        description="SGLang's --context-length: the most tokens a request's prompt plus answer may take; "
+        "default: derived from the model's config as SGLang derives it (never more than that)",
+    )
     device: Literal["cpu", "cuda"] = Field("cpu", description="where the model runs")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="model dtype; auto = the dtype in the model's config.json (dumps: --hidden-states-dtype)"

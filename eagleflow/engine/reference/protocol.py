@@ -12,7 +12,11 @@ Field names, defaults, status codes and error bodies are SGLang 0.5.9's (read fr
   (-1: output tokens only), ``top_logprobs_num``, ``return_text_in_logprobs``; the answer's
   ``meta_info`` then carries them in SGLang's shapes (:mod:`~eagleflow.engine.reference.logprobs`).
 - ``GET /health`` and ``/health_generate``: 503 until the warmup is done, then 200.
+- A prompt that does not leave room in the context length for the ``max_new_tokens`` it names is a
+  400 with SGLang's messages (:mod:`eagleflow.engine.context` has the rule; the length is SGLang's
+  derivation from the model's config, or ``--context-length``).
 - ``GET /model_info`` (and its deprecated name ``/get_model_info``): answers at once.
+- ``GET /v1/models``: SGLang's OpenAI model list, whose ``max_model_len`` is the context length.
 - ``GET /server_info`` (and ``/get_server_info``): the launch settings under ``ServerArgs``' names;
   the reference engine reports those a capture client checks (``tp_size``, ``disable_radix_cache``).
 """
@@ -24,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
+
+from eagleflow.engine.context import max_new_tokens_left
 
 # SGLang's log line when its warmup request succeeded; the launcher/sensor side may grep for it.
 READY_LINE = "The server is fired up and ready to roll!"
@@ -122,16 +128,29 @@ def parse_generate(body: Any, limits: ModelLimits) -> GenerateRequest:
     temperature = params.get("temperature", DEFAULT_TEMPERATURE)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
         raise RequestError(400, f"rid {rid}: sampling_params.temperature must be a number >= 0, got {temperature!r}.")
-    if limits.context_length and len(input_ids) > limits.context_length:
-        raise RequestError(
-            400,
-            f"rid {rid}: The input ({len(input_ids)} tokens) is longer than the model's context length "
-            f"({limits.context_length} tokens).",
-        )
+    if limits.context_length:
+        _check_context(rid, len(input_ids), params.get("max_new_tokens"), limits.context_length)
     return GenerateRequest(
         rid, input_ids, int(max_new_tokens), float(temperature), bool(params.get("ignore_eos", False)),
         **_logprob_fields(rid, body, len(input_ids)),
     )
+
+
+def _check_context(rid: str, prompt_tokens: int, max_new_tokens: int | None, context_length: int) -> None:
+    """SGLang's two context checks (:mod:`eagleflow.engine.context`), as its strictest supported release makes them."""
+    if prompt_tokens >= context_length:
+        raise RequestError(
+            400, f"rid {rid}: The input ({prompt_tokens} tokens) is longer than the model's context length ({context_length} tokens)."
+        )
+    # Only a max_new_tokens the request names is checked, as in SGLang (its default is not).
+    if max_new_tokens is not None and max_new_tokens > max_new_tokens_left(context_length, prompt_tokens):
+        raise RequestError(
+            400,
+            f"rid {rid}: Requested token count exceeds the model's maximum context length of {context_length} tokens. "
+            f"You requested a total of {prompt_tokens + max_new_tokens} tokens: {prompt_tokens} tokens from the input "
+            f"messages and {max_new_tokens} tokens for the completion. Please reduce the number of tokens in the input "
+            "messages or the completion to fit within the limit.",
+        )
 
 
 def _logprob_fields(rid: str, body: dict[str, Any], num_tokens: int) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eagleflow.engine.capture import HiddenStateCapture
+from eagleflow.engine.context import derived_context_length
 from eagleflow.engine.reference.capture_faults import FaultyCapture, PrefixCache, server_info_overrides
 from eagleflow.engine.reference.config import ReferenceEngineConfig
 from eagleflow.engine.reference.faults import FaultSwitches
@@ -74,9 +75,11 @@ class ReferenceEngine:
         text_config = model.config.get_text_config()
         self.vocab_size = int(text_config.vocab_size)
         self.hidden_size = int(text_config.hidden_size)
+        derived = derived_context_length(text_config)
+        if config.context_length is not None and config.context_length > derived:  # SGLang refuses it too
+            raise UserError(f"--context-length {config.context_length} is more than the {derived} tokens the model's config allows")
         self.limits = ModelLimits(
-            vocab_size=self.vocab_size,
-            context_length=getattr(text_config, "max_position_embeddings", None),
+            vocab_size=self.vocab_size, context_length=config.context_length or derived,
             tokenize=tokenizer.encode if tokenizer is not None else None,
         )
         self.eos_token_ids = _eos_token_ids(model)

@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from eagleflow.config import add_model_arguments, model_from_args
+from eagleflow.engine.context import model_list
 from eagleflow.engine.reference.config import ReferenceEngineConfig
 from eagleflow.engine.reference.protocol import RequestError, invalid_json_body
 from eagleflow.engine.reference.runner import ReferenceEngine
@@ -64,6 +65,10 @@ def create_app(engine: ReferenceEngine) -> Any:
     async def server_info(request: Request) -> Response:
         return JSONResponse(engine.server_info())
 
+    async def models(request: Request) -> Response:
+        # SGLang's served model name defaults to its --model-path; a card's "created" is the answer's time.
+        return JSONResponse(model_list(str(engine.config.model), engine.limits.context_length, int(time.time())))
+
     return Starlette(
         routes=[
             Route("/generate", generate, methods=["POST", "PUT"]),
@@ -74,6 +79,7 @@ def create_app(engine: ReferenceEngine) -> Any:
             Route("/get_model_info", model_info, methods=["GET"]),
             Route("/server_info", server_info, methods=["GET"]),
             Route("/get_server_info", server_info, methods=["GET"]),
+            Route("/v1/models", models, methods=["GET"]),
         ]
     )
 
@@ -116,7 +122,7 @@ def serve(config: ReferenceEngineConfig) -> int:
     host, port = sock.getsockname()[:2]
     print(
         f"reference engine: model {config.model} ({', '.join(engine.model.config.architectures or ['?'])}, "
-        f"{engine.num_layers} layers, hidden {engine.hidden_size}, vocab {engine.vocab_size}, "
+        f"{engine.num_layers} layers, hidden {engine.hidden_size}, vocab {engine.vocab_size}, context {engine.limits.context_length}, "
         f"{str(engine.model.dtype).removeprefix('torch.')} on {config.device}) loaded in {time.monotonic() - load_started:.1f}s; "
         + (
             f"aux layer ids {engine.aux_layer_ids} + final pre-norm state = {len(engine.aux_layer_ids) + 1} slots; "

@@ -49,14 +49,16 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 REPO = Path(__file__).resolve().parents[3]
 MAX_NEW_TOKENS = 24
+# Small enough that multi-turn conversations outgrow it after a few answers, large enough for every first prompt.
+SMALL_CONTEXT = 96
 
 
-def launch_engine(model: Path, folder: Path, port: int | None = None) -> ServerInfo:
+def launch_engine(model: Path, folder: Path, port: int | None = None, *extra: str) -> ServerInfo:
     """The reference engine as the launch step starts it (own session, log file), float32, ready."""
     port = port or free_port()
     argv = [sys.executable, "-m", "eagleflow", "serve-reference", "--model", str(model), "--dump-dir", str(folder / "dumps"),
             "--aux-layers", ",".join(map(str, AUX)), "--port", str(port), "--threads", "1", "--dtype", "float32",
-            "--warmup-seconds", "0"]
+            "--warmup-seconds", "0", *extra]
     info = start_server(argv, {"PYTHONUNBUFFERED": "1"}, folder / "server.log", folder / "server.json",
                         f"http://127.0.0.1:{port}", folder / "dumps")
     wait_until_ready(info, timeout=120, poll=0.2)
@@ -66,6 +68,14 @@ def launch_engine(model: Path, folder: Path, port: int | None = None) -> ServerI
 @pytest.fixture(scope="module")
 def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerInfo]:
     info = launch_engine(tiny_model, tmp_path_factory.mktemp("engine"))
+    yield info
+    stop_server(info.pid)
+
+
+@pytest.fixture(scope="module")
+def small_engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerInfo]:
+    """An engine whose context is :data:`SMALL_CONTEXT` tokens (SGLang's ``--context-length``)."""
+    info = launch_engine(tiny_model, tmp_path_factory.mktemp("small-engine"), None, "--context-length", str(SMALL_CONTEXT))
     yield info
     stop_server(info.pid)
 
@@ -93,13 +103,18 @@ def run_regenerate(argv: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def greedy_answer(verifier, messages: list[dict]) -> str:
+def greedy_answer(verifier, messages: list[dict], max_new_tokens: int = MAX_NEW_TOKENS) -> str:
     """The verifier's greedy continuation of ``messages``, by ``transformers.generate`` in this process."""
     model, tokenizer = verifier
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.inference_mode():
-        out = model.generate(**prompt, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+        out = model.generate(**prompt, max_new_tokens=max_new_tokens, do_sample=False)
     return tokenizer.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def prompt_tokens(verifier, messages: list[dict]) -> int:
+    """Tokens of the prompt for the answer after ``messages`` (the chat template with the generation prompt)."""
+    return len(verifier[1].apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
 
 
 def dumps_in(server: ServerInfo) -> list[str]:
@@ -247,3 +262,78 @@ def test_a_run_with_regeneration_prepares_the_regenerated_file_and_keeps_the_sou
     assert (cfg.regen_temperature, cfg.regen_max_new_tokens, cfg.regen_concurrency, cfg.server_pid) == (0.7, 64, 2, 1234)
     with pytest.raises(UserError, match="regen_concurrency"):
         PipelineConfig.from_params({**params, "regenerate_responses": True, "regen_concurrency": 0}).regenerate_config("u", None)
+
+
+def test_a_conversation_that_outgrows_the_context_ends_at_its_last_turn_that_fit(
+    small_engine: ServerInfo, tiny_model: Path, verifier, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = write_conversations(tmp_path / "chat.jsonl", rows=8, seed=9)
+    cfg = RegenerateConfig(input=tmp_path / "chat.jsonl", tokenizer=tiny_model, out=tmp_path / "out", server=small_engine.url,
+                           server_pid=small_engine.pid, regen_max_new_tokens=MAX_NEW_TOKENS, regen_concurrency=2)
+
+    summary = regenerate(cfg)  # the engine refuses any request that does not fit: one would fail the step
+
+    log = capsys.readouterr().out
+    shortened = dropped = capped = 0
+    for row, original in enumerate(source):
+        record = json.loads(row_file(cfg.out, row).read_text())
+        kept = record["messages"]
+        assert [m["role"] for m in kept] == [m["role"] for m in original["messages"][: len(kept)]]
+        answered = [turn for turn, m in enumerate(kept) if m["role"] == "assistant"]
+        assert answered and record["max_new_tokens"] and len(record["max_new_tokens"]) == len(answered)
+        for turn, asked in zip(answered, record["max_new_tokens"]):
+            room = SMALL_CONTEXT - prompt_tokens(verifier, kept[:turn]) - 1
+            # Each answer asked for what its prompt left, at most regen_max_new_tokens, and is the
+            # verifier's greedy continuation with that budget.
+            assert asked == min(MAX_NEW_TOKENS, room) >= 1, f"row {row} turn {turn}"
+            assert kept[turn]["content"] == greedy_answer(verifier, kept[:turn], asked), f"row {row} turn {turn}"
+            capped += asked < MAX_NEW_TOKENS
+        cut = record.get("shortened")
+        if cut is None:
+            assert len(kept) == len(original["messages"])
+            continue
+        # Shortened: it ends at its last answer, and the next assistant turn's prompt really left no room.
+        shortened += 1
+        at = cut["at_message"]
+        assert kept[-1]["role"] == "assistant" and original["messages"][at]["role"] == "assistant"
+        assert all(m["role"] != "assistant" for m in original["messages"][len(kept):at])
+        following = kept + original["messages"][len(kept):at]
+        assert cut["prompt_tokens"] == prompt_tokens(verifier, following) >= SMALL_CONTEXT - 1
+        assert cut["dropped_turns"] == sum(m["role"] == "assistant" for m in original["messages"][at:]) >= 1
+        assert cut["dropped_messages"] == len(original["messages"]) - len(kept)
+        dropped += cut["dropped_turns"]
+    assert shortened >= 1 and capped >= 1, "no conversation outgrew the context: the test would pass without the cap"
+    assert (summary["shortened_conversations"], summary["dropped_turns"], summary["capped_answers"]) == (shortened, dropped, capped)
+    assert summary["rows"] == len(source) and summary["context_length"] == SMALL_CONTEXT
+    assert json.loads((cfg.out / SUMMARY_FILE).read_text()) == summary
+    lines = [json.loads(line) for line in (cfg.out / CONVERSATIONS_FILE).read_text().splitlines()]
+    assert [line["messages"] for line in lines] == [json.loads(row_file(cfg.out, r).read_text())["messages"] for r in range(len(source))]
+    assert f"context length {SMALL_CONTEXT} tokens (from {small_engine.url}/v1/models)" in log
+    assert f"{shortened} shortened to fit the context ({dropped} turns dropped, {capped} answers capped)" in log
+
+
+def test_a_conversation_whose_first_prompt_does_not_fit_is_a_bad_row(
+    small_engine: ServerInfo, tiny_model: Path, verifier, tmp_path: Path
+) -> None:
+    good = generate_conversations(2, seed=5)
+    too_long = {"messages": [{"role": "user", "content": "count from one to ninety: " + " ".join(map(str, range(1, 91)))},
+                             {"role": "assistant", "content": "1 2 3"}]}
+    first_prompt = prompt_tokens(verifier, too_long["messages"][:1])
+    assert first_prompt >= SMALL_CONTEXT - 1, "the long row fits: the test would pass without the check"
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in (good[0], too_long, good[1])))
+    cfg = RegenerateConfig(input=data, tokenizer=tiny_model, out=tmp_path / "out", server=small_engine.url,
+                           server_pid=small_engine.pid, regen_max_new_tokens=MAX_NEW_TOKENS)
+
+    reason = (f"its first prompt is {first_prompt} tokens, which leaves no room for an answer in the engine's context length "
+              f"of {SMALL_CONTEXT} tokens")
+    with pytest.raises(UserError, match=re.escape(f"1 row(s) of {data} cannot be regenerated (row 1: {reason}); --skip-bad-rows")):
+        regenerate(cfg)
+    assert not list(cfg.out.rglob("*.json")), "rows were regenerated before the bad row was found"
+
+    summary = regenerate(cfg.model_copy(update={"skip_bad_rows": True}))
+
+    assert summary["rows"] == 2 and summary["skipped_rows"] == 1
+    assert [json.loads(line) for line in (cfg.out / SKIPPED_FILE).read_text().splitlines()] == [{"row": 1, "reason": reason}]
+    assert [json.loads(line)["source_row"] for line in (cfg.out / CONVERSATIONS_FILE).read_text().splitlines()] == [0, 2]
+    assert not row_file(cfg.out, 1).exists()

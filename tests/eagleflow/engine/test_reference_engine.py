@@ -9,6 +9,7 @@ final norm replaced by the identity.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -313,6 +314,32 @@ def test_other_bad_requests_get_400(ready: Engine, body: object, fragment: str) 
     assert not list(ready.dump_dir.glob("*escape*")) and not (ready.dump_dir.parent / "escape.safetensors").exists()
 
 
+def test_the_context_length_is_reported_and_a_request_must_fit_in_it(ready: Engine, model_dir: Path) -> None:
+    from eagleflow.extract.client import EngineClient
+    from sglang_patch.request_ids import regenerate_request_id
+
+    # The tiny verifier's config names only max_position_embeddings: SGLang's context length is it.
+    context = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+    models = ready.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == str(model_dir)
+    assert models["data"][0]["max_model_len"] == context and ready.get("/model_info").json()["context_length"] == context
+    assert EngineClient(ready.url, 30).context_length() == context
+
+    # SGLang's strictest supported rule: prompt + max_new_tokens < context; regeneration rids dump nothing.
+    prompt = random_ids(9, context - 2)
+    fits = ready.post({"rid": regenerate_request_id(90, 1), "input_ids": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+    assert fits.status_code == 200 and len(fits.json()["output_ids"]) == 1
+    over = ready.post({"rid": regenerate_request_id(90, 3), "input_ids": prompt, "sampling_params": {"max_new_tokens": 2}})
+    assert over.status_code == 400
+    assert (f"Requested token count exceeds the model's maximum context length of {context} tokens. You requested a total of "
+            f"{context} tokens: {context - 2} tokens from the input messages and 2 tokens for the completion") in over.json()["error"]["message"]
+    too_long = ready.post({"rid": regenerate_request_id(90, 5), "input_ids": random_ids(9, context), "sampling_params": {"max_new_tokens": 0}})
+    assert too_long.status_code == 400
+    assert f"The input ({context} tokens) is longer than the model's context length ({context} tokens)." in too_long.json()["error"]["message"]
+    # Without max_new_tokens only the prompt is checked, as in SGLang.
+    assert ready.post({"rid": regenerate_request_id(90, 7), "input_ids": prompt[:8]}).status_code == 200
+
+
 def test_health_check_and_regeneration_requests_write_no_dump(ready: Engine) -> None:
     from sglang_patch.request_ids import regenerate_request_id
 
@@ -406,6 +433,8 @@ def test_bad_flags_are_user_errors(model_dir: Path, tmp_path: Path) -> None:
         serve(ReferenceEngineConfig(**{**base, "aux_layers": [2, 9]}))
     with pytest.raises(UserError, match="--model: .*no config.json"):
         serve(ReferenceEngineConfig(**{**base, "model": tmp_path}))
+    with pytest.raises(UserError, match="--context-length 8192 is more than the 4096 tokens the model's config allows"):
+        serve(ReferenceEngineConfig(**{**base, "context_length": 8192}))
 
 
 def test_port_in_use_is_a_user_error() -> None:
@@ -466,6 +495,6 @@ def test_config_round_trips_through_argv(tmp_path: Path) -> None:
     for config in (
         ReferenceEngineConfig(model=tmp_path, dump_dir=tmp_path / "d", aux_layers=AUX),
         ReferenceEngineConfig(model=tmp_path, dump_dir=tmp_path / "d", aux_layers=[1], port=0, warmup_seconds=2.5,
-                              fail_row=[3, 5], threads=1, trust_remote_code=True),
+                              fail_row=[3, 5], threads=1, trust_remote_code=True, context_length=64),
     ):
         assert model_from_args(ReferenceEngineConfig, parser.parse_args(model_to_argv(config))) == config
