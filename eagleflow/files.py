@@ -40,20 +40,84 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
 def atomic_folder(target: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield an empty staging folder beside ``target``; on success it replaces ``target`` whole.
 
-    A reader sees the old folder or the complete new one, never a mix; on error the staging
-    folder is removed and ``target`` is left as it was.
+    A reader sees the old folder or the complete new one, never a mix (:func:`replace_folder`);
+    on error the staging folder is removed and ``target`` is left as it was. Staging folders of
+    earlier processes that died mid-way (their pid gone) are removed first.
     """
     target = Path(target)
+    remove_dead_siblings(target)
     staging = target.parent / f".{target.name}.staging-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
         yield staging
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
+        replace_folder(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def remove_dead_siblings(target: Path) -> None:
+    """Remove ``.<name>.staging-<pid>`` / ``.<name>.old-<pid>`` folders beside ``target`` whose process is gone."""
+    from eagleflow.engine.process import pid_alive  # process.py imports this module
+
+    if not target.parent.is_dir():
+        return
+    for sibling in target.parent.glob(f".{glob_escape(target.name)}.*-*"):
+        kind, _, pid = sibling.name[len(target.name) + 2:].rpartition("-")
+        if kind in ("staging", "old") and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            shutil.rmtree(sibling, ignore_errors=True)
+
+
+def glob_escape(name: str) -> str:
+    """``name`` with glob's special characters taken literally."""
+    import glob
+
+    return glob.escape(name)
+
+
+def replace_folder(staging: Path, target: Path) -> None:
+    """Put the complete folder ``staging`` at ``target`` in one step, then delete what was there.
+
+    On Linux the two are swapped by one ``renameat2(RENAME_EXCHANGE)``, so ``target`` is never
+    missing; elsewhere (or on a filesystem without it) the old folder is renamed aside first,
+    which leaves ``target`` absent for an instant but never mixed.
+    """
+    if not target.is_dir() or target.is_symlink():
+        os.replace(staging, target)
+        return
+    if _exchange(staging, target):
+        shutil.rmtree(staging)  # the old folder now lives under the staging name
+        return
+    aside = target.parent / f".{target.name}.old-{os.getpid()}"
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(target, aside)
+    os.replace(staging, target)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap ``a`` and ``b`` atomically; False where the system offers no such call."""
+    import ctypes
+    import errno
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # glibc before 2.28, musl
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
 
 
 def atomic_write_text(target: str | os.PathLike[str], text: str) -> Path:
