@@ -7,12 +7,21 @@ and the demo summary. Light on purpose (no torch), so the API server can import 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from eagleflow.files import atomic_write_json
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 # A shard's states. SUCCESS only when every row is complete and durable; INTERRUPTED when it was
 # stopped (SIGTERM, Ctrl-C) and FAILED when rows failed or the shard stopped on an error, both
@@ -51,7 +60,34 @@ class ShardManifest:
 
     @classmethod
     def read(cls, path: Path) -> ShardManifest:
-        """Load a manifest; unknown keys (from a newer writer) are ignored."""
+        """Load a manifest; unknown keys (from a newer writer) are ignored.
+
+        :raises ValueError: torn JSON, or JSON of another shape (naming the first field of a wrong type).
+        """
         data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"expected a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        values = {k: v for k, v in data.items() if k in known}
+        for key, value in values.items():
+            if not _FIELD_CHECKS[key](value):
+                raise ValueError(f"field {key!r} is {type(value).__name__} {str(value)[:60]!r}, not {_FIELD_KINDS[key]}")
+        if "name" not in values:
+            raise ValueError("no 'name' field")
+        return cls(**values)
+
+
+# What a readable manifest's fields hold: a reader refuses a manifest of another shape rather than
+# computing with it.
+_FIELD_KINDS = {
+    "name": "a string", "start": "an integer", "end": "an integer", "state": "a string", "engine": "a string",
+    "done": "an integer", "skipped": "an integer", "failed": "a list of objects", "tokens": "an integer",
+    "bytes": "an integer", "seconds": "a finite number", "error": "a string", "updated": "a finite number or null",
+}
+_FIELD_CHECKS = {
+    "name": lambda v: isinstance(v, str), "start": _is_int, "end": _is_int, "state": lambda v: isinstance(v, str),
+    "engine": lambda v: isinstance(v, str), "done": _is_int, "skipped": _is_int,
+    "failed": lambda v: isinstance(v, list) and all(isinstance(item, dict) for item in v), "tokens": _is_int,
+    "bytes": _is_int, "seconds": _is_number, "error": lambda v: isinstance(v, str),
+    "updated": lambda v: v is None or _is_number(v),
+}
