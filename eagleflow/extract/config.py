@@ -30,6 +30,9 @@ class ExtractConfig(BaseModel):
         description="seconds to wait for a dump after the answer when no live capture writer is in --dump-dir; "
         "while the engine's writer holds the request the wait goes on (a line every this many seconds)",
     )
+    lock_wait: float = Field(
+        30.0, ge=0, description="seconds to wait for another extraction of this shard to exit before refusing (one at a time)"
+    )
     progress_every: int = Field(50, ge=1, description="print a progress line every this many rows")
     progress_interval: float = Field(30.0, gt=0, description="or every this many seconds")
 
