@@ -179,9 +179,8 @@ def start_server(
     server must outlive the launch task. The state file lets a later task (or a retry)
     find and reuse or stop it.
 
-    :param owned: the engine belongs to the calling process (a step that serves a model for
-        itself, such as evaluation), so the kernel sends it SIGTERM when this process dies, even by
-        SIGKILL. Call it from the main thread: the kernel ties the signal to the starting thread.
+    :param owned: the engine is the calling step's own (evaluation's): the kernel sends it SIGTERM when this
+        process dies, even by SIGKILL. Call from the main thread: the signal is tied to the starting thread.
     """
     parent = os.getpid()
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -341,24 +340,16 @@ def _reap(pid: int) -> None:
 
 
 class EngineGone(Exception):
-    """The engine died, or was not ready in time.
-
-    ``reason`` says which, ``error`` is the engine's own last error line (e.g. the file it could
-    not load; None when its log has none) and ``log_path`` where the whole log is.
-    """
+    """The engine died or was not ready in time (``reason``); ``error``: its own last error line, if any."""
 
     def __init__(self, reason: str, error: str | None, log_path: str) -> None:
         self.reason, self.error, self.log_path = reason, error, log_path
-        said = f": {error}" if error else ""
-        super().__init__(f"{reason}{said}" + (f" (whole log: {log_path})" if log_path else ""))
+        super().__init__(f"{reason}{f': {error}' if error else ''}" + (f" (whole log: {log_path})" if log_path else ""))
 
 
 def wait_until_ready(server: ServerInfo, timeout: float, poll: float = 1.0) -> None:
-    """Block until ``server`` is ready; raise :class:`EngineGone` (with its last error line) if it dies or times out.
-
-    For steps that need the engine themselves (evaluation, regeneration); the DAG's readiness
-    wait is the deferrable sensor, which polls with the same :func:`check_ready`.
-    """
+    """Block until ``server`` is ready; raise :class:`EngineGone` if it dies or times out. For steps that need
+    the engine themselves (evaluation, regeneration); the DAG's sensor polls with the same :func:`check_ready`."""
     deadline = time.monotonic() + timeout
     while True:
         check = check_ready(server)
@@ -371,27 +362,28 @@ def wait_until_ready(server: ServerInfo, timeout: float, poll: float = 1.0) -> N
         time.sleep(poll)
 
 
-# The last line of a Python traceback (``safetensors_rust.SafetensorError: …``), argparse's and
-# eagleflow's own ``error: …`` lines, and SGLang's ``[… ERROR …]`` log lines.
+# A traceback's last line (``safetensors_rust.SafetensorError: …``), ``error: …`` lines, SGLang's ``ERROR`` lines.
 _ERROR_LINE = re.compile(r"^\s*(?:[A-Za-z_][\w.]*(?:Error|Exception|Exit)\b|.*\berror: |.*\bERROR\b)")
 
 
 def engine_error_line(log_path: str | os.PathLike[str], limit: int = 500) -> str | None:
     """The engine's own last error line since its newest start in ``log_path`` (at most ``limit``
     characters), or None when it printed none: what a user needs first, instead of the whole traceback."""
-    text, _ = read_log_from(log_path, last_start_offset(log_path))
+    try:
+        end = os.path.getsize(log_path)
+    except OSError:
+        return None
+    text, _ = read_log_from(log_path, max(last_start_offset(log_path), end - 256_000))  # the end of a long log
     for line in reversed(text.splitlines()):
         if _ERROR_LINE.match(line):
-            line = line.strip()
-            return line if len(line) <= limit else line[:limit] + "…"
+            return line.strip() if len(line.strip()) <= limit else line.strip()[:limit] + "…"
     return None
 
 
 @contextlib.contextmanager
 def interrupted_by_signals(signums: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> Iterator[list[int]]:
-    """While inside, the first of ``signums`` raises :class:`KeyboardInterrupt`, so ``finally`` blocks
-    (stopping an engine, recording a state) run; later ones are only recorded, so that clean-up is not cut
-    short. Yields the signals received. For a step's main thread (``on_kill`` sends SIGTERM)."""
+    """Inside, the first of ``signums`` (``on_kill`` sends SIGTERM) raises :class:`KeyboardInterrupt`, so ``finally``
+    blocks (stopping an engine) run; later ones are only recorded, not cutting that short. Yields those received."""
     received: list[int] = []
 
     def on_signal(signum: int, frame: Any) -> None:

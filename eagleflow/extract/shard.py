@@ -17,7 +17,7 @@ never sent again while the engine's writer holds it. An engine that is gone (con
 refused after it was ready, its pid died) or hung (accepts, answers nothing), or a full disk,
 stops the shard within seconds. The manifest says ``success`` only when every row is
 complete; otherwise ``failed`` or ``interrupted`` (SIGTERM, Ctrl-C), with the reason. One
-extraction of a shard runs at a time (a :class:`~eagleflow.folder_lock.FolderLock`); a second one
+extraction of a shard runs at a time (a :class:`~eagleflow.files.FolderLock`); a second one
 waits ``--lock-wait`` seconds, then refuses naming the first.
 """
 
@@ -44,7 +44,7 @@ from eagleflow.extract.dump_wait import DiskFull, remove_dead_writer_statuses, w
 from eagleflow.extract.manifest import FAILED, INTERRUPTED, SUCCESS, ShardManifest
 from eagleflow.extract.sample_store import SampleState, publish_dump, sample_path, validate
 from eagleflow.files import DurabilityBarrier
-from eagleflow.folder_lock import FolderLock
+from eagleflow.files import FolderLock
 from eagleflow.layout import RunLayout, hidden_states_dir, shard_name
 from eagleflow.progress import Progress
 from eagleflow.results import emit_result

@@ -1,4 +1,4 @@
-"""One trainer per training folder: a :class:`~eagleflow.folder_lock.FolderLock` on ``<out>/.train.lock``.
+"""One trainer per training folder: a :class:`~eagleflow.files.FolderLock` on ``<out>/.train.lock``.
 
 Two trainers on one ``checkpoints/`` folder (an Airflow retry while a killed attempt's
 speculators still runs, or a second run by hand) would overwrite each other's checkpoints and
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from eagleflow.engine.process import pid_alive
-from eagleflow.folder_lock import FolderLock
+from eagleflow.files import FolderLock
 
 
 class TrainFolderLock(FolderLock):
