@@ -44,6 +44,34 @@ def check_run_name(run_name: str) -> str:
     return run_name
 
 
+# Folders a run's Params may never write into, whatever the output root (README, "Where a run may
+# write and listen"); "/" itself is refused, folders below it are not.
+SYSTEM_FOLDERS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/run", "/sbin", "/sys", "/usr")
+
+
+def check_output_path(value: str, output_root_env: str | None) -> str:
+    """``value`` if a run may write there, else ValueError saying why: the path policy of ``output_root``
+    and ``server_dump_dir``.
+
+    It must be absolute, must not be (or be inside) a system folder, and when the deployment sets
+    ``EAGLEFLOW_OUTPUT_ROOT`` (``output_root_env``) it must be that folder or inside it, after
+    symlinks and ``..`` are resolved, so neither a link nor a ``..`` leads out of it.
+    """
+    import os
+
+    if not os.path.isabs(value):
+        raise ValueError(f"{value!r} is not an absolute path")
+    resolved = Path(value).resolve()
+    if resolved == Path("/") or any(resolved.is_relative_to(folder) for folder in SYSTEM_FOLDERS):
+        raise ValueError(f"{value!r} is a system folder (or inside one); runs write elsewhere")
+    if output_root_env:
+        root = Path(output_root_env).resolve()
+        if not resolved.is_relative_to(root):
+            shown = f" (it resolves to {resolved})" if str(resolved) != value.rstrip("/") else ""
+            raise ValueError(f"{value!r}{shown} is outside $EAGLEFLOW_OUTPUT_ROOT ({root}), where this deployment keeps its runs")
+    return value
+
+
 def hidden_states_dir(dataset: str | Path) -> Path:
     """The folder of a training dataset that holds its rows' hidden-state files."""
     return Path(dataset) / HIDDEN_STATES_DIR
