@@ -156,7 +156,7 @@ def test_reasons_quote_a_bounded_excerpt_of_a_huge_row(tmp_path: Path) -> None:
 
 
 def test_a_huge_message_gives_the_tokens_of_the_whole_row_without_tokenizing_it_whole(random_tiny_model: Path) -> None:
-    from eagleflow.data.prepare import ChatTokenizer
+    from eagleflow.data.chat_tokens import ChatTokenizer
 
     words = "alpha beta gamma delta epsilon zeta theta iota ".split()
     text = " ".join(words[i % len(words)] for i in range(200_000))  # about 1.2 MB
