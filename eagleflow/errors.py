@@ -27,5 +27,5 @@ def excerpt_repr(value: object, limit: int = EXCERPT_CHARS) -> str:
     if isinstance(value, (list, tuple, dict)) and len(value) > limit:
         return f"<{type(value).__name__} of {len(value)} items>"
     if isinstance(value, str) and len(value) > limit:
-        return excerpt(repr(value[: limit + 1]), limit)
+        return f"{value[:limit]!r}… ({len(value) - limit} more characters)"
     return excerpt(repr(value), limit)

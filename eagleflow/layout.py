@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagleflow.errors import UserError
+from eagleflow.errors import UserError, excerpt_repr
 
 # A run's folder name: one plain path component, so a run never reaches outside the output root.
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -38,7 +38,7 @@ def check_run_name(run_name: str) -> str:
     """``run_name`` if it is one plain folder name (:data:`RUN_NAME_PATTERN`), else ValueError saying so."""
     if not _RUN_NAME.match(run_name):
         raise ValueError(
-            f"run name {run_name!r} must be 1-128 letters, digits, '.', '_' or '-' and start with a letter or digit "
+            f"run name {excerpt_repr(run_name)} must be 1-128 letters, digits, '.', '_' or '-' and start with a letter or digit "
             "(one folder under the output root, never a path out of it)"
         )
     return run_name
@@ -60,15 +60,15 @@ def check_output_path(value: str, output_root_env: str | None) -> str:
     import os
 
     if not os.path.isabs(value):
-        raise ValueError(f"{value!r} is not an absolute path")
+        raise ValueError(f"{excerpt_repr(value)} is not an absolute path")
     resolved = Path(value).resolve()
     if resolved == Path("/") or any(resolved.is_relative_to(folder) for folder in SYSTEM_FOLDERS):
-        raise ValueError(f"{value!r} is a system folder (or inside one); runs write elsewhere")
+        raise ValueError(f"{excerpt_repr(value)} is a system folder (or inside one); runs write elsewhere")
     if output_root_env:
         root = Path(output_root_env).resolve()
         if not resolved.is_relative_to(root):
             shown = f" (it resolves to {resolved})" if str(resolved) != value.rstrip("/") else ""
-            raise ValueError(f"{value!r}{shown} is outside $EAGLEFLOW_OUTPUT_ROOT ({root}), where this deployment keeps its runs")
+            raise ValueError(f"{excerpt_repr(value)}{shown} is outside $EAGLEFLOW_OUTPUT_ROOT ({root}), where this deployment keeps its runs")
     return value
 
 

@@ -31,7 +31,7 @@ from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype, build_model
 from eagleflow.data.regenerate import CONVERSATIONS_FILE, RegenerateConfig
 from eagleflow.evaluate.config import EvaluateConfig
 from eagleflow.extract.verify_config import VerifyCaptureConfig
-from eagleflow.errors import UserError
+from eagleflow.errors import UserError, excerpt_repr
 from eagleflow.layout import RUN_NAME_PATTERN, RunLayout, check_output_path, check_run_name
 from eagleflow.train.config import TrainConfig
 
@@ -178,7 +178,7 @@ class PipelineConfig(BaseModel):
         for url in urls:
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
-                raise ValueError(f"{url!r} is not an engine URL like http://gpu-node-1:30000")
+                raise ValueError(f"{excerpt_repr(url)} is not an engine URL like http://gpu-node-1:30000")
         if len(set(urls)) != len(urls):
             raise ValueError(f"engines listed twice: {sorted({u for u in urls if urls.count(u) > 1})}")
         return [url.rstrip("/") for url in urls]

@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field, field_validator
 
 from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype
+from eagleflow.errors import excerpt_repr
 
 
 class ExtractConfig(BaseModel):
@@ -49,7 +50,7 @@ def parse_rows(text: str) -> tuple[int, int]:
         start_text, end_text = text.split(":")
         start, end = int(start_text), int(end_text)
     except ValueError as exc:
-        raise ValueError(f"expected START:END, got {text!r}") from exc
+        raise ValueError(f"expected START:END, got {excerpt_repr(text)}") from exc
     if not 0 <= start < end:
-        raise ValueError(f"expected 0 <= START < END, got {text!r}")
+        raise ValueError(f"expected 0 <= START < END, got {excerpt_repr(text)}")
     return start, end

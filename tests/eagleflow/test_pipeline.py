@@ -167,3 +167,15 @@ def test_the_reference_engines_refusals_match_its_own_argparse_exactly() -> None
                     assert (refused_match(arg, REFERENCE_OWNED, options) is not None) == owned, (arg, set_flags)
                     checked += 1
     assert checked > 300  # the ambiguous prefixes are the parser's own errors
+
+
+def test_a_huge_param_value_is_quoted_as_an_excerpt(tmp_path: Path, random_tiny_model: Path) -> None:
+    params = {**base(tmp_path, random_tiny_model), "output_root": "x" * 1_000_000, "run_name": "y" * 1_000_000,
+              "server_urls": ["z" * 1_000_000], "server_dump_dir": "/d"}
+    with pytest.raises(UserError) as info:
+        PipelineConfig.from_params(params)
+    message = str(info.value)
+    assert len(message) < 2000, message[:3000]
+    for name in ("output_root", "run_name", "server_urls"):
+        assert f"Param {name}: " in message
+    assert "… (999800 more characters)" in message
