@@ -99,9 +99,10 @@ class ShardExtractor:
             return self._run(began)
 
     def lock(self) -> FolderLock:
-        """The shard's lock, ``hidden_states/.extract-rows_S-E.lock``: one extraction of a shard at a time."""
+        """The shard's lock beside its manifest, ``shards/.rows_S-E.lock``: one extraction of a shard at a time
+        (``hidden_states/`` holds only the rows' files)."""
         return FolderLock(
-            self.hidden_dir / f".extract-{self.name}.lock", self.cfg.lock_wait, holder="extraction",
+            self.manifest_path.with_name(f".{self.name}.lock"), self.cfg.lock_wait, holder="extraction",
             guarded=f"shard {self.name} of {self.cfg.dataset}",
             why="Two extractions of one shard would send its rows twice and delete each other's dumps",
         )
