@@ -43,8 +43,7 @@ from eagleflow.extract.client import AnswerLost, EngineClient, RowFailed, Server
 from eagleflow.extract.dump_wait import DiskFull, remove_dead_writer_statuses, wait_for_dump
 from eagleflow.extract.manifest import FAILED, INTERRUPTED, SUCCESS, ShardManifest
 from eagleflow.extract.sample_store import SampleState, publish_dump, sample_path, validate
-from eagleflow.files import DurabilityBarrier
-from eagleflow.files import FolderLock
+from eagleflow.files import DurabilityBarrier, FolderLock
 from eagleflow.layout import RunLayout, hidden_states_dir, shard_name
 from eagleflow.progress import Progress
 from eagleflow.results import emit_result
