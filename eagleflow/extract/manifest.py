@@ -67,27 +67,23 @@ class ShardManifest:
         data = json.loads(Path(path).read_text())
         if not isinstance(data, dict):
             raise ValueError(f"expected a JSON object, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in data.items() if k in known}
+        types = {f.name: str(f.type) for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in types}
         for key, value in values.items():
-            if not _FIELD_CHECKS[key](value):
-                raise ValueError(f"field {key!r} is {type(value).__name__} {str(value)[:60]!r}, not {_FIELD_KINDS[key]}")
+            kind = _KINDS.get(types[key])
+            if kind is not None and not kind[1](value):
+                raise ValueError(f"field {key!r} is {type(value).__name__} {str(value)[:60]!r}, not {kind[0]}")
         if "name" not in values:
             raise ValueError("no 'name' field")
         return cls(**values)
 
 
-# What a readable manifest's fields hold: a reader refuses a manifest of another shape rather than
-# computing with it.
-_FIELD_KINDS = {
-    "name": "a string", "start": "an integer", "end": "an integer", "state": "a string", "engine": "a string",
-    "done": "an integer", "skipped": "an integer", "failed": "a list of objects", "tokens": "an integer",
-    "bytes": "an integer", "seconds": "a finite number", "error": "a string", "updated": "a finite number or null",
-}
-_FIELD_CHECKS = {
-    "name": lambda v: isinstance(v, str), "start": _is_int, "end": _is_int, "state": lambda v: isinstance(v, str),
-    "engine": lambda v: isinstance(v, str), "done": _is_int, "skipped": _is_int,
-    "failed": lambda v: isinstance(v, list) and all(isinstance(item, dict) for item in v), "tokens": _is_int,
-    "bytes": _is_int, "seconds": _is_number, "error": lambda v: isinstance(v, str),
-    "updated": lambda v: v is None or _is_number(v),
+# What a field of each declared type may hold (the annotations are strings: __future__ annotations):
+# a reader refuses a manifest of another shape rather than computing with it.
+_KINDS = {
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "int": ("an integer", _is_int),
+    "float": ("a finite number", _is_number),
+    "float | None": ("a finite number or null", lambda v: v is None or _is_number(v)),
+    "list[dict[str, Any]]": ("a list of objects", lambda v: isinstance(v, list) and all(isinstance(i, dict) for i in v)),
 }
