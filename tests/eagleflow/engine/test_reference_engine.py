@@ -370,7 +370,8 @@ def test_health_answers_between_the_decode_steps_of_a_long_request(ready: Engine
         return time.monotonic() - began
 
     per_token = generate(40) / 40
-    tokens = min(4096 - len(prompt), max(200, int(8.0 / per_token)))  # about 8 s of decoding, within the context
+    # About 8 s of decoding, within the context by SGLang's strictest rule (prompt + max_new_tokens < context).
+    tokens = min(4096 - len(prompt) - 1, max(200, int(8.0 / per_token)))
     with ThreadPoolExecutor(1) as pool:
         long = pool.submit(generate, tokens)
         time.sleep(1.0)
