@@ -35,7 +35,8 @@ GOAL_PEAK_RATIO = 0.10
 
 def prepared(work: Path) -> tuple[Path, Path]:
     """The tiny verifier and a prepared dataset of synthetic conversations (no hidden states yet)."""
-    from eagleflow.data.prepare import ChatTokenizer, write_training_dataset
+    from eagleflow.data.chat_tokens import ChatTokenizer
+    from eagleflow.data.prepare import write_training_dataset
     from eagleflow.demo.synthetic_data import generate_conversations
     from eagleflow.demo.tiny_model import TinyModelConfig, make_tiny_model
 

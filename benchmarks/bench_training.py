@@ -47,7 +47,8 @@ def demo_data(work: Path) -> tuple[Path, Path]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eagleflow.data.prepare import ChatTokenizer, write_training_dataset
+    from eagleflow.data.chat_tokens import ChatTokenizer
+    from eagleflow.data.prepare import write_training_dataset
     from eagleflow.demo.synthetic_data import generate_conversations
     from eagleflow.demo.tiny_model import TinyModelConfig, make_tiny_model
     from eagleflow.engine.capture import capture_hidden_states

@@ -17,7 +17,7 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, BaseModel, Field, ValidationError
 
-from eagleflow.errors import UserError
+from eagleflow.errors import UserError, excerpt_repr
 from sglang_patch.layer_ids import validate_aux_layer_ids
 from sglang_patch.sample_format import DEFAULT_HIDDEN_STATES_DTYPE, HiddenStatesDtype
 
@@ -57,7 +57,7 @@ def parse_int_list(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",")]
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {excerpt_repr(text)}") from exc
 
 
 def _strip_optional(annotation: Any) -> Any:

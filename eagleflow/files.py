@@ -1,16 +1,22 @@
-"""Atomic publication of files and folders: write beside the target, then rename over it."""
+"""Atomic publication of files and folders (write beside the target, then rename over it), and
+:class:`FolderLock`, one worker per folder."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
+import socket
+import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from eagleflow.errors import UserError
 from sglang_patch.file_mode import published_file_mode
 
 
@@ -40,20 +46,84 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
 def atomic_folder(target: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield an empty staging folder beside ``target``; on success it replaces ``target`` whole.
 
-    A reader sees the old folder or the complete new one, never a mix; on error the staging
-    folder is removed and ``target`` is left as it was.
+    A reader sees the old folder or the complete new one, never a mix (:func:`replace_folder`);
+    on error the staging folder is removed and ``target`` is left as it was. Staging folders of
+    earlier processes that died mid-way (their pid gone) are removed first.
     """
     target = Path(target)
+    remove_dead_siblings(target)
     staging = target.parent / f".{target.name}.staging-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
         yield staging
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
+        replace_folder(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def remove_dead_siblings(target: Path) -> None:
+    """Remove ``.<name>.staging-<pid>`` / ``.<name>.old-<pid>`` folders beside ``target`` whose process is gone."""
+    from eagleflow.engine.process import pid_alive  # process.py imports this module
+
+    if not target.parent.is_dir():
+        return
+    for sibling in target.parent.glob(f".{glob_escape(target.name)}.*-*"):
+        kind, _, pid = sibling.name[len(target.name) + 2:].rpartition("-")
+        if kind in ("staging", "old") and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            shutil.rmtree(sibling, ignore_errors=True)
+
+
+def glob_escape(name: str) -> str:
+    """``name`` with glob's special characters taken literally."""
+    import glob
+
+    return glob.escape(name)
+
+
+def replace_folder(staging: Path, target: Path) -> None:
+    """Put the complete folder ``staging`` at ``target`` in one step, then delete what was there.
+
+    On Linux the two are swapped by one ``renameat2(RENAME_EXCHANGE)``, so ``target`` is never
+    missing; elsewhere (or on a filesystem without it) the old folder is renamed aside first,
+    which leaves ``target`` absent for an instant but never mixed.
+    """
+    if not target.is_dir() or target.is_symlink():
+        os.replace(staging, target)
+        return
+    if _exchange(staging, target):
+        shutil.rmtree(staging)  # the old folder now lives under the staging name
+        return
+    aside = target.parent / f".{target.name}.old-{os.getpid()}"
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(target, aside)
+    os.replace(staging, target)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap ``a`` and ``b`` atomically; False where the system offers no such call."""
+    import ctypes
+    import errno
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # glibc before 2.28, musl
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
 
 
 def atomic_write_text(target: str | os.PathLike[str], text: str) -> Path:
@@ -125,3 +195,93 @@ class DurabilityBarrier:
             finally:
                 self._queue.task_done()
         self._queue.task_done()
+
+
+class FolderLock:
+    """One worker per folder (or per shard of one): an ``flock`` on the lock file ``path``, which names its holder.
+
+    Two processes on the same work (an Airflow retry while a killed attempt still exits, a second
+    run by hand) would overwrite or delete each other's files. The lock is taken before the work is
+    touched; a second comer waits ``wait_seconds`` (a killed holder needs seconds to exit), then
+    refuses with a :class:`UserError` naming the holder. It goes when the holder's last descriptor
+    closes, however it ends (a child that inherits the descriptor keeps it held). Training
+    (:class:`eagleflow.train.lock.TrainFolderLock`) and extraction (a lock per shard) use it.
+
+    :param path: the lock file.
+    :param wait_seconds: how long to wait for another holder before refusing.
+    :param holder: what a holder is, for the messages: ``"trainer"``, ``"extraction"``.
+    :param guarded: what the lock guards, for the messages (a folder, ``shard rows_0-2000 of …``).
+    :param why: what two holders at once would do, for the refusal.
+    """
+
+    def __init__(self, path: Path, wait_seconds: float, *, holder: str, guarded: str, why: str) -> None:
+        self.path, self.wait_seconds = path, wait_seconds
+        self.holder_name, self.guarded, self.why = holder, guarded, why
+        self.fd = -1
+
+    def acquire(self) -> None:
+        """Take the lock or raise :class:`UserError` naming the holder after ``wait_seconds``."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + self.wait_seconds
+        said = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    raise UserError(
+                        f"another {self.holder_name} holds {self.guarded}: {self.holder_text()}; waited "
+                        f"{self.wait_seconds:.0f}s. {self.why}: let it finish or stop it"
+                    ) from None
+                if not said:
+                    print(f"waiting for the {self.holder_name} that holds {self.guarded} ({self.holder_text()})", flush=True)
+                    said = True
+                time.sleep(0.5)
+        self.fd = fd
+        self._record()
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # a child's inherited copy keeps the lock while it runs
+            self.fd = -1
+
+    def __enter__(self) -> FolderLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def holder(self) -> dict[str, Any]:
+        """What the holder wrote into the lock file (empty if unreadable)."""
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8") or "{}")
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def holder_text(self) -> str:
+        """``pid N on HOST since … (its command line)``."""
+        info = self.holder()
+        if not info:
+            return "a process that did not say which"
+        return f"pid {info.get('pid')} on {info.get('host')} since {info.get('since')} ({info.get('command', '?')})"
+
+    def holder_fields(self) -> dict[str, Any]:
+        """Extra facts a subclass records about the holder."""
+        return {}
+
+    def _record(self, keep_since: bool = False) -> None:
+        """Write who holds the lock into the lock file (through the locked descriptor)."""
+        info = {
+            "pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "command": " ".join(sys.argv)[:300], **self.holder_fields(),
+        }
+        if keep_since:
+            info["since"] = self.holder().get("since", info["since"])
+        data = json.dumps(info).encode()
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, data, 0)

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagleflow.errors import UserError
+from eagleflow.errors import UserError, excerpt_repr
 from sglang_patch.sample_format import sample_file_name
 
 # A run's folder name: one plain path component, so a run never reaches outside the output root.
@@ -39,10 +39,38 @@ def check_run_name(run_name: str) -> str:
     """``run_name`` if it is one plain folder name (:data:`RUN_NAME_PATTERN`), else ValueError saying so."""
     if not _RUN_NAME.match(run_name):
         raise ValueError(
-            f"run name {run_name!r} must be 1-128 letters, digits, '.', '_' or '-' and start with a letter or digit "
+            f"run name {excerpt_repr(run_name)} must be 1-128 letters, digits, '.', '_' or '-' and start with a letter or digit "
             "(one folder under the output root, never a path out of it)"
         )
     return run_name
+
+
+# Folders a run's Params may never write into, whatever the output root (README, "Where a run may
+# write and listen"); "/" itself is refused, folders below it are not.
+SYSTEM_FOLDERS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/run", "/sbin", "/sys", "/usr")
+
+
+def check_output_path(value: str, output_root_env: str | None) -> str:
+    """``value`` if a run may write there, else ValueError saying why: the path policy of ``output_root``
+    and ``server_dump_dir``.
+
+    It must be absolute, must not be (or be inside) a system folder, and when the deployment sets
+    ``EAGLEFLOW_OUTPUT_ROOT`` (``output_root_env``) it must be that folder or inside it, after
+    symlinks and ``..`` are resolved, so neither a link nor a ``..`` leads out of it.
+    """
+    import os
+
+    if not os.path.isabs(value):
+        raise ValueError(f"{excerpt_repr(value)} is not an absolute path")
+    resolved = Path(value).resolve()
+    if resolved == Path("/") or any(resolved.is_relative_to(folder) for folder in SYSTEM_FOLDERS):
+        raise ValueError(f"{excerpt_repr(value)} is a system folder (or inside one); runs write elsewhere")
+    if output_root_env:
+        root = Path(output_root_env).resolve()
+        if not resolved.is_relative_to(root):
+            shown = f" (it resolves to {resolved})" if str(resolved) != value.rstrip("/") else ""
+            raise ValueError(f"{excerpt_repr(value)}{shown} is outside $EAGLEFLOW_OUTPUT_ROOT ({root}), where this deployment keeps its runs")
+    return value
 
 
 def hidden_states_dir(dataset: str | Path) -> Path:

@@ -25,14 +25,15 @@ from typing import Any, Literal
 
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, Field, create_model, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationInfo, create_model, field_validator, model_validator
 
 from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype, build_model
 from eagleflow.engine.process import ServerInfo
 from eagleflow.data.regenerate import CONVERSATIONS_FILE, RegenerateConfig
 from eagleflow.evaluate.config import EvaluateConfig
 from eagleflow.extract.verify_config import VerifyCaptureConfig
-from eagleflow.layout import RUN_NAME_PATTERN, RunLayout, check_run_name
+from eagleflow.errors import UserError, excerpt_repr
+from eagleflow.layout import RUN_NAME_PATTERN, RunLayout, check_output_path, check_run_name
 from eagleflow.train.config import TrainConfig
 
 # Training knobs offered in the Params form; their types, defaults and help are TrainConfig's.
@@ -183,16 +184,36 @@ class PipelineConfig(BaseModel):
         for url in urls:
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
-                raise ValueError(f"{url!r} is not an engine URL like http://gpu-node-1:30000")
+                raise ValueError(f"{excerpt_repr(url)} is not an engine URL like http://gpu-node-1:30000")
         if len(set(urls)) != len(urls):
             raise ValueError(f"engines listed twice: {sorted({u for u in urls if urls.count(u) > 1})}")
         return [url.rstrip("/") for url in urls]
+
+    @field_validator("output_root", "server_dump_dir")
+    @classmethod
+    def _where_runs_may_write(cls, value: str | None) -> str | None:
+        import os
+
+        from eagleflow.deploy import OUTPUT_ROOT_ENV
+
+        return None if value is None else check_output_path(value, os.environ.get(OUTPUT_ROOT_ENV))
 
     @model_validator(mode="after")
     def _remote_needs_dump_dir(self) -> PipelineConfig:
         if self.server_urls and not self.server_dump_dir:
             raise ValueError("server_dump_dir is required with server_urls (where the remote hooks write their dumps)")
         return self
+
+    @field_validator("server_extra_args")
+    @classmethod
+    def _extra_args_policy(cls, extra: list[str], info: ValidationInfo) -> list[str]:
+        from eagleflow.engine.launch import check_server_extra_args
+
+        try:
+            check_server_extra_args(info.data.get("engine", "reference"), extra)
+        except UserError as exc:
+            raise ValueError(str(exc)) from exc
+        return extra
 
     @classmethod
     def from_params(cls, params: dict[str, Any], run_id: str = "") -> PipelineConfig:

@@ -244,7 +244,8 @@ class ServerReadySensor(BaseSensorOperator):
     ``warmup_timeout_minutes`` Param sets it. A timeout raises ``AirflowSensorTimeout``, and
     ``soft_fail`` turns it (and a dead engine) into a skip, as for any sensor.
 
-    Fails at once, with the last 50 lines of the server log, when the engine process dies.
+    Fails at once when the engine process dies: the engine's own last error line first, then the
+    last 50 lines of the server log.
     Returns (as XCom) the engine's ``{url, pid, host, log_path, dump_dir, name}``.
 
     :param server: one launch_server instance's XCom (templated; mapped over, one sensor per engine).
@@ -330,9 +331,13 @@ class ServerReadySensor(BaseSensorOperator):
         return offset
 
     def _fail(self, status: str, message: str, server: dict[str, Any]) -> None:
-        from eagleflow.engine.process import log_tail
+        from eagleflow.engine.process import engine_error_line, log_tail
 
-        tail = log_tail(server["log_path"]) if server.get("log_path") else "(remote server: no local log)"
+        log_path = server.get("log_path")
+        tail = log_tail(log_path) if log_path else "(remote server: no local log)"
+        error = engine_error_line(log_path) if log_path else None
         reason = {"dead": "the engine process died", "timeout": "the engine was not ready in time"}.get(status, status)
-        text = f"{reason}: {message}\n--- last lines of {server.get('log_path') or 'the server log'} ---\n{tail}"
+        # The engine's own last error line first (the file it could not load); the tail below it.
+        said = f"; its last error: {error}" if error else ""
+        text = f"{reason}: {message}{said}\n--- last lines of {log_path or 'the server log'} ---\n{tail}"
         raise (AirflowSensorTimeout if status == "timeout" else AirflowException)(text)

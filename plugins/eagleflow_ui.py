@@ -93,8 +93,15 @@ async def require_airflow_user(
 # templates and their filters
 
 
+def _real(value: Any) -> float | None:
+    """``value`` as a finite number, or None for anything else (None, text, a list, an undefined field)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
 def _num(value: Any, digits: int = 3) -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+    if _real(value) is None:
         return "–"
     if isinstance(value, float) and not value.is_integer():
         return f"{value:.{digits}g}" if abs(value) < 1e-2 else f"{value:.{digits}f}"
@@ -102,13 +109,22 @@ def _num(value: Any, digits: int = 3) -> str:
 
 
 def _percent(value: Any) -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "–"
-    return f"{100 * value:.1f}%"
+    number = _real(value)
+    return "–" if number is None else f"{100 * number:.1f}%"
 
 
-def _age(timestamp: float | None) -> str:
-    if not timestamp:
+def _thousands(value: Any) -> str:
+    number = _real(value)
+    return "–" if number is None else f"{number:,.0f}"
+
+
+def _scientific(value: Any) -> str:
+    number = _real(value)
+    return "–" if number is None else f"{number:.2e}"
+
+
+def _age(timestamp: Any) -> str:
+    if not _real(timestamp):
         return "–"
     seconds = max(0, time.time() - timestamp)
     for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
@@ -121,7 +137,8 @@ def make_templates() -> Jinja2Templates:
     """The page templates (autoescaped HTML) with eagleflow's number filters."""
     templates = Jinja2Templates(directory=str(TEMPLATES_DIR))
     templates.env.filters.update(
-        num=_num, percent=_percent, age=_age, thousands=lambda n: f"{n:,.0f}", urlquote=lambda s: quote(str(s))
+        num=_num, percent=_percent, age=_age, thousands=_thousands, scientific=_scientific,
+        urlquote=lambda s: quote(str(s)),
     )
     templates.env.globals.update(refresh_seconds=REFRESH_SECONDS, charts=CHARTS)
     return templates

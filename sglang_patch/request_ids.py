@@ -19,6 +19,29 @@ HEALTH_CHECK_PREFIX = "HEALTH_CHECK"
 REGENERATE_PREFIX = "regen-"
 NOT_CAPTURED_PREFIXES = (HEALTH_CHECK_PREFIX, REGENERATE_PREFIX)
 _ROW_RID = re.compile(r"^row(\d+)-")
+# A rid names files in the dump folder: <rid>.safetensors, <rid>.error.json, and while one is
+# written its temporary name (mkstemp's) .<rid>.safetensors.XXXXXXXX.tmp, the longest: 26 bytes
+# more than the rid. A file name holds at most 255 bytes (NAME_MAX), so a rid at most 229 (UTF-8).
+NAME_MAX = 255
+MAX_RID_BYTES = NAME_MAX - len("..safetensors.XXXXXXXX.tmp")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def rid_problem(rid: str) -> str | None:
+    """Why ``rid`` cannot name a dump file in the dump folder (None when it can)."""
+    if not rid:
+        return "is empty"
+    if "/" in rid or "\\" in rid or rid.startswith("."):
+        return "must be a plain file name (no '/', '\\', leading '.')"
+    if _CONTROL.search(rid):
+        return "contains a control character"
+    try:
+        size = len(rid.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "is not valid Unicode (a lone surrogate)"
+    if size > MAX_RID_BYTES:
+        return f"is {size} bytes long; a dump file name holds at most {MAX_RID_BYTES}"
+    return None
 
 
 def row_request_id(row: int) -> str:

@@ -37,7 +37,8 @@ def build_dataset(model_dir: Path, out: Path, rows: int, seed: int) -> Path:
     from transformers import AutoModelForCausalLM
 
     from eagleflow.engine.capture import capture_hidden_states
-    from eagleflow.data.prepare import ChatTokenizer, write_training_dataset
+    from eagleflow.data.chat_tokens import ChatTokenizer
+    from eagleflow.data.prepare import write_training_dataset
     from eagleflow.extract.sample_store import write_sample
     from eagleflow.demo.synthetic_data import generate_conversations
 

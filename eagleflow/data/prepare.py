@@ -4,8 +4,11 @@ Input is JSONL or Parquet, each row either pre-tokenized (``input_ids``, optiona
 ``loss_mask``) or a chat (``messages``, tokenized with the tokenizer's chat template, loss
 mask on assistant tokens). Output is a HuggingFace ``datasets`` folder with int64 columns
 ``input_ids``, ``loss_mask`` and ``seq_len``; row i of it is row i of the hidden states,
-always. A bad row fails the step with its row number and reason, unless ``--skip-bad-rows``
-leaves it out and lists it in ``bad_rows.jsonl`` beside the dataset.
+always. A bad row (a byte that is not UTF-8 included) fails the step with its row number and
+reason, quoting at most an excerpt of it, unless ``--skip-bad-rows`` leaves it out and lists it in
+``bad_rows.jsonl`` beside the dataset. Rows are read one at a time, and a huge message is not
+tokenized whole (:mod:`eagleflow.data.chat_tokens`), so memory stays within a small multiple of
+the largest row beside the token ids kept.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from eagleflow.config import add_model_arguments, model_from_args
-from eagleflow.errors import UserError
+from eagleflow.errors import UserError, excerpt_repr
 from eagleflow.files import atomic_write_json, atomic_write_text
 from eagleflow.progress import Progress
 from eagleflow.results import emit_result
+from eagleflow.data.chat_tokens import LazyChatTokenizer
 from eagleflow.data.verifier import config_int
 
 MARKER_FILE = "prepare.json"
@@ -73,19 +77,32 @@ class PreparedRows:
 
 
 def read_input_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | str]]:
-    """Yield ``(row, record)``; a JSONL line that does not parse yields ``(row, error message)``."""
+    """Yield ``(row, record)`` one row at a time; a row that is not usable JSON yields ``(row, why)``.
+
+    A JSONL line is decoded on its own, so a byte that is not UTF-8 names its row (and
+    ``--skip-bad-rows`` can leave it out) instead of ending the file; no reason quotes more than a
+    bounded excerpt of the row.
+    """
     if not path.exists():
         raise UserError(f"--input {path} does not exist")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        for row, record in enumerate(pq.read_table(path).to_pylist()):
-            yield row, record
+        row = 0
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=256):  # never the whole file at once
+            for record in batch.to_pylist():
+                yield row, record
+                row += 1
         return
     if path.suffix not in (".jsonl", ".json"):
         raise UserError(f"--input {path}: expected a .jsonl or .parquet file")
-    with open(path, encoding="utf-8") as handle:
-        for row, line in enumerate(handle):
+    with open(path, "rb") as handle:
+        for row, raw in enumerate(handle):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield row, f"not UTF-8: byte 0x{raw[exc.start]:02x} at byte {exc.start} of the line"
+                continue
             if not line.strip():
                 yield row, "empty line"
                 continue
@@ -94,54 +111,24 @@ def read_input_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | str]]:
             except json.JSONDecodeError as exc:
                 yield row, f"unparsable JSON: {exc.msg} at column {exc.colno}"
                 continue
+            except RecursionError:
+                yield row, "unparsable JSON: nested deeper than the parser goes"
+                continue
             yield row, record if isinstance(record, dict) else f"expected a JSON object, got {type(record).__name__}"
 
 
-class ChatTokenizer:
-    """Chat messages -> (token ids, assistant mask) with the tokenizer's own chat template.
+def count_input_rows(path: Path) -> int:
+    """How many rows :func:`read_input_rows` will yield (for progress), without parsing them."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
 
-    Templates that mark assistant text with ``{% generation %}`` give the mask directly. For
-    others (most released models) the mask is derived by rendering growing prefixes of the
-    conversation: the tokens an assistant turn adds after the generation prompt are its own.
-    """
-
-    def __init__(self, tokenizer_dir: Path) -> None:
-        from transformers import AutoTokenizer
-
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-        except Exception as exc:
-            raise UserError(f"--tokenizer {tokenizer_dir}: cannot load a tokenizer: {exc}") from exc
-        template = self.tokenizer.chat_template or ""
-        if not template:
-            raise UserError(f"--tokenizer {tokenizer_dir} has no chat template; give pre-tokenized input_ids instead")
-        self.has_generation_markers = "{% generation %}" in template or "{%- generation %}" in template
-
-    def __call__(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
-        if self.has_generation_markers:
-            encoded = self.tokenizer.apply_chat_template(
-                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-            )
-            return list(encoded["input_ids"]), [int(m) for m in encoded["assistant_masks"]]
-        return self._mask_by_prefixes(messages)
-
-    def _ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
-        encoded = self.tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt
-        )
-        return list(encoded["input_ids"])
-
-    def _mask_by_prefixes(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
-        ids = self._ids(messages, add_generation_prompt=False)
-        mask = [0] * len(ids)
-        for i, message in enumerate(messages):
-            if message.get("role") != "assistant":
-                continue
-            start = len(self._ids(messages[:i], add_generation_prompt=True))
-            end = len(self._ids(messages[: i + 1], add_generation_prompt=False))
-            for pos in range(start, min(end, len(ids))):
-                mask[pos] = 1
-        return ids, mask
+        return int(pq.ParquetFile(path).metadata.num_rows)
+    count, last = 0, b"\n"
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            count += block.count(b"\n")
+            last = block[-1:]
+    return count + (last != b"\n")
 
 
 def check_messages(messages: Any) -> str | None:
@@ -161,17 +148,16 @@ def _int_list(value: Any, name: str) -> list[int] | str:
         return f"{name} must be a non-empty list of integers"
     for pos, item in enumerate(value):
         if isinstance(item, bool) or not isinstance(item, int):
-            return f"{name}[{pos}] = {item!r} is not an integer"
+            return f"{name}[{pos}] = {excerpt_repr(item)} is not an integer"
     return value
 
 
 def tokenize_rows(cfg: PrepareConfig, vocab_size: int) -> PreparedRows:
     """Turn every input row into (input_ids, loss_mask), truncating and collecting bad rows."""
     out = PreparedRows()
-    chat = LazyChatTokenizer(cfg.tokenizer)
-    rows = list(read_input_rows(cfg.input))
-    progress = Progress(len(rows), label="rows", every=1000)
-    for row, record in rows:
+    chat = LazyChatTokenizer(cfg.tokenizer, cfg.max_len)
+    progress = Progress(count_input_rows(cfg.input), label="rows", every=1000)
+    for row, record in read_input_rows(cfg.input):  # one row in memory at a time, beside the token ids
         progress.advance()
         result = _tokenize_one(record, vocab_size, chat)
         if isinstance(result, str):
@@ -202,19 +188,6 @@ def tokenizer_vocab_size(tokenizer_dir: Path) -> int:
         raise UserError(f"cannot tell the vocabulary size of {tokenizer_dir} ({exc}); pass --vocab-size") from exc
 
 
-class LazyChatTokenizer:
-    """Loads the chat tokenizer on the first chat row, so token-id input needs no tokenizer."""
-
-    def __init__(self, tokenizer_dir: Path) -> None:
-        self.tokenizer_dir = tokenizer_dir
-        self._chat: ChatTokenizer | None = None
-
-    def __call__(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
-        if self._chat is None:
-            self._chat = ChatTokenizer(self.tokenizer_dir)
-        return self._chat(messages)
-
-
 def _tokenize_one(record: dict[str, Any] | str, vocab_size: int, chat: LazyChatTokenizer) -> tuple[list[int], list[int]] | str:
     if isinstance(record, str):
         return record
@@ -238,7 +211,7 @@ def _tokenize_one(record: dict[str, Any] | str, vocab_size: int, chat: LazyChatT
             return problem
         ids, mask = chat(record["messages"])
     else:
-        return f"row has neither 'input_ids' nor 'messages' (keys: {sorted(record)})"
+        return f"row has neither 'input_ids' nor 'messages' (keys: {excerpt_repr(sorted(record)[:10], 120)})"
     bad = next(((pos, t) for pos, t in enumerate(ids) if not 0 <= t < vocab_size), None)
     if bad is not None:
         return f"input_ids[{bad[0]}] = {bad[1]} is outside the verifier's vocabulary (0..{vocab_size - 1})"

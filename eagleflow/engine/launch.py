@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from eagleflow.config import model_to_argv
+from eagleflow.engine.extra_args import check_reference_extra_args
 from eagleflow.export.step import ServedDrafter
 from eagleflow.pipeline import PipelineConfig, model_dir
 
@@ -35,6 +36,7 @@ def engine_command(cfg: PipelineConfig, port: int, gpu_offset: int = 0) -> tuple
             dump_queue_bytes=cfg.dump_queue_bytes,
             hidden_states_dtype=cfg.hidden_states_dtype,
         )
+        check_reference_extra_args(cfg.server_extra_args)
         argv = [sys.executable, "-u", "-m", "eagleflow", "serve-reference", *model_to_argv(engine)]
         return argv + list(cfg.server_extra_args), {"PYTHONUNBUFFERED": "1"}
     from eagleflow.engine.sglang_command import SGLangServerConfig, build_command
@@ -82,8 +84,23 @@ def serving_engine_command(
                     "speculative_draft_window_size": drafter.window,
                 }
             )
+        check_reference_extra_args(extra_args)
         argv = [sys.executable, "-u", "-m", "eagleflow", "serve-reference", *model_to_argv(served)]
         return argv + list(extra_args), {"PYTHONUNBUFFERED": "1"}
     from eagleflow.engine.sglang_serving import build_serving_command
 
     return build_serving_command(str(model.absolute()), port, drafter, tp_size=tp_size, extra_args=extra_args)
+
+
+def check_server_extra_args(engine: str, extra: Sequence[str]) -> None:
+    """Refuse ``server_extra_args`` that set what the run sets for any engine it launches: the capture
+    engine and both evaluation engines get them (the policy is in :mod:`eagleflow.engine.extra_args`)."""
+    if engine == "reference":
+        check_reference_extra_args(extra)
+        return
+    from eagleflow.engine.extra_args import check_extra_args
+    from eagleflow.engine.sglang_command import check_extra_args as check_capture_args
+    from eagleflow.engine.sglang_serving import SERVING_OWNED
+
+    check_capture_args(list(extra))
+    check_extra_args(extra, SERVING_OWNED, who="the evaluation")

@@ -11,6 +11,7 @@ import enum
 import fcntl
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -162,14 +163,26 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def start_server(
-    argv: list[str], env: dict[str, str], log_path: Path, state_path: Path, url: str, dump_dir: Path, name: str = "engine-0"
+    argv: list[str],
+    env: dict[str, str],
+    log_path: Path,
+    state_path: Path,
+    url: str,
+    dump_dir: Path,
+    name: str = "engine-0",
+    *,
+    owned: bool = False,
 ) -> ServerInfo:
     """Start engine ``name`` in its own session, its output appended to ``log_path``.
 
     Its own session: a killed Airflow task takes its process group down with it, and the
     server must outlive the launch task. The state file lets a later task (or a retry)
     find and reuse or stop it.
+
+    :param owned: the engine is the calling step's own (evaluation's): the kernel sends it SIGTERM when this
+        process dies, even by SIGKILL. Call from the main thread: the signal is tied to the starting thread.
     """
+    parent = os.getpid()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     dump_dir.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
@@ -183,6 +196,7 @@ def start_server(
             env={**os.environ, **env},
             start_new_session=True,
             close_fds=True,
+            preexec_fn=(lambda: die_with_parent(signal.SIGTERM, parent)) if owned else None,
         )
     info = ServerInfo(
         url=url, pid=process.pid, host=socket.gethostname(), log_path=str(log_path), dump_dir=str(dump_dir), name=name
@@ -326,15 +340,16 @@ def _reap(pid: int) -> None:
 
 
 class EngineGone(Exception):
-    """The engine died, or was not ready in time; the message ends with its log's tail."""
+    """The engine died or was not ready in time (``reason``); ``error``: its own last error line, if any."""
+
+    def __init__(self, reason: str, error: str | None, log_path: str) -> None:
+        self.reason, self.error, self.log_path = reason, error, log_path
+        super().__init__(f"{reason}{f': {error}' if error else ''}" + (f" (whole log: {log_path})" if log_path else ""))
 
 
 def wait_until_ready(server: ServerInfo, timeout: float, poll: float = 1.0) -> None:
-    """Block until ``server`` is ready; raise :class:`EngineGone` (with the log tail) if it dies or times out.
-
-    For steps that need the engine themselves (evaluation, regeneration); the DAG's readiness
-    wait is the deferrable sensor, which polls with the same :func:`check_ready`.
-    """
+    """Block until ``server`` is ready; raise :class:`EngineGone` if it dies or times out. For steps that need
+    the engine themselves (evaluation, regeneration); the DAG's sensor polls with the same :func:`check_ready`."""
     deadline = time.monotonic() + timeout
     while True:
         check = check_ready(server)
@@ -342,6 +357,43 @@ def wait_until_ready(server: ServerInfo, timeout: float, poll: float = 1.0) -> N
             return
         if check.state is Readiness.DEAD or time.monotonic() > deadline:
             why = "died" if check.state is Readiness.DEAD else f"was not ready within {timeout:.0f}s"
-            tail = log_tail(server.log_path) if server.log_path else "(no local log)"
-            raise EngineGone(f"{why}: {check.message}\n--- {server.log_path or 'the engine'} ---\n{tail}")
+            error = engine_error_line(server.log_path) if server.log_path else None
+            raise EngineGone(f"{why} ({check.message})", error, server.log_path)
         time.sleep(poll)
+
+
+# A traceback's last line (``safetensors_rust.SafetensorError: …``), ``error: …`` lines, SGLang's ``ERROR`` lines.
+_ERROR_LINE = re.compile(r"^\s*(?:[A-Za-z_][\w.]*(?:Error|Exception|Exit)\b|.*\berror: |.*\bERROR\b)")
+
+
+def engine_error_line(log_path: str | os.PathLike[str], limit: int = 500) -> str | None:
+    """The engine's own last error line since its newest start in ``log_path`` (at most ``limit``
+    characters), or None when it printed none: what a user needs first, instead of the whole traceback."""
+    try:
+        end = os.path.getsize(log_path)
+    except OSError:
+        return None
+    text, _ = read_log_from(log_path, max(last_start_offset(log_path), end - 256_000))  # the end of a long log
+    for line in reversed(text.splitlines()):
+        if _ERROR_LINE.match(line):
+            return line.strip() if len(line.strip()) <= limit else line.strip()[:limit] + "…"
+    return None
+
+
+@contextlib.contextmanager
+def interrupted_by_signals(signums: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> Iterator[list[int]]:
+    """Inside, the first of ``signums`` (``on_kill`` sends SIGTERM) raises :class:`KeyboardInterrupt`, so ``finally``
+    blocks (stopping an engine) run; later ones are only recorded, not cutting that short. Yields those received."""
+    received: list[int] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        received.append(signum)
+        if len(received) == 1:
+            raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    previous = {signum: signal.signal(signum, on_signal) for signum in signums}
+    try:
+        yield received
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

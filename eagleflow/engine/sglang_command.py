@@ -57,7 +57,7 @@ OWNED_FLAGS: dict[str, str] = {
     "--model": "model_path",
     "--tp-size": "tp_size",
     "--tensor-parallel-size": "tp_size",
-    "--host": "host",
+    "--host": "host; the run's engines listen on 127.0.0.1 only: README, 'Where a run may write and listen'",
     "--port": "port",
     "--attention-backend": "attention_backend",
     "--num-continuous-decode-steps": "num_continuous_decode_steps",
@@ -252,16 +252,26 @@ def check_attention_backend(backends: Sequence[str], compute_caps: Callable[[], 
 
 
 def check_extra_args(extra: Sequence[str]) -> None:
-    """Refuse extra arguments that override a flag this module owns or that break capture."""
+    """Refuse extra arguments that override a flag this module owns or that break capture.
+
+    Matched as SGLang's argparse reads them: ``--flag=value`` and any prefix of a long option
+    (``--ho`` is ``--host``) too (:func:`eagleflow.engine.extra_args.refused_match`).
+    """
+    from eagleflow.engine.extra_args import refused_match
+
     for arg in extra:
-        name = arg.partition("=")[0]
-        if name in OWNED_FLAGS:
+        given = arg.partition("=")[0]
+        name = refused_match(arg, OWNED_FLAGS)
+        read_as = "" if name == given else f" (SGLang's parser reads {given} as {name})"
+        if name is not None:
             raise UserError(
-                f"extra argument {name} is set by the launcher; use the config field instead "
+                f"extra argument {name}{read_as} is set by the launcher; use the config field instead "
                 f"({OWNED_FLAGS[name]})"
             )
-        if name in CAPTURE_BREAKING_FLAGS:
-            raise UserError(f"extra argument {name} is refused for a capture server: {CAPTURE_BREAKING_FLAGS[name]}")
+        name = refused_match(arg, CAPTURE_BREAKING_FLAGS)
+        read_as = "" if name == given else f" (SGLang's parser reads {given} as {name})"
+        if name is not None:
+            raise UserError(f"extra argument {name}{read_as} is refused for a capture server: {CAPTURE_BREAKING_FLAGS[name]}")
     for (flag, value), why in CAPTURE_BREAKING_VALUES.items():
         if value in flag_values(extra, [flag]):
             raise UserError(f"extra argument {flag} {value} is refused for a capture server: {why}")

@@ -23,6 +23,7 @@ from eagleflow.engine.sglang_command import (
     detect_sglang_version,
     flag_values,
 )
+from eagleflow.engine.extra_args import LISTEN, check_extra_args
 from eagleflow.errors import UserError
 from eagleflow.export.step import ServedDrafter
 from sglang_patch.hook_spec import parse_version
@@ -40,6 +41,22 @@ def speculative_flags(drafter: ServedDrafter) -> list[str]:
     if drafter.window is not None:
         flags += ["--speculative-draft-window-size", str(drafter.window)]
     return flags
+
+
+# Flags build_serving_command sets itself (an extra argument repeating one would silently win, as
+# argparse keeps the last value), and where their values come from.
+SERVING_OWNED: dict[str, str] = {
+    "--model-path": "the run's model_path",
+    "--model": "the run's model_path",
+    "--tp-size": "the run's tp_size",
+    "--tensor-parallel-size": "the run's tp_size",
+    "--host": LISTEN,
+    "--port": "a free port of its own",
+    **{flag: "the exported drafter (export.json); the baseline runs without one" for flag in (
+        "--speculative-algorithm", "--speculative-draft-model-path", "--speculative-num-steps",
+        "--speculative-eagle-topk", "--speculative-num-draft-tokens", "--speculative-draft-window-size",
+    )},
+}
 
 
 def build_serving_command(
@@ -69,6 +86,7 @@ def build_serving_command(
                 f"it was trained with; see its export.json), found sglang {version} for {python}"
             )
     extra = [str(arg) for arg in extra_args]
+    check_extra_args(extra, SERVING_OWNED, who="the evaluation")
     check_attention_backend([attention_backend, *flag_values(extra, ATTENTION_BACKEND_FLAGS)], compute_caps)
     argv = [
         python, "-m", "sglang.launch_server",

@@ -2,7 +2,9 @@
 
 The engine is the same process an operator would launch (:mod:`eagleflow.engine.process`), so
 its log, readiness and stop behave as in the rest of the pipeline; the requests are SGLang's
-native ``/generate`` with ``temperature`` 0, whose answers carry the spec fields.
+native ``/generate`` with ``temperature`` 0, whose answers carry the spec fields. The engine is
+the step's own: it is stopped when the step ends, is stopped (SIGTERM, SIGINT: the step's
+``finally``) or dies outright (the kernel's parent-death signal, :func:`start_server` ``owned``).
 """
 
 from __future__ import annotations
@@ -62,10 +64,11 @@ class EngineMeasurement:
 
 @contextlib.contextmanager
 def running_engine(argv: list[str], env: dict[str, str], folder: Path, port: int, timeout: float) -> Iterator[ServerInfo]:
-    """Start the engine, wait until it answers ``/health_generate``, stop its process group afterwards."""
+    """Start the engine, wait until it answers ``/health_generate``, stop its process group afterwards
+    (also when a signal or an error ends the step: see the module docstring)."""
     folder.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{port}"
-    info = start_server(argv, env, folder / "server.log", folder / "server.json", url, folder / "dumps")
+    info = start_server(argv, env, folder / "server.log", folder / "server.json", url, folder / "dumps", owned=True)
     try:
         try:
             wait_until_ready(info, timeout)
@@ -98,8 +101,12 @@ def measure(url: str, prompts: Sequence[Prompt], max_new_tokens: int, concurrenc
         result.single.append(generate(client, prompt, max_new_tokens, label))
         progress.advance(extra=f"{result.single_tokens_per_s:.1f} tokens/s")
     began = time.monotonic()
-    with ThreadPoolExecutor(concurrency, thread_name_prefix=f"eval-{label}") as pool:
+    pool = ThreadPoolExecutor(concurrency, thread_name_prefix=f"eval-{label}")
+    try:
         result.concurrent = list(pool.map(lambda p: generate(client, p, max_new_tokens, label), prompts))
+    finally:
+        # Not waiting for requests in flight: a stopped step must stop its engine now, which ends them.
+        pool.shutdown(wait=False, cancel_futures=True)
     result.concurrent_seconds = time.monotonic() - began
     print(
         f"evaluate: {label}: {result.single_tokens_per_s:.1f} tokens/s one at a time, "

@@ -28,7 +28,10 @@ def validation_start(rows: int, train_data_ratio: float) -> int:
 
 
 def held_out_prompts(dataset: Path, train_data_ratio: float, count: int) -> list[Prompt]:
-    """Up to ``count`` prompts from the validation split of the prepared dataset ``dataset``."""
+    """The first ``count`` prompts of the validation split of the prepared dataset ``dataset``.
+
+    Fewer than ``count`` is an error naming the Param, never a silently smaller evaluation.
+    """
     import datasets
 
     try:
@@ -48,5 +51,11 @@ def held_out_prompts(dataset: Path, train_data_ratio: float, count: int) -> list
         raise UserError(
             f"--dataset {dataset}: no held-out prompt in rows {start}..{len(table) - 1} (train_data_ratio "
             f"{train_data_ratio} of {len(table)} rows); evaluation needs rows training never saw"
+        )
+    if len(prompts) < count:
+        raise UserError(
+            f"--eval-rows {count} (Param eval_rows): the dataset {dataset} has only {len(prompts)} held-out prompts "
+            f"(rows {start}..{len(table) - 1} with an answer, of {len(table)} rows at train_data_ratio {train_data_ratio}); "
+            f"lower eval_rows to at most {len(prompts)}"
         )
     return prompts

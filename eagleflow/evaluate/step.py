@@ -21,7 +21,7 @@ from typing import Any
 
 from eagleflow.config import add_model_arguments, model_from_args
 from eagleflow.engine.launch import serving_engine_command
-from eagleflow.engine.process import free_port
+from eagleflow.engine.process import free_port, interrupted_by_signals
 from eagleflow.evaluate.config import EvaluateConfig
 from eagleflow.errors import UserError
 from eagleflow.evaluate.engine_run import measure, running_engine
@@ -99,7 +99,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     cfg = model_from_args(EvaluateConfig, args)
-    report = evaluate(cfg)
+    try:
+        with interrupted_by_signals():
+            report = evaluate(cfg)
+    except KeyboardInterrupt as exc:
+        # running_engine's finally stopped the engine on the way here.
+        print(f"evaluate: stopped ({exc}); its engine is stopped and no report was written; rerun the step to evaluate", flush=True)
+        return 1
     emit_result(
         {
             "report": str(cfg.out / REPORT_FILE),

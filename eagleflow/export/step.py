@@ -8,17 +8,22 @@
 - ``OUT/speculators/``: the checkpoint's own format (config and weights, no optimizer state),
   which vLLM loads natively;
 - ``OUT/export.json``: what was exported from where, the aux ids SGLang will capture, the draft
-  window, and the serving flags.
+  window, and the serving flags; its paths are relative to ``OUT``, so the folder can be moved or
+  copied and serves its own files.
 
 A checkpoint SGLang would serve as another function than the one trained (``norm_before_residual``
 True, a non-Llama draft layer, aux ids its target cannot capture) gets no SGLang folder: with
 ``--serve-with sglang`` that is an error naming the reason, with ``vllm`` the reason is recorded.
-Each folder is assembled beside its target and renamed into place, so it is complete or absent.
+The checkpoint is read and checked first (a torn config, truncated weights or a missing layer
+config is an error naming the file); the whole of ``OUT`` is then built beside it, read back,
+fsynced and swapped in by one rename, so ``OUT`` holds the earlier export or the complete new one,
+never a mix; a failure (a full disk too) leaves the earlier export untouched.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import shutil
 from dataclasses import dataclass
@@ -29,7 +34,7 @@ from pydantic import BaseModel, Field
 
 from eagleflow.config import add_model_arguments, model_from_args
 from eagleflow.data.verifier import config_int, read_config
-from eagleflow.errors import UserError
+from eagleflow.errors import UserError, excerpt
 from eagleflow.export.sglang_drafter import (
     SINCE,
     NotServable,
@@ -41,7 +46,7 @@ from eagleflow.export.sglang_drafter import (
     sglang_weights,
 )
 from eagleflow.export.targets import ServeWith
-from eagleflow.files import atomic_folder, atomic_write_json
+from eagleflow.files import atomic_folder, fsync_path
 from eagleflow.layout import TrainLayout
 from eagleflow.results import emit_result
 
@@ -60,17 +65,27 @@ class ServedDrafter:
 
     @classmethod
     def from_export(cls, drafter_dir: str | Path, num_steps: int | None = None) -> ServedDrafter:
-        """Read ``<drafter_dir>/export.json``; ``num_steps`` overrides the trained draft length."""
+        """Read ``<drafter_dir>/export.json``; ``num_steps`` overrides the trained draft length.
+
+        The SGLang folder's path is taken relative to ``drafter_dir`` (an absolute one, as exports
+        before relocatable folders wrote, is used as written).
+        """
         manifest_path = Path(drafter_dir) / EXPORT_MANIFEST
         try:
-            sglang = json.loads(manifest_path.read_text())["sglang"]
-        except (OSError, ValueError, KeyError) as exc:
-            raise UserError(f"{manifest_path}: no export to serve ({exc}); run eagleflow export first") from exc
-        if "path" not in sglang:
-            raise UserError(f"{manifest_path}: the drafter has no SGLang folder: {sglang.get('refused')}")
-        return cls(
-            Path(sglang["path"]), int(num_steps or sglang["num_steps"]), sglang.get("draft_window_size"), sglang["minimum_sglang"]
-        )
+            sglang = json.loads(manifest_path.read_text(encoding="utf-8"))["sglang"]
+            if not isinstance(sglang, dict):
+                raise TypeError(f"'sglang' is a {type(sglang).__name__}, not an object")
+            if "path" not in sglang:
+                raise UserError(f"{manifest_path}: the drafter has no SGLang folder: {sglang.get('refused')}")
+            served = cls(
+                Path(drafter_dir).absolute() / sglang["path"], int(num_steps or sglang["num_steps"]),
+                sglang.get("draft_window_size"), str(sglang["minimum_sglang"]),
+            )
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise UserError(f"{manifest_path}: no export to serve ({excerpt(exc)}); run eagleflow export first") from exc
+        if not (served.path / "config.json").is_file():
+            raise UserError(f"{manifest_path}: its SGLang folder {served.path} has no config.json; run eagleflow export again")
+        return served
 
 
 class ExportConfig(BaseModel):
@@ -96,38 +111,96 @@ def chosen_checkpoint(cfg: ExportConfig) -> Path:
         raise UserError(f"--train-dir {cfg.train_dir}: no finished training ({result}: {exc})") from exc
 
 
-def export_speculators(checkpoint: Path, target: Path) -> Path:
-    """The checkpoint's config and weights, without optimizer or trainer state."""
-    with atomic_folder(target) as staging:
-        for name in SPECULATORS_FILES:
-            if (checkpoint / name).is_file():
-                shutil.copyfile(checkpoint / name, staging / name)
-    return target
+@dataclass(frozen=True)
+class Checkpoint:
+    """A speculators checkpoint, read and checked before anything is written."""
+
+    folder: Path
+    config: dict[str, Any]
+    weights: dict[str, Any]
+
+    @property
+    def config_path(self) -> Path:
+        return self.folder / "config.json"
 
 
-def export_sglang(checkpoint: Path, verifier: Path, target: Path) -> dict[str, Any]:
-    """SGLang's folder for ``checkpoint``; returns what ``export.json`` says about it.
+# What the export reads from a checkpoint's config.json, and what it says when one is missing.
+REQUIRED_CONFIG_KEYS = {
+    "transformer_layer_config": "the draft layer's config",
+    "draft_vocab_size": "the draft vocabulary size",
+    "eagle_aux_hidden_state_layer_ids": "the verifier layers the drafter reads",
+}
+
+
+def read_checkpoint(folder: Path) -> Checkpoint:
+    """Read and check ``folder``'s ``config.json`` and ``model.safetensors``; a damaged one is a
+    :class:`UserError` naming the file and what is wrong, not a parser's traceback."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    config_path, weights_path = folder / "config.json", folder / "model.safetensors"
+    if not config_path.is_file() or not weights_path.is_file():
+        raise UserError(f"{folder} is not a speculators checkpoint (config.json + model.safetensors)")
+    damaged = "the checkpoint is damaged; export another checkpoint (--checkpoint) or rerun training"
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        raise UserError(f"{config_path}: not readable JSON ({excerpt(exc)}); {damaged}") from exc
+    if not isinstance(config, dict):
+        raise UserError(f"{config_path}: expected a JSON object, got {type(config).__name__}; {damaged}")
+    for key, what in REQUIRED_CONFIG_KEYS.items():
+        if key not in config:
+            raise UserError(f"{config_path}: no {key} ({what}); {damaged}")
+    layer = config["transformer_layer_config"]
+    if not isinstance(layer, dict) or "vocab_size" not in layer:
+        raise UserError(f"{config_path}: transformer_layer_config is not a layer config with a vocab_size; {damaged}")
+    try:
+        weights = load_file(str(weights_path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise UserError(f"{weights_path}: not readable safetensors ({excerpt(exc)}); {damaged}") from exc
+    return Checkpoint(folder, config, weights)
+
+
+def export_speculators(checkpoint: Checkpoint, target: Path) -> None:
+    """The checkpoint's config and weights into ``target``, without optimizer or trainer state."""
+    target.mkdir()
+    for name in SPECULATORS_FILES:
+        if (checkpoint.folder / name).is_file():
+            shutil.copyfile(checkpoint.folder / name, target / name)
+            if (target / name).stat().st_size != (checkpoint.folder / name).stat().st_size:
+                raise OSError(f"{target / name}: copy is shorter than {checkpoint.folder / name}")
+
+
+def export_sglang(checkpoint: Checkpoint | Path, verifier: Path, target: Path) -> dict[str, Any]:
+    """SGLang's folder for ``checkpoint`` written to ``target``; returns what ``export.json`` says about it
+    (``path`` relative to the drafter folder, ``target``'s parent).
 
     :raises NotServable: SGLang would not compute what was trained.
     """
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
-    checkpoint_config = json.loads((checkpoint / "config.json").read_text())
+    if isinstance(checkpoint, Path):
+        checkpoint = read_checkpoint(checkpoint)
     architecture = (read_config(verifier).get("architectures") or ["?"])[0]
-    config = sglang_config(checkpoint_config, architecture, config_int(verifier, "hidden_size"))
-    window = draft_window_size(checkpoint_config["transformer_layer_config"])
-    weights = sglang_weights(load_file(str(checkpoint / "model.safetensors")))
-    with atomic_folder(target) as staging:
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    try:
+        config = sglang_config(checkpoint.config, architecture, config_int(verifier, "hidden_size"))
+        window = draft_window_size(checkpoint.config["transformer_layer_config"])
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, NotServable):
+            raise
+        raise UserError(f"{checkpoint.config_path}: unusable draft config ({type(exc).__name__}: {excerpt(exc)})") from exc
+    weights = sglang_weights(checkpoint.weights)
+    target.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(target / "model.safetensors"), metadata={"format": "pt"})
+    (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     sglang_ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     return {
-        "path": str(target),
+        "path": target.name,
         "target_architecture": architecture,
         "eagle_aux_hidden_state_layer_ids": sglang_ids,
         "captures_layers": captured_layer_ids(sglang_ids, architecture),
         "draft_window_size": window,
-        "num_steps": _proposal_steps(checkpoint_config),
+        "num_steps": _proposal_steps(checkpoint.config),
         "minimum_sglang": minimum_sglang(config),
         "sglang_features": sglang_features(config),
         "weights": sorted(weights),
@@ -140,25 +213,61 @@ def _proposal_steps(checkpoint_config: dict[str, Any]) -> int:
     return int(methods[0].get("speculative_tokens") or 3)
 
 
-def export(cfg: ExportConfig) -> dict[str, Any]:
-    """Write both folders and ``export.json``; return the manifest."""
-    checkpoint = chosen_checkpoint(cfg)
-    if not (checkpoint / "config.json").is_file() or not (checkpoint / "model.safetensors").is_file():
-        raise UserError(f"{checkpoint} is not a speculators checkpoint (config.json + model.safetensors)")
-    out = cfg.out.absolute()
-    manifest: dict[str, Any] = {"checkpoint": str(checkpoint), "serve_with": cfg.serve_with}
-    manifest["speculators"] = {"path": str(export_speculators(checkpoint, out / "speculators"))}
+def check_written(folder: Path) -> None:
+    """Read back every ``config.json`` and safetensors header under ``folder`` and fsync each file,
+    so the folder swapped in is complete and durable."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        try:
+            if path.suffix == ".json":
+                json.loads(path.read_text(encoding="utf-8"))
+            elif path.suffix == ".safetensors":
+                with safe_open(str(path), "pt") as handle:
+                    handle.keys()
+        except (ValueError, SafetensorError) as exc:
+            raise UserError(f"{path}: written but not readable back ({excerpt(exc)})") from exc
+        fsync_path(path)
+    for sub in sorted({p.parent for p in folder.rglob("*")} | {folder}):
+        fsync_path(sub)
+
+
+def build_drafter(checkpoint: Checkpoint, cfg: ExportConfig, folder: Path) -> dict[str, Any]:
+    """Write ``speculators/``, ``sglang/`` (when servable) and ``export.json`` into ``folder``; return the manifest.
+
+    Paths in the manifest are relative to the drafter folder, so a copied or moved folder serves its own files.
+    """
+    manifest: dict[str, Any] = {"checkpoint": str(checkpoint.folder), "serve_with": cfg.serve_with}
+    export_speculators(checkpoint, folder / "speculators")
+    manifest["speculators"] = {"path": "speculators"}
     try:
-        manifest["sglang"] = export_sglang(checkpoint, cfg.verifier.absolute(), out / "sglang")
+        manifest["sglang"] = export_sglang(checkpoint, cfg.verifier.absolute(), folder / "sglang")
     except NotServable as exc:
-        shutil.rmtree(out / "sglang", ignore_errors=True)
+        shutil.rmtree(folder / "sglang", ignore_errors=True)
         if cfg.serve_with == "sglang":
-            raise UserError(f"{checkpoint} cannot be served by SGLang: {exc.reason}") from exc
+            raise UserError(f"{checkpoint.folder} cannot be served by SGLang: {exc.reason}") from exc
         manifest["sglang"] = {"refused": exc.reason}
-    atomic_write_json(out / EXPORT_MANIFEST, manifest)
+    (folder / EXPORT_MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    check_written(folder)
+    return manifest
+
+
+def export(cfg: ExportConfig) -> dict[str, Any]:
+    """Build the whole drafter folder beside ``--out`` and swap it in once everything is written and read back.
+
+    A failure of any kind (a damaged checkpoint, a full disk) leaves an earlier export in ``--out``
+    exactly as it was and no staging folder behind; returns the manifest.
+    """
+    checkpoint = read_checkpoint(chosen_checkpoint(cfg))
+    out = cfg.out.absolute()
+    try:
+        with atomic_folder(out) as staging:
+            manifest = build_drafter(checkpoint, cfg, staging)
+    except OSError as exc:
+        raise UserError(write_failure(exc, out, checkpoint.folder)) from exc
     sglang = manifest["sglang"]
     print(
-        f"export: {checkpoint} -> {out}/speculators (vLLM)"
+        f"export: {checkpoint.folder} -> {out}/speculators (vLLM)"
         + (
             f" and {out}/sglang (SGLang; aux ids {sglang['eagle_aux_hidden_state_layer_ids']} capture the input of "
             f"layers {sglang['captures_layers']} of the {sglang['target_architecture']} target)"
@@ -170,11 +279,26 @@ def export(cfg: ExportConfig) -> dict[str, Any]:
     return manifest
 
 
+def write_failure(exc: OSError, out: Path, checkpoint: Path) -> str:
+    """What a failed write of the drafter folder tells its user: which folder, how much space, what is kept."""
+    kept = f"an earlier export in {out} is untouched" if out.exists() else f"nothing was left in {out.parent}"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = shutil.disk_usage(out.parent).free
+        needed = sum(p.stat().st_size for p in checkpoint.glob("*") if p.is_file())
+        return (
+            f"no space left on the device of {out.parent}: {free} bytes free, the export needs about {2 * needed} "
+            f"bytes beside any earlier export (two copies of {checkpoint}'s weights); {kept}. Free space and export again"
+        )
+    return f"cannot write the drafter folder {out}: {exc.strerror or exc} ({exc.filename or out}); {kept}"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, ExportConfig)
 
 
 def main(args: argparse.Namespace) -> int:
-    manifest = export(model_from_args(ExportConfig, args))
-    emit_result({"drafter": str(Path(manifest["speculators"]["path"]).parent), "sglang": manifest["sglang"].get("path")})
+    cfg = model_from_args(ExportConfig, args)
+    manifest = export(cfg)
+    out = cfg.out.absolute()
+    emit_result({"drafter": str(out), "sglang": str(out / manifest["sglang"]["path"]) if "path" in manifest["sglang"] else None})
     return 0

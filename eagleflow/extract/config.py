@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field, field_validator
 
 from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype
+from eagleflow.errors import excerpt_repr
 
 
 class ExtractConfig(BaseModel):
@@ -30,6 +31,9 @@ class ExtractConfig(BaseModel):
         description="seconds to wait for a dump after the answer when no live capture writer is in --dump-dir; "
         "while the engine's writer holds the request the wait goes on (a line every this many seconds)",
     )
+    lock_wait: float = Field(
+        30.0, ge=0, description="seconds to wait for another extraction of this shard to exit before refusing (one at a time)"
+    )
     progress_every: int = Field(50, ge=1, description="print a progress line every this many rows")
     progress_interval: float = Field(30.0, gt=0, description="or every this many seconds")
 
@@ -46,7 +50,7 @@ def parse_rows(text: str) -> tuple[int, int]:
         start_text, end_text = text.split(":")
         start, end = int(start_text), int(end_text)
     except ValueError as exc:
-        raise ValueError(f"expected START:END, got {text!r}") from exc
+        raise ValueError(f"expected START:END, got {excerpt_repr(text)}") from exc
     if not 0 <= start < end:
-        raise ValueError(f"expected 0 <= START < END, got {text!r}")
+        raise ValueError(f"expected 0 <= START < END, got {excerpt_repr(text)}")
     return start, end

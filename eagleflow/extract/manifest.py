@@ -7,12 +7,21 @@ and the demo summary. Light on purpose (no torch), so the API server can import 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from eagleflow.files import atomic_write_json
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 # A shard's states. SUCCESS only when every row is complete and durable; INTERRUPTED when it was
 # stopped (SIGTERM, Ctrl-C) and FAILED when rows failed or the shard stopped on an error, both
@@ -84,9 +93,32 @@ class ShardManifest:
 
     @classmethod
     def read(cls, path: Path) -> ShardManifest:
-        """Load a manifest; unknown keys (from a newer writer, or the derived ``total_rows``) are ignored."""
+        """Load a manifest; unknown keys (from a newer writer, or the derived ``total_rows``) are ignored.
+
+        :raises ValueError: torn JSON, or JSON of another shape (naming the first field of a wrong type).
+        """
         data = json.loads(Path(path).read_text())
-        known = {f.name for f in fields(cls)}
-        if "total_tokens" not in data:  # written before totals were recorded: the best it knows is its attempt's
-            data = {**data, "total_tokens": data.get("tokens", 0), "total_bytes": data.get("bytes", 0)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        if not isinstance(data, dict):
+            raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+        types = {f.name: str(f.type) for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in types}
+        for key, value in values.items():
+            kind = _KINDS.get(types[key])
+            if kind is not None and not kind[1](value):
+                raise ValueError(f"field {key!r} is {type(value).__name__} {str(value)[:60]!r}, not {kind[0]}")
+        if "name" not in values:
+            raise ValueError("no 'name' field")
+        if "total_tokens" not in values:  # written before totals were recorded: the best it knows is its attempt's
+            values = {**values, "total_tokens": values.get("tokens", 0), "total_bytes": values.get("bytes", 0)}
+        return cls(**values)
+
+
+# What a field of each declared type may hold (the annotations are strings: __future__ annotations):
+# a reader refuses a manifest of another shape rather than computing with it.
+_KINDS = {
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "int": ("an integer", _is_int),
+    "float": ("a finite number", _is_number),
+    "float | None": ("a finite number or null", lambda v: v is None or _is_number(v)),
+    "list[dict[str, Any]]": ("a list of objects", lambda v: isinstance(v, list) and all(isinstance(i, dict) for i in v)),
+}

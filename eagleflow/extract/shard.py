@@ -17,7 +17,9 @@ carries on, then the step fails naming the rows. A late dump is waited for under
 never sent again while the engine's writer holds it. An engine that is gone (connection
 refused after it was ready, its pid died) or hung (accepts, answers nothing), or a full disk,
 stops the shard within seconds. The manifest says ``success`` only when every row is
-complete; otherwise ``failed`` or ``interrupted`` (SIGTERM, Ctrl-C), with the reason.
+complete; otherwise ``failed`` or ``interrupted`` (SIGTERM, Ctrl-C), with the reason. One
+extraction of a shard runs at a time (a :class:`~eagleflow.files.FolderLock`); a second one
+waits ``--lock-wait`` seconds, then refuses naming the first.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from eagleflow.extract.dump_wait import DiskFull, remove_dead_writer_statuses
 from eagleflow.extract.manifest import FAILED, INTERRUPTED, SUCCESS, ShardManifest
 from eagleflow.extract.row_fetch import RowFetcher, SampleShape
 from eagleflow.extract.sample_store import SampleState, sample_path, validate
-from eagleflow.files import DurabilityBarrier
+from eagleflow.files import DurabilityBarrier, FolderLock
 from eagleflow.layout import RunLayout, hidden_states_dir, shard_name
 from eagleflow.progress import Progress
 from eagleflow.results import emit_result
@@ -88,12 +90,29 @@ class ShardExtractor:
 
         The manifest's state is ``success`` only when every row is complete and durable;
         a stop of any kind leaves ``interrupted`` or ``failed`` with the reason, and re-raises.
+        Another extraction of the same shard still running is waited for (``--lock-wait``), then
+        refused naming it; nothing of the shard is touched then.
         """
-        import datasets
-
         began = time.monotonic()
         for folder in (self.hidden_dir, self.cfg.dump_dir, self.manifest_path.parent):
             folder.mkdir(parents=True, exist_ok=True)
+        # Before anything is touched: a second extraction of this shard would send its rows again,
+        # and its start-up clean-up would delete the first one's dumps in flight.
+        with self.lock():
+            return self._run(began)
+
+    def lock(self) -> FolderLock:
+        """The shard's lock beside its manifest, ``shards/.rows_S-E.lock``: one extraction of a shard at a time
+        (``hidden_states/`` holds only the rows' files)."""
+        return FolderLock(
+            self.manifest_path.with_name(f".{self.name}.lock"), self.cfg.lock_wait, holder="extraction",
+            guarded=f"shard {self.name} of {self.cfg.dataset}",
+            why="Two extractions of one shard would send its rows twice and delete each other's dumps",
+        )
+
+    def _run(self, began: float) -> ShardManifest:
+        import datasets
+
         try:
             table = datasets.load_from_disk(str(self.cfg.dataset))
         except FileNotFoundError as exc:

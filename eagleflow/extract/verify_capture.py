@@ -89,10 +89,15 @@ def load_rows(cfg: VerifyCaptureConfig) -> list[list[int]]:
         table = datasets.load_from_disk(str(cfg.dataset))
     except FileNotFoundError as exc:
         raise UserError(f"--dataset {cfg.dataset} is not a prepared dataset: {exc}") from exc
-    count = min(cfg.verify_rows, len(table))
-    if count == 0:
+    if len(table) == 0:
         raise UserError(f"--dataset {cfg.dataset} has no rows to check the capture with")
-    return [[int(t) for t in ids[: cfg.max_tokens]] for ids in table.select(range(count)).with_format(None)["input_ids"]]
+    if cfg.verify_rows > len(table):  # refused, not silently a smaller check
+        raise UserError(
+            f"--verify-rows {cfg.verify_rows} (Param verify_rows): the dataset {cfg.dataset} has only {len(table)} rows; "
+            f"lower verify_rows to at most {len(table)}"
+        )
+    rows = table.select(range(cfg.verify_rows)).with_format(None)["input_ids"]
+    return [[int(t) for t in ids[: cfg.max_tokens]] for ids in rows]
 
 
 def load_host_head(model: Path) -> HostHead:

@@ -32,6 +32,7 @@ from eagleflow.train.child import (
     speculators_flags,
 )
 from eagleflow.train.config import TrainConfig
+from eagleflow.train.disk_space import NO_SPACE_ERRNOS, child_failed_message, no_space_reason
 from eagleflow.train.lock import TrainFolderLock
 from eagleflow.train.resume import best_checkpoint, epoch_dirs, prepare_checkpoints
 from eagleflow.train.online.settings import (
@@ -259,7 +260,7 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
                 name = signal.Signals(forwarded).name
                 raise TrainingFailed(f"training stopped by {name}; rerun the step to resume", 128 + forwarded)
             if returncode != 0:
-                raise TrainingFailed(f"speculators exited with status {returncode}; see {paths.log}", returncode)
+                raise TrainingFailed(child_failed_message(returncode, paths), returncode)
             done = epoch_dirs(paths.checkpoints)
             if not done or max(done) + 1 < cfg.epochs:
                 last = max(done) + 1 if done else 0
@@ -321,5 +322,10 @@ def main(args: argparse.Namespace) -> int:
     except TrainingFailed as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return exc.returncode if 0 < exc.returncode < 256 else 1
+    except OSError as exc:  # the disk of --out filled up under the step itself (train.log)
+        if exc.errno not in NO_SPACE_ERRNOS:
+            raise
+        print(f"error: {no_space_reason(TrainLayout(cfg.out.absolute()), force=True)}", file=sys.stderr, flush=True)
+        return 1
     emit_result(result)
     return 0

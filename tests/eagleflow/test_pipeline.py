@@ -64,3 +64,118 @@ def test_dump_queue_budget_reaches_both_engines(tmp_path: Path, random_tiny_mode
     argv, _ = engine_command(cfg.model_copy(update={"engine": "sglang"}), port=30001)
     hook = json.loads(argv[argv.index("--forward-hooks") + 1])[0]
     assert hook["config"]["max_pending_bytes"] == 1_500_000_000
+
+
+# ---- what Params may point at (README: "Where a run may write and listen") -----------------------
+
+
+def test_output_paths_must_be_absolute_outside_system_folders_and_inside_the_deployments_root(
+    tmp_path: Path, random_tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("EAGLEFLOW_OUTPUT_ROOT", raising=False)
+    params = base(tmp_path, random_tiny_model)
+    for value, words in (("runs", "is not an absolute path"), ("/", "is a system folder"), ("/etc", "is a system folder"),
+                         ("/usr/local/runs", "is a system folder"), (f"{tmp_path}{'/..' * len(tmp_path.parts)}/etc/runs", "is a system folder")):
+        with pytest.raises(UserError, match="Param output_root: ") as info:
+            PipelineConfig.from_params({**params, "output_root": value})
+        assert words in str(info.value), value
+    PipelineConfig.from_params(params)  # no deployment root: any other absolute folder
+
+    root = tmp_path / "deployment-root"
+    (root / "runs").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    (root / "link").symlink_to(tmp_path / "outside")
+    monkeypatch.setenv("EAGLEFLOW_OUTPUT_ROOT", str(root))
+    assert PipelineConfig.from_params({**params, "output_root": str(root / "runs")}).layout.root.parent == root / "runs"
+    for value in (str(tmp_path / "outside"), f"{root}/../outside", str(root / "link" / "runs")):
+        with pytest.raises(UserError, match=r"Param output_root: .* is outside \$EAGLEFLOW_OUTPUT_ROOT") as info:
+            PipelineConfig.from_params({**params, "output_root": value})
+        if "link" in value:
+            assert f"resolves to {tmp_path / 'outside' / 'runs'}" in str(info.value)
+    remote = {**params, "output_root": str(root / "runs"), "server_urls": ["http://gpu-node-1:30000"]}
+    with pytest.raises(UserError, match=r"Param server_dump_dir: '/shared/dumps' is outside \$EAGLEFLOW_OUTPUT_ROOT"):
+        PipelineConfig.from_params({**remote, "server_dump_dir": "/shared/dumps"})
+    PipelineConfig.from_params({**remote, "server_dump_dir": str(root / "dumps")})
+    assert not (tmp_path / "outside" / "runs").exists() and not (tmp_path / "runs").exists()  # nothing was created
+
+
+@pytest.mark.parametrize(
+    ("engine", "extra", "flag"),
+    [
+        ("reference", ["--host", "0.0.0.0"], "--host"),
+        ("reference", ["--ho", "0.0.0.0"], "--host"),  # argparse reads a unique prefix as the whole flag
+        ("reference", ["--hos=0.0.0.0"], "--host"),
+        ("reference", ["--dump-d", "/tmp/elsewhere"], "--dump-dir"),
+        ("reference", ["--po", "8080"], "--port"),
+        ("reference", ["--speculative-algorithm", "EAGLE3"], "--speculative-algorithm"),
+        ("sglang", ["--host", "0.0.0.0"], "--host"),
+        ("sglang", ["--ho", "0.0.0.0"], "--host"),
+        ("sglang", ["--forward-ho", "[]"], "--forward-hooks"),
+        ("sglang", ["--enable-dp-att"], "--enable-dp-attention"),
+        ("sglang", ["--speculative-num-steps", "5"], "--speculative-num-steps"),  # the evaluation's, from export.json
+    ],
+)
+def test_server_extra_args_may_not_set_what_the_run_sets(
+    tmp_path: Path, random_tiny_model: Path, engine: str, extra: list[str], flag: str
+) -> None:
+    with pytest.raises(UserError, match="Param server_extra_args: ") as info:
+        PipelineConfig.from_params({**base(tmp_path, random_tiny_model), "engine": engine, "server_extra_args": extra})
+    assert flag in str(info.value)
+    if engine == "reference":  # the same rule where a step builds the command itself (evaluate --server-extra-args)
+        from eagleflow.engine.launch import serving_engine_command
+
+        with pytest.raises(UserError, match=flag):
+            serving_engine_command("reference", random_tiny_model, 30001, None, extra_args=extra)
+
+
+def test_allowed_extra_args_pass(tmp_path: Path, random_tiny_model: Path) -> None:
+    for engine, extra in (("reference", ["--threads", "1", "--warmup-seconds", "3", "--th", "1", "--fail-row", "7"]),
+                          ("sglang", ["--trust-remote-code", "--mem-fraction-static", "0.8"])):
+        cfg = PipelineConfig.from_params({**base(tmp_path, random_tiny_model), "engine": engine, "server_extra_args": extra})
+        assert cfg.server_extra_args == extra
+
+
+def test_the_reference_engines_refusals_match_its_own_argparse_exactly() -> None:
+    """Every prefix of every serve-reference option, as the engine's real parser reads it: refused exactly
+    when the parser would set a flag the run owns (an ambiguous prefix fails in the parser itself)."""
+    import argparse
+    import contextlib
+    import io
+
+    from eagleflow.config import add_model_arguments
+    from eagleflow.engine.extra_args import REFERENCE_OWNED, reference_options, refused_match
+    from eagleflow.engine.reference.config import ReferenceEngineConfig
+
+    parser = argparse.ArgumentParser(prog="serve-reference")
+    add_model_arguments(parser, ReferenceEngineConfig)
+    flag_of = {}
+    for action in parser._actions:
+        action.required, action.type, action.choices = False, None, None  # any value parses: only the flag matters
+        action.default = argparse.SUPPRESS  # a namespace holds only what was given
+        for option in action.option_strings:
+            flag_of[action.dest] = flag_of.get(action.dest) or option
+    options = reference_options()
+    checked = 0
+    for option in sorted(options):
+        for end in range(3, len(option) + 1):
+            for arg in (option[:end], option[:end] + "=x"):
+                with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()), \
+                        contextlib.suppress(SystemExit):
+                    namespace, _ = parser.parse_known_args([arg] if "=" in arg else [arg, "x"])
+                    set_flags = {flag_of[dest] for dest in vars(namespace)}
+                    owned = bool(set_flags & set(REFERENCE_OWNED))
+                    assert (refused_match(arg, REFERENCE_OWNED, options) is not None) == owned, (arg, set_flags)
+                    checked += 1
+    assert checked > 300  # the ambiguous prefixes are the parser's own errors
+
+
+def test_a_huge_param_value_is_quoted_as_an_excerpt(tmp_path: Path, random_tiny_model: Path) -> None:
+    params = {**base(tmp_path, random_tiny_model), "output_root": "x" * 1_000_000, "run_name": "y" * 1_000_000,
+              "server_urls": ["z" * 1_000_000], "server_dump_dir": "/d"}
+    with pytest.raises(UserError) as info:
+        PipelineConfig.from_params(params)
+    message = str(info.value)
+    assert len(message) < 2000, message[:3000]
+    for name in ("output_root", "run_name", "server_urls"):
+        assert f"Param {name}: " in message
+    assert "… (999800 more characters)" in message

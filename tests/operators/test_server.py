@@ -338,6 +338,26 @@ def test_execute_complete_dead_or_timeout_fails_with_the_log_tail(tmp_path: Path
     assert "server line 69\n" not in message
 
 
+def test_a_dead_engine_is_reported_by_its_own_last_error_line_first(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    log.write_text(
+        "===== 2026-01-01 00:00:00 starting: old engine\nValueError: an earlier start's error\n"
+        "===== 2026-01-01 00:01:00 starting: python -m eagleflow serve-reference …\n"
+        "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+        "safetensors_rust.SafetensorError: Error while deserializing header: /m/model.safetensors is truncated\n"
+        "reference engine stopped (server stopped); dumps flushed\n"
+    )
+    sensor = ServerReadySensor(task_id="w", server=server_dict("http://127.0.0.1:1", 1, str(log)))
+    event = {"status": "dead", "message": "engine process 1 has exited", "log_offset": 0, "deadline": time.time()}
+    with pytest.raises(AirflowException) as failed:
+        sensor.execute_complete(context={}, event=event)
+    first = str(failed.value).splitlines()[0]
+    assert first == (
+        "the engine process died: engine process 1 has exited; its last error: safetensors_rust.SafetensorError: "
+        "Error while deserializing header: /m/model.safetensors is truncated"
+    )
+
+
 def test_execute_complete_timeout_of_a_remote_server_says_there_is_no_local_log() -> None:
     sensor = ServerReadySensor(task_id="w", server=server_dict("http://gpu-node:30000", None, host=""))
     with pytest.raises(AirflowException, match=r"(?s)not ready in time.*remote server: no local log"):

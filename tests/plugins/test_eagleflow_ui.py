@@ -181,6 +181,50 @@ def test_unreadable_manifest_is_shown_not_fatal(client: TestClient, output_root:
     assert 'class="state unreadable"' in page and "rows_120-160.json" in page
 
 
+WRONG_SHAPES = [
+    ("shards/rows_120-160.json", "[]", "expected a JSON object, got list"),
+    ("shards/rows_120-160.json", '{"name": "rows_120-160", "done": "many"}', "field 'done' is str"),
+    ("shards/rows_120-160.json", '{"name": "rows_120-160", "failed": 5}', "field 'failed' is int"),
+    ("shards/rows_120-160.json", '{"name": "rows_120-160", "start": "a"}', "field 'start' is str"),
+    ("shards/rows_120-160.json", '{"name": "rows_120-160", "end": 1e400}', "field 'end' is float"),
+    ("eval/report.json", '{"accept_length": 3}', "eval/report.json: not a report of the expected shape (accept_length"),
+    ("eval/report.json", '{"tokens_per_s": {"single_stream": 4}}', "(tokens_per_s.single_stream"),
+    ("eval/report.json", '{"accept_length": {"mean": "long"}}', "(accept_length.mean"),
+    ("eval/report.json", '{"offline_estimate": 5, "accept_rate": 0.1}', "(offline_estimate"),
+    ("eval/report.json", '{"versions": 3}', "(versions"),
+    ("verify/engine-0/report.json", '{"final_slot": []}', "verify/engine-0/report.json: not a report of the expected shape (final_slot"),
+    ("verify/engine-0/report.json", '{"slots": 5}', "(slots"),
+    ("verify/engine-0/report.json", '{"slots": [1]}', "(slots.0"),
+    ("verify/engine-0/report.json", '{"findings": [1]}', "(findings.0"),
+    ("verify/engine-0/report.json", '{"passed": true, "final_slot": {"worst": 3}}', "(final_slot.worst"),
+    ("verify/engine-0/report.json", '{"passed": true, "final_slot": {"top1_agreement": 1e400}}', "(final_slot.top1_agreement"),
+    ("train/result.json", "[]", None),
+    ("train/result.json", '{"best_checkpoint": 5}', None),
+    ("train/metrics.jsonl", '{"kind": "val", "epoch": 0, "loss": 1.5}\n', None),  # no train record yet
+    ("train/metrics.jsonl", '{"kind": "train", "step": "x", "lr": [1], "loss": {}}\n', None),
+]
+
+
+@pytest.mark.parametrize(("name", "content", "said"), WRONG_SHAPES)
+def test_valid_json_of_the_wrong_shape_is_named_not_a_500(
+    client: TestClient, output_root: Path, name: str, content: str, said: str | None
+) -> None:
+    path = output_root / "demo" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(content)
+    page = client.get("/runs/demo", headers=HTML)
+    summary = client.get("/api/runs/demo")
+    assert page.status_code == 200 and summary.status_code == 200, page.text[-500:]
+    assert "rows_0-40" in page.text  # the rest of the run is still shown
+    if said is not None:
+        assert said in page.text.replace("&#39;", "'"), page.text
+    if name.startswith("shards/"):
+        (shard,) = [s for s in summary.json()["shards"] if s["name"] == "rows_120-160"]
+        assert shard["state"] == "unreadable" and said in shard["error"]
+    if name == "train/result.json":
+        assert summary.json()["checkpoint"] is None
+
+
 def test_files_are_served_from_the_run(client: TestClient) -> None:
     png = client.get("/runs/demo/files/train-progress/loss.png")
     assert png.status_code == 200 and png.headers["content-type"] == "image/png" and png.content.startswith(b"\x89PNG")

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from eagleflow.errors import UserError, excerpt
+
 LEGACY_NAMES = {"midlayer.": "layers.0."}  # names older EAGLE-3 exports use (SGLang maps them too)
 
 
@@ -68,11 +70,18 @@ class Eagle3Drafter:
     """
 
     def __init__(self, folder: str | Path, embed_tokens: torch.nn.Module, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         folder = Path(folder)
-        self.config: dict[str, Any] = json.loads((folder / "config.json").read_text())
-        weights = load_file(str(folder / "model.safetensors"), device=str(device))
+        try:
+            self.config: dict[str, Any] = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise UserError(f"{folder / 'config.json'}: cannot load the drafter's config ({excerpt(exc)})") from exc
+        try:
+            weights = load_file(str(folder / "model.safetensors"), device=str(device))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise UserError(f"{folder / 'model.safetensors'}: cannot load the drafter's weights ({excerpt(exc)})") from exc
         for legacy, name in LEGACY_NAMES.items():
             weights = {k.replace(legacy, name): v for k, v in weights.items()}
         self.weights = {k.removeprefix("model."): (v if k == "d2t" else v.to(dtype)) for k, v in weights.items()}

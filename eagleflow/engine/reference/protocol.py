@@ -11,7 +11,11 @@ Field names, defaults, status codes and error bodies are SGLang 0.5.9's (read fr
 - Log-probabilities (0.5.20's ``GenerateReqInput`` fields): ``return_logprob``, ``logprob_start_len``
   (-1: output tokens only), ``top_logprobs_num``, ``return_text_in_logprobs``; the answer's
   ``meta_info`` then carries them in SGLang's shapes (:mod:`~eagleflow.engine.reference.logprobs`).
-- ``GET /health`` and ``/health_generate``: 503 until the warmup is done, then 200.
+- ``GET /health`` and ``/health_generate``: 503 until the warmup is done, then 200; answered
+  between any request's decode steps (the forward lock is fair and handed over per step).
+- Every malformed request is a 400 naming the field; inputs are bounded: a rid by what a dump
+  file name can hold, the body by :func:`body_limit` (413), and what an error message quotes of
+  any field by :func:`eagleflow.errors.excerpt_repr`.
 - A prompt that does not leave room in the context length for the ``max_new_tokens`` it names is a
   400 with SGLang's messages (:mod:`eagleflow.engine.context` has the rule; the length is SGLang's
   derivation from the model's config, or ``--context-length``).
@@ -23,6 +27,8 @@ Field names, defaults, status codes and error bodies are SGLang 0.5.9's (read fr
 
 from __future__ import annotations
 
+import json
+import math
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +36,8 @@ from http import HTTPStatus
 from typing import Any
 
 from eagleflow.engine.context import max_new_tokens_left
+from eagleflow.errors import excerpt, excerpt_repr
+from sglang_patch.request_ids import rid_problem
 
 # SGLang's log line when its warmup request succeeded; the launcher/sensor side may grep for it.
 READY_LINE = "The server is fired up and ready to roll!"
@@ -60,8 +68,27 @@ class RequestError(Exception):
 
 def invalid_json_body(exc: ValueError) -> dict[str, Any]:
     """SGLang's RequestValidationError answer (400) to a body that is not JSON."""
-    message = f"the request body is not valid JSON: {exc}"
+    message = f"the request body is not valid JSON: {excerpt_repr(str(exc))}"
     return {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
+
+
+# Bytes a request body may hold: generous for any prompt that fits the context (a token id or
+# its text takes a few bytes of JSON), small enough that one request cannot take the host's memory.
+MIN_BODY_BYTES = 1 << 20
+BODY_BYTES_PER_TOKEN = 64
+
+
+def body_limit(limits: ModelLimits) -> int:
+    """The largest ``/generate`` body the engine reads, from its context length."""
+    return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * (limits.context_length or 0))
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """The request body as JSON; raises ``ValueError`` (then 400) for anything else, nesting too deep included."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("the JSON nests deeper than the engine parses") from None
 
 
 @dataclass(frozen=True)
@@ -101,9 +128,10 @@ def parse_generate(body: Any, limits: ModelLimits) -> GenerateRequest:
         rid = uuid.uuid4().hex  # SGLang's default rid
     if not isinstance(rid, str):
         raise RequestError(400, f"rid must be a string, got {type(rid).__name__} (batch requests are not supported)")
-    # The rid becomes a file name in the dump folder: it must not leave that folder.
-    if not rid or "/" in rid or "\\" in rid or rid.startswith("."):
-        raise RequestError(400, f"rid {rid!r} must be a plain file name (no '/', '\\', leading '.')")
+    # The rid becomes file names in the dump folder: it must not leave it and must fit a file name.
+    problem = rid_problem(rid)
+    if problem:
+        raise RequestError(400, f"rid {excerpt_repr(rid)} {problem}")
     if body.get("stream"):
         raise RequestError(400, f"rid {rid}: stream is not supported by the reference engine; send stream: false")
     if body.get("input_embeds") is not None:
@@ -120,14 +148,20 @@ def parse_generate(body: Any, limits: ModelLimits) -> GenerateRequest:
     params = body.get("sampling_params") or {}
     if not isinstance(params, dict):
         raise RequestError(400, f"rid {rid}: sampling_params must be a JSON object, got {type(params).__name__}")
+    given = {name for name, value in params.items() if value is not None}
     max_new_tokens = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
     if max_new_tokens is None:
         max_new_tokens = DEFAULT_MAX_NEW_TOKENS
     if not _is_int(max_new_tokens) or max_new_tokens < 0:
-        raise RequestError(400, f"rid {rid}: sampling_params.max_new_tokens must be at least 0, got {max_new_tokens!r}.")
+        raise RequestError(
+            400, f"rid {rid}: sampling_params.max_new_tokens must be at least 0, got {excerpt_repr(max_new_tokens)}."
+        )
+    for name, value in params.items():  # NaN or Infinity (JSON's 1e400) in any sampling knob
+        if isinstance(value, float) and not math.isfinite(value):
+            raise RequestError(400, f"rid {rid}: sampling_params.{excerpt(name, 60)} must be a finite number, got {value!r}.")
     temperature = params.get("temperature", DEFAULT_TEMPERATURE)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
-        raise RequestError(400, f"rid {rid}: sampling_params.temperature must be a number >= 0, got {temperature!r}.")
+        raise RequestError(400, f"rid {rid}: sampling_params.temperature must be a number >= 0, got {excerpt_repr(temperature)}.")
     if limits.context_length:
         _check_context(rid, len(input_ids), params.get("max_new_tokens"), limits.context_length)
     return GenerateRequest(
@@ -157,15 +191,15 @@ def _logprob_fields(rid: str, body: dict[str, Any], num_tokens: int) -> dict[str
     """SGLang's logprob fields of one request, with its defaults and its scheduler's resolution."""
     return_logprob = body.get("return_logprob") or False
     if not isinstance(return_logprob, bool):
-        raise RequestError(400, f"rid {rid}: return_logprob must be true or false, got {return_logprob!r}")
+        raise RequestError(400, f"rid {rid}: return_logprob must be true or false, got {excerpt_repr(return_logprob)}")
     start = body.get("logprob_start_len")
     start = -1 if start is None else start
     top = body.get("top_logprobs_num")
     top = 0 if top is None else top
     if not _is_int(start) or start < -1:
-        raise RequestError(400, f"rid {rid}: logprob_start_len must be an integer >= -1, got {start!r}")
+        raise RequestError(400, f"rid {rid}: logprob_start_len must be an integer >= -1, got {excerpt_repr(start)}")
     if not _is_int(top) or top < 0:
-        raise RequestError(400, f"rid {rid}: top_logprobs_num must be an integer >= 0, got {top!r}")
+        raise RequestError(400, f"rid {rid}: top_logprobs_num must be an integer >= 0, got {excerpt_repr(top)}")
     if body.get("token_ids_logprob"):
         raise RequestError(400, f"rid {rid}: token_ids_logprob is not supported by the reference engine; use top_logprobs_num")
     if not return_logprob:
@@ -204,7 +238,7 @@ def _check_input_ids(rid: str, input_ids: Any, vocab_size: int) -> list[int]:
         if isinstance(token, list):
             raise RequestError(400, f"rid {rid}: input_ids is a list of lists; batch requests are not supported")
         if not _is_int(token):
-            raise RequestError(400, f"rid {rid}: input_ids[{position}] = {token!r} is not an integer token id")
+            raise RequestError(400, f"rid {rid}: input_ids[{position}] = {excerpt_repr(token)} is not an integer token id")
         if not 0 <= token < vocab_size:
             raise RequestError(400, f"rid {rid}: input_ids[{position}] = {token} is outside the vocabulary [0, {vocab_size})")
     return input_ids

@@ -38,7 +38,7 @@ from eagleflow.engine.reference.protocol import (
     RequestError,
     parse_generate,
 )
-from eagleflow.errors import UserError
+from eagleflow.errors import UserError, excerpt, excerpt_repr
 from sglang_patch.layer_ids import validate_aux_layer_ids
 from sglang_patch.request_ids import HEALTH_CHECK_PREFIX, is_captured
 
@@ -140,7 +140,7 @@ class ReferenceEngine:
     def generate(self, body: Any) -> dict[str, Any]:
         """Answer one ``/generate`` body; raises :class:`RequestError` for an error answer."""
         started = time.time()
-        rid: Any = body.get("rid") if isinstance(body, dict) else None  # for the log line, until parsed
+        rid: Any = excerpt_repr(body.get("rid")) if isinstance(body, dict) else None  # for the log line, until parsed
         try:
             request = parse_generate(body, self.limits)
             rid = request.rid
@@ -152,7 +152,7 @@ class ReferenceEngine:
                 raise
             except Exception as exc:  # the model failed (e.g. out of memory): a 500 naming it, the server lives on
                 traceback.print_exc()
-                raise RequestError(500, f"rid {rid}: forward failed: {type(exc).__name__}: {exc}") from exc
+                raise RequestError(500, f"rid {rid}: forward failed: {type(exc).__name__}: {excerpt(exc)}") from exc
         except RequestError as exc:
             self._count(0, failed=True)
             print(f"generate rid={rid}: HTTP {exc.status}: {exc.message}", file=sys.stderr, flush=True)
@@ -281,7 +281,7 @@ class ReferenceEngine:
                 raise RequestError(400, f"rid {request.rid}: return_logprob is not supported with the reference engine's speculative decoding")
             with self.turns.lock, torch.inference_mode():
                 output_ids, finish_reason, stats = self.speculative.generate(
-                    request.input_ids, max_new_tokens, self.eos_token_ids, request.ignore_eos
+                    request.input_ids, max_new_tokens, self.eos_token_ids, request.ignore_eos, between_rounds=self.turns.pause
                 )
             return output_ids, finish_reason, stats.meta_info(len(output_ids))
         ids = torch.tensor([request.input_ids], dtype=torch.long, device=self.device)
@@ -316,6 +316,9 @@ class ReferenceEngine:
                     finish_reason = {"type": "stop", "matched": token}
                     break
                 if step + 1 < max_new_tokens:
+                    # Between decode steps, requests waiting for a forward (a /health check) get theirs:
+                    # one long generation never holds the engine past a step.
+                    self.turns.pause()
                     out = self.model(
                         input_ids=torch.tensor([[token]], device=self.device),
                         past_key_values=out.past_key_values,

@@ -8,7 +8,6 @@ every queued dump is written, with exit code 0.
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import socket
 import threading
@@ -18,7 +17,7 @@ from typing import Any
 from eagleflow.config import add_model_arguments, model_from_args
 from eagleflow.engine.context import model_list
 from eagleflow.engine.reference.config import ReferenceEngineConfig
-from eagleflow.engine.reference.protocol import RequestError, invalid_json_body
+from eagleflow.engine.reference.protocol import RequestError, body_limit, invalid_json_body, parse_json_body
 from eagleflow.engine.reference.runner import ReferenceEngine
 from eagleflow.errors import UserError
 
@@ -35,11 +34,28 @@ def create_app(engine: ReferenceEngine) -> Any:
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
+    limit = body_limit(engine.limits)
+
+    async def read_json(request: Request) -> Any:
+        """The body as JSON, read no further than :func:`body_limit`; raises RequestError (413) or ValueError."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise RequestError(413, f"the request body ({declared} bytes) is larger than the engine's limit of {limit} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise RequestError(413, f"the request body is larger than the engine's limit of {limit} bytes")
+            chunks.append(chunk)
+        return parse_json_body(b"".join(chunks))
+
     async def generate(request: Request) -> Response:
         try:
-            body = json.loads(await request.body())
+            body = await read_json(request)
         except ValueError as exc:
             return JSONResponse(invalid_json_body(exc), status_code=400)
+        except RequestError as exc:
+            return JSONResponse(exc.body, status_code=exc.status)
         try:
             return JSONResponse(await run_in_threadpool(engine.generate, body))
         except RequestError as exc:
@@ -48,9 +64,11 @@ def create_app(engine: ReferenceEngine) -> Any:
     async def abort_request(request: Request) -> Response:
         # SGLang's /abort_request: {"rid"}; 200 whether or not the request was still there.
         try:
-            body = json.loads(await request.body())
+            body = await read_json(request)
         except ValueError as exc:
             return JSONResponse(invalid_json_body(exc), status_code=400)
+        except RequestError as exc:
+            return JSONResponse(exc.body, status_code=exc.status)
         if isinstance(body, dict) and isinstance(body.get("rid"), str):
             engine.abort(body["rid"])
         return Response(status_code=200)

@@ -98,9 +98,18 @@ class SpeculativeDecoder:
         return self.drafter.forward(ids, hidden, positions, cache)
 
     def generate(
-        self, input_ids: Sequence[int], max_new_tokens: int, stop_ids: set[int], ignore_eos: bool
+        self,
+        input_ids: Sequence[int],
+        max_new_tokens: int,
+        stop_ids: set[int],
+        ignore_eos: bool,
+        between_rounds: Callable[[], None] = lambda: None,
     ) -> tuple[list[int], dict[str, Any], SpecStats]:
-        """Greedy tokens after ``input_ids`` (up to ``max_new_tokens``), the finish reason, the stats."""
+        """Greedy tokens after ``input_ids`` (up to ``max_new_tokens``), the finish reason, the stats.
+
+        ``between_rounds`` runs before each draft-and-verify round (the engine hands its forward lock
+        to waiting requests there).
+        """
         stats = SpecStats(draft_tokens_per_round=self.num_steps)
         logits, aux, target_cache = self._target(input_ids, None)
         current = int(torch.argmax(logits[-1]))
@@ -112,6 +121,7 @@ class SpeculativeDecoder:
         # Draft extend over the prompt: position i sees token i+1 (the last one: the first output token).
         draft_logits, draft_hidden = self._draft([*input_ids[1:], current], aux, 0, draft_cache)
         while True:
+            between_rounds()
             drafts: list[int] = []
             logit, hidden = draft_logits[-1], draft_hidden[-1:]
             for step in range(self.num_steps):

@@ -124,3 +124,84 @@ def test_cli_exit_code_2_for_bad_input(tmp_path: Path, capsys: pytest.CaptureFix
     assert code == 2
     assert "row 0: unparsable JSON" in capsys.readouterr().err
     assert cli(["prepare-dataset", "--input", str(tmp_path / "missing.jsonl"), "--tokenizer", str(tmp_path), "--out", str(tmp_path / "ds")]) == 2
+
+
+# ---- faults in the input file ---------------------------------------------------------------------
+
+
+def test_a_byte_that_is_not_utf8_names_its_row_and_skip_bad_rows_leaves_it_out(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "in.jsonl"
+    lines = [json.dumps({"input_ids": [1, 2]}).encode(), b'{"input_ids": [3], "note": "caf\xe9"}',  # latin-1, not UTF-8
+             json.dumps({"input_ids": [4, 5]}).encode()]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    args = ["prepare-dataset", "--input", str(path), "--tokenizer", str(tmp_path), "--out", str(tmp_path / "ds"), "--vocab-size", "10"]
+    assert cli(args) == 2
+    err = capsys.readouterr().err
+    assert "row 1: not UTF-8: byte 0xe9 at byte 31 of the line" in err and "Traceback" not in err
+    assert not (tmp_path / "ds").exists()
+    assert cli([*args, "--skip-bad-rows"]) == 0  # the rows after it are read too
+    assert load(tmp_path / "ds")["input_ids"] == [[1, 2], [4, 5]]
+    report = [json.loads(line) for line in (tmp_path / "ds" / "bad_rows.jsonl").read_text().splitlines()]
+    assert report == [{"row": 1, "reason": "not UTF-8: byte 0xe9 at byte 31 of the line"}]
+
+
+def test_reasons_quote_a_bounded_excerpt_of_a_huge_row(tmp_path: Path) -> None:
+    rows = [{"input_ids": [1, "x" * 3_000_000]}, {f"key{i}" * 50: i for i in range(2000)}, '{"input_ids": [' + "[" * 100_000]
+    path = write_jsonl(tmp_path / "in.jsonl", rows)
+    with pytest.raises(BadRows) as caught:
+        prepare_dataset(PrepareConfig(input=path, tokenizer=tmp_path, out=tmp_path / "ds", vocab_size=100))
+    assert [row for row, _ in caught.value.errors] == [0, 1, 2]
+    assert len(str(caught.value)) < 1500, str(caught.value)[:3000]
+    assert "input_ids[1] = 'xxxx" in str(caught.value) and "more characters" in str(caught.value)
+
+
+def test_a_huge_message_gives_the_tokens_of_the_whole_row_without_tokenizing_it_whole(random_tiny_model: Path) -> None:
+    from eagleflow.data.chat_tokens import ChatTokenizer
+
+    words = "alpha beta gamma delta epsilon zeta theta iota ".split()
+    text = " ".join(words[i % len(words)] for i in range(200_000))  # about 1.2 MB
+    full, cut = ChatTokenizer(random_tiny_model), ChatTokenizer(random_tiny_model, max_len=256)
+    cases = [
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": text}],
+        # The huge message first: cut alone, the next message's tokens would move into the first 256.
+        [{"role": "user", "content": text}, {"role": "assistant", "content": "short"}],
+        [{"role": "user", "content": text[:3000]}, {"role": "assistant", "content": text[:9000]}, {"role": "user", "content": "x"}],
+    ]
+    for messages in cases:
+        ids, mask = full(messages)
+        assert cut(messages) == (ids[:257], mask[:257])
+
+
+def test_preparing_a_huge_row_takes_a_small_multiple_of_its_size(tmp_path: Path, random_tiny_model: Path) -> None:
+    """Measured in a process of its own: the peak resident memory (VmHWM, reset after a warm-up run) while
+    an 8 MB message is prepared. Tokenized whole it took about 200 times its size."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import json, sys
+        from pathlib import Path
+        from eagleflow.data.prepare import PrepareConfig, prepare_dataset
+        folder, model = Path({str(tmp_path)!r}), Path({str(random_tiny_model)!r})
+        def write(path, content):
+            rows = [{{"messages": [{{"role": "user", "content": "hi"}}, {{"role": "assistant", "content": content}}]}}] * 2
+            path.write_text("".join(json.dumps(row) + "\\n" for row in rows))
+        def peak():
+            return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+        write(folder / "small.jsonl", "short")
+        prepare_dataset(PrepareConfig(input=folder / "small.jsonl", tokenizer=model, out=folder / "warm", max_len=256))
+        words = "alpha beta gamma delta epsilon zeta theta ".split()
+        write(folder / "big.jsonl", " ".join(words[i % 7] for i in range(8_000_000 // 6))[:4_000_000])
+        Path("/proc/self/clear_refs").write_text("5")  # the peak starts again from what is resident now
+        before = peak()
+        summary = prepare_dataset(PrepareConfig(input=folder / "big.jsonl", tokenizer=model, out=folder / "big", max_len=256))
+        print(json.dumps({{"growth": peak() - before, "row": (folder / "big.jsonl").stat().st_size // 2, "summary": summary}}))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    assert measured["summary"]["rows"] == 2 and measured["summary"]["truncated"] == 2
+    assert measured["growth"] < 8 * measured["row"], measured  # was ~200x

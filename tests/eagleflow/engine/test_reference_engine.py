@@ -136,7 +136,9 @@ class Engine:
                 time.sleep(0.05)
 
     def post(self, body: object) -> requests.Response:
-        return requests.post(self.url + "/generate", json=body, timeout=60)
+        # Python's own JSON (NaN and Infinity included, as a careless client sends them); requests' json= refuses those.
+        data = json.dumps(body).encode()
+        return requests.post(self.url + "/generate", data=data, headers={"content-type": "application/json"}, timeout=60)
 
     def wait_ready(self, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
@@ -305,6 +307,17 @@ def test_out_of_vocab_id_gets_400_naming_field_and_position(ready: Engine, bad: 
         ({"rid": "r", "input_ids": [1, "2"]}, "input_ids[1] = '2' is not an integer"),
         ({"rid": "r", "input_ids": []}, "input_ids is empty"),
         ({"rid": "r", "input_ids": [1], "stream": True}, "stream is not supported"),
+        # Non-finite sampling values (Python's JSON writes NaN and Infinity; 1e400 reads as Infinity).
+        ({"rid": "r", "input_ids": [1], "sampling_params": {"temperature": float("nan")}},
+         "sampling_params.temperature must be a finite number, got nan"),
+        ({"rid": "r", "input_ids": [1], "sampling_params": {"temperature": float("inf")}}, "temperature must be a finite number"),
+        ({"rid": "r", "input_ids": [1], "sampling_params": {"top_p": float("nan")}}, "sampling_params.top_p must be a finite"),
+        # Bounded by what the engine can do: the context, a file name.
+        ({"rid": "r", "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 10**9}},
+         "exceeds the model's maximum context length of 4096 tokens. You requested a total of 1000000002 tokens"),
+        ({"rid": "r" * 300, "input_ids": [1]}, "is 300 bytes long; a dump file name holds at most 229"),
+        ({"rid": "a\x00b", "input_ids": [1]}, "contains a control character"),
+        ({"rid": "a\nb", "input_ids": [1]}, "contains a control character"),
     ],
 )
 def test_other_bad_requests_get_400(ready: Engine, body: object, fragment: str) -> None:
@@ -338,6 +351,66 @@ def test_the_context_length_is_reported_and_a_request_must_fit_in_it(ready: Engi
     assert f"The input ({context} tokens) is longer than the model's context length ({context} tokens)." in too_long.json()["error"]["message"]
     # Without max_new_tokens only the prompt is checked, as in SGLang.
     assert ready.post({"rid": regenerate_request_id(90, 7), "input_ids": prompt[:8]}).status_code == 200
+
+
+def test_pathological_bodies_get_a_4xx_and_no_field_is_echoed_whole(ready: Engine) -> None:
+    def post_raw(data: bytes) -> requests.Response:
+        return requests.post(ready.url + "/generate", data=data, headers={"content-type": "application/json"}, timeout=60)
+
+    deep = post_raw(b"[" * 200_000 + b"]" * 200_000)  # Python's parser gives up (RecursionError)
+    assert deep.status_code == 400 and "nests deeper" in deep.json()["message"]
+    huge = post_raw(b'{"rid": "r", "input_ids": [' + b"1," * 2_000_000 + b"1]}")
+    assert huge.status_code == 413 and "larger than the engine's limit" in huge.json()["message"]
+    # A 900 kB string where a token id belongs: named, quoted as an excerpt, in the answer and the log.
+    answer = ready.post({"rid": "row5-big", "input_ids": [1, "x" * 900_000]})
+    assert answer.status_code == 400 and len(answer.text) < 1000
+    assert "input_ids[1] = 'xxxx" in answer.json()["error"]["message"] and "more characters" in answer.text
+    answer = ready.post({"rid": "y" * 900_000, "input_ids": [1]})
+    assert answer.status_code == 400 and len(answer.text) < 1000 and "bytes long" in answer.text
+    time.sleep(0.5)
+    assert max(len(line) for line in ready.lines) < 2000  # the log quotes excerpts too
+    abort = requests.post(ready.url + "/abort_request", data=b"[" * 200_000, timeout=30)
+    assert abort.status_code == 400
+    assert ready.get("/health_generate").status_code == 200
+
+
+def test_the_longest_rid_still_gets_its_dump(ready: Engine) -> None:
+    from sglang_patch.request_ids import MAX_RID_BYTES
+
+    rid = "row6-" + "é" * ((MAX_RID_BYTES - 5) // 2) + "a" * ((MAX_RID_BYTES - 5) % 2)
+    assert len(rid.encode()) == MAX_RID_BYTES
+    input_ids = random_ids(6, 7)
+    answer = ready.post({"rid": rid, "input_ids": input_ids, "sampling_params": {"max_new_tokens": 0}})
+    assert answer.status_code == 200, answer.text
+    assert validate(landed(ready.dump_dir, rid), input_ids, 4, HIDDEN).ok
+
+
+def test_health_answers_between_the_decode_steps_of_a_long_request(ready: Engine) -> None:
+    prompt = random_ids(9, 8)
+
+    def generate(tokens: int) -> float:
+        began = time.monotonic()
+        answer = ready.post({"rid": "HEALTH_CHECK_long", "input_ids": prompt,
+                             "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}})
+        assert answer.status_code == 200, answer.text
+        return time.monotonic() - began
+
+    per_token = generate(40) / 40
+    # About 8 s of decoding, within the context by SGLang's strictest rule (prompt + max_new_tokens < context).
+    tokens = min(4096 - len(prompt) - 1, max(200, int(8.0 / per_token)))
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(generate, tokens)
+        time.sleep(1.0)
+        waits = []
+        for _ in range(4):
+            began = time.monotonic()
+            assert ready.get("/health_generate").status_code == 200
+            waits.append(time.monotonic() - began)
+            time.sleep(0.3)
+        still_running = not long.done()
+        long.result(timeout=120)
+    assert still_running, "the long request ended before the probes; nothing was shown"
+    assert max(waits) < 2.0, f"/health waited {max(waits):.1f}s behind one request ({tokens} tokens)"
 
 
 def test_health_check_and_regeneration_requests_write_no_dump(ready: Engine) -> None:

@@ -82,8 +82,11 @@ def test_held_out_prompts_come_from_the_validation_rows_and_stop_at_the_answer(t
     ids = [[r, 10 + r, 20 + r, 30 + r] for r in range(10)]
     masks = [[0, 0, 1, 1]] * 9 + [[1, 1, 1, 1]]
     write_training_dataset(ids, masks, tmp_path / "dataset")
-    prompts = held_out_prompts(tmp_path / "dataset", 0.8, 5)
+    prompts = held_out_prompts(tmp_path / "dataset", 0.8, 1)
     assert [(p.row, p.input_ids) for p in prompts] == [(8, [8, 18])]  # row 9 answers from its first token: no prompt
+    # More prompts than the held-out rows give is refused, naming the Param: never a silently smaller evaluation.
+    with pytest.raises(UserError, match=r"--eval-rows 5 \(Param eval_rows\): .* only 1 held-out prompts .* at most 1"):
+        held_out_prompts(tmp_path / "dataset", 0.8, 5)
     with pytest.raises(UserError, match="no held-out prompt"):
         held_out_prompts(tmp_path / "dataset", 0.95, 5)
 

@@ -69,7 +69,8 @@ def inputs(hidden: int, length: int = 24) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_the_exported_drafter_computes_what_speculators_trained(checkpoints, random_tiny_model: Path, tmp_path: Path) -> None:
     manifest = export(ExportConfig(checkpoint=checkpoints[False], verifier=random_tiny_model, out=tmp_path / "drafter"))
-    assert Path(manifest["sglang"]["path"]) == tmp_path / "drafter" / "sglang"
+    assert manifest["sglang"]["path"] == "sglang"  # relative to the drafter folder
+    assert ServedDrafter.from_export(tmp_path / "drafter").path == tmp_path / "drafter" / "sglang"
     ids, aux = inputs(64)
     expected, embed = speculators_logits(checkpoints[False], ids, aux)
     got = reference_logits(tmp_path / "drafter" / "sglang", embed, ids, aux)

@@ -200,6 +200,9 @@ def test_bad_flags_name_the_flag(tiny_model: Path, run_layout: RunLayout, tmp_pa
     for flags, fragment in (
         (["--aux-layer-ids", "2,9"], "aux layer ids [9] are outside 0..8"),
         (["--aux-layer-ids", "2,4", "--verify-rows", "0"], "--verify-rows"),
+        # More rows than the dataset has: refused before any request, never a silently smaller check.
+        (["--aux-layer-ids", "2,4", "--verify-rows", str(ROWS + 1)],
+         f"--verify-rows {ROWS + 1} (Param verify_rows): the dataset {run_layout.dataset} has only {ROWS} rows"),
     ):
         done = subprocess.run([sys.executable, "-m", "eagleflow", "verify-capture", *base, *flags],
                               capture_output=True, text=True, timeout=120, cwd=REPO)
