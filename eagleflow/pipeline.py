@@ -284,19 +284,15 @@ class PipelineConfig(BaseModel):
             # What the engines' writers may hold, online training may hold ahead of the trainer.
             "online_window_gb": self.dump_queue_gb,
         }
-        if engines:
-            values.update(
-                engine_urls=[e.url for e in engines],
-                engine_names=[e.name for e in engines],
-                dump_dir=Path(engines[0].dump_dir),  # one hand-off folder for all of a run's engines
-            )
+        if engines:  # one hand-off folder for all of a run's engines
+            values.update(engine_urls=[e.url for e in engines], engine_names=[e.name for e in engines],
+                          dump_dir=Path(engines[0].dump_dir))
         return build_model(TrainConfig, values, param_name)
 
     @property
     def online(self) -> bool:
         """Online training: no shard is extracted; the engines stay up through training."""
         return self.step_params.get("hidden_states_source", TrainConfig.model_fields["hidden_states_source"].default) == "engine"
-
 
     @property
     def prepare_input(self) -> str:
