@@ -202,6 +202,8 @@ def test_online_mode_skips_every_shard_trains_from_the_engine_and_stops_it_after
         "run_name": "online", "shard_size": 5, "max_len": 256, "server_port": 0, "server_extra_args": ["--threads", "1"],
         "hidden_states_source": "engine", "dump_queue_gb": 0.001, "epochs": 1, "total_seq_len": 256, "num_workers": 0,
         "draft_vocab_size": 256, "device": "cpu",
+        # Said explicitly: dag.test() keeps an earlier test's run_conf in the shared DAG's params.
+        "server_urls": [], "server_dump_dir": None,
     }
     run = eagleflow_dag.test(run_conf=conf, mark_success_pattern="plot_metrics|export_drafter|evaluate_drafter")
     tis = {(ti.task_id, ti.map_index): ti for ti in run.get_task_instances()}
