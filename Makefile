@@ -3,6 +3,9 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# Workers for the suite: most tests wait on engines, Airflow and subprocesses, so three keep 2 cores busy.
+PYTEST_WORKERS ?= 3
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 # Keep every cache inside the repo's ignored folders, never in the home folder.
 export HF_HOME := $(CURDIR)/.cache/hf
@@ -19,11 +22,11 @@ venv:
 
 ## the whole suite (CI runs this through .ci/run)
 test: venv
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 ## the suite without the real-scheduler and Celery tests
 test-fast: venv
-	$(PY) -m pytest -m "not scheduler and not celery" $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_PARALLEL) -m "not scheduler and not celery" $(PYTEST_ARGS)
 
 ## the main job on CPU: tiny verifier, synthetic data, the whole DAG through Airflow
 demo: venv

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from eagleflow.demo.tiny_model import build_lock
+
 REPO = Path(__file__).resolve().parents[1]
 WHEEL_DIR = REPO / ".cache" / "sglang-wheels"
 NETWORK_ERRORS = (
@@ -62,6 +64,13 @@ def get_wheel(version: str) -> Wheel:
     """The wheel of ``version``, downloaded once into .cache/sglang-wheels; skip only if PyPI is unreachable."""
     if version in _wheels:
         return _wheels[version]
+    WHEEL_DIR.mkdir(parents=True, exist_ok=True)
+    with build_lock(WHEEL_DIR / f"sglang-{version}"):  # parallel workers: one downloads, the others wait
+        _wheels[version] = _download(version)
+    return _wheels[version]
+
+
+def _download(version: str) -> Wheel:
     found = sorted(WHEEL_DIR.glob(f"sglang-{version}-*.whl"))
     if not found:
         WHEEL_DIR.mkdir(parents=True, exist_ok=True)
@@ -78,11 +87,10 @@ def get_wheel(version: str) -> Wheel:
         found = sorted(WHEEL_DIR.glob(f"sglang-{version}-*.whl"))
         assert found, f"pip download sglang=={version} left no wheel in {WHEEL_DIR}"
     try:
-        _wheels[version] = Wheel(found[0], version)
+        return Wheel(found[0], version)
     except zipfile.BadZipFile:
         found[0].unlink()  # an interrupted download; the next run fetches it again
         pytest.fail(f"{found[0].name} was not a complete wheel; deleted it, run again")
-    return _wheels[version]
 
 
 def find_class(tree: ast.Module, name: str) -> ast.ClassDef:

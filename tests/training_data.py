@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from eagleflow.demo.tiny_model import build_lock
 from eagleflow.metrics.records import read_records
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,13 +57,18 @@ def cached_dataset(model_dir: Path, rows: int = ROWS, seed: int = 11) -> Path:
     record = (model_dir / "eagleflow_tiny_model.json").read_bytes()
     key = hashlib.sha256(record + json.dumps([DATA_RECIPE, rows, seed, AUX]).encode()).hexdigest()[:16]
     final = DATA_CACHE / f"train-{key}" / "dataset"
-    if not (final.parent / "done").exists():
-        staging = DATA_CACHE / f".train-{key}.{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
-        build_dataset(model_dir, staging / "dataset", rows, seed)
-        (staging / "done").write_text("ok\n")
-        shutil.rmtree(final.parent, ignore_errors=True)
-        os.replace(staging, final.parent)
+    if (final.parent / "done").exists():
+        return final
+    # Parallel test workers: one builds, the others wait and find it (a second build would delete
+    # the first one's folder under its readers).
+    with build_lock(final.parent):
+        if not (final.parent / "done").exists():
+            staging = DATA_CACHE / f".train-{key}.{os.getpid()}"
+            shutil.rmtree(staging, ignore_errors=True)
+            build_dataset(model_dir, staging / "dataset", rows, seed)
+            (staging / "done").write_text("ok\n")
+            shutil.rmtree(final.parent, ignore_errors=True)
+            os.replace(staging, final.parent)
     return final
 
 

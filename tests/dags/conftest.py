@@ -23,6 +23,15 @@ from eagleflow.engine.process import free_port
 REPO = Path(__file__).resolve().parents[2]
 DAG_ID = "eagleflow"
 TERMINAL_RUN_STATES = ("success", "failed")
+# Test-only Airflow timeouts, shorter than a deployment's (docker/airflow.env, Airflow's defaults) so
+# the fault tests wait less for what they provoke: a scheduler presumed dead (its orphaned tasks
+# reset by the next one) and a task whose worker vanished (no heartbeat).
+SCHEDULER_HEALTH_CHECK_THRESHOLD = 15
+TASK_HEARTBEAT_TIMEOUT = 30
+TEST_TIMEOUTS = {
+    "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_THRESHOLD": str(SCHEDULER_HEALTH_CHECK_THRESHOLD),
+    "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(TASK_HEARTBEAT_TIMEOUT),
+}
 
 
 @dataclass
@@ -230,6 +239,7 @@ def airflow_stack(tmp_path_factory: pytest.TempPathFactory, scripts: Callable[[s
     env = airflow_env.airflow_env(
         home, port=free_port(), parallelism=3, all_admins=True, inherit_airflow_settings=False
     )
+    env.update(TEST_TIMEOUTS)
     airflow_env.migrate_db(env)
     processes = airflow_env.AirflowProcesses(env, home / "component-logs")
     stack = AirflowStack(home=home, processes=processes)
@@ -272,6 +282,7 @@ def celery_stack(tmp_path_factory: pytest.TempPathFactory, scripts: Callable[[st
         env = airflow_env.airflow_env(
             home, port=api_port, parallelism=4, all_admins=True, inherit_airflow_settings=False, celery=backends
         )
+        env.update(TEST_TIMEOUTS)
         airflow_env.migrate_db(env)
         processes = airflow_env.AirflowProcesses(env, home / "component-logs", components=airflow_env.celery_components(env))
         stack = AirflowStack(home=home, processes=processes)

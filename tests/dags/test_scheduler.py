@@ -189,9 +189,10 @@ def test_scheduler_killed_mid_extraction_and_restarted_finishes_the_run_without_
     assert running_shards, airflow_stack.describe(run_id)
     airflow_stack.processes.kill_component("scheduler")
     killed_at = time.monotonic()
-    # A restart a little later than the old scheduler's heartbeat threshold (30 s): the new one then
-    # finds its tasks orphaned at start-up and resets them. What was published by then is finished work.
-    time.sleep(max(0.0, killed_at + 35 - time.monotonic()))
+    # A restart a little later than the old scheduler's heartbeat threshold: the new one then finds
+    # its tasks orphaned at start-up and resets them. What was published by then is finished work.
+    threshold = float(airflow_stack.processes.env["AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_THRESHOLD"])
+    time.sleep(max(0.0, killed_at + threshold + 5 - time.monotonic()))
     before = _file_identities(layout.hidden_states)
     airflow_stack.processes.start_component("scheduler")
 

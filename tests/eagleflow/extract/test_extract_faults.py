@@ -187,7 +187,9 @@ def test_a_second_extraction_of_a_running_shard_waits_then_refuses_naming_the_fi
     """A manual rerun while the task still runs: without the shard's lock its rows went out twice and
     its start-up clean-up deleted the first one's dumps in flight."""
     dataset = new_dataset(tmp_path, rows)
-    cfg = config(dataset, slow_engine, random_tiny_model, "0:6", concurrency=2, progress_every=1)
+    # 12 rows at the slow writer's pace: the first holds the shard for ~25 s after its first row,
+    # far longer than the second takes to start on a loaded machine.
+    cfg = config(dataset, slow_engine, random_tiny_model, "0:12", concurrency=2, progress_every=1)
     written_before = writer_status(slow_engine, settled=True).written
     first = subprocess.Popen([sys.executable, "-m", "eagleflow", "extract", *model_to_argv(cfg)], stdout=subprocess.PIPE, text=True)
     assert first.stdout is not None
@@ -199,15 +201,15 @@ def test_a_second_extraction_of_a_running_shard_waits_then_refuses_naming_the_fi
         capture_output=True, text=True, timeout=120,
     )
     assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
-    assert f"error: another extraction holds shard rows_0-6 of {dataset}: pid {first.pid} on " in second.stderr
-    assert "waiting for the extraction that holds shard rows_0-6" in second.stdout and "Traceback" not in second.stderr
+    assert f"error: another extraction holds shard rows_0-12 of {dataset}: pid {first.pid} on " in second.stderr
+    assert "waiting for the extraction that holds shard rows_0-12" in second.stdout and "Traceback" not in second.stderr
     first.stdout.read()
     assert first.wait(timeout=120) == 0
-    manifest = ShardManifest.read(dataset.parent / "shards" / "rows_0-6.json")
-    assert (manifest.state, manifest.done, manifest.failed) == ("success", 6, [])  # the refused run wrote nothing there
-    assert writer_status(slow_engine, settled=True).written - written_before == 6  # each row's pass ran once
+    manifest = ShardManifest.read(dataset.parent / "shards" / "rows_0-12.json")
+    assert (manifest.state, manifest.done, manifest.failed) == ("success", 12, [])  # the refused run wrote nothing there
+    assert writer_status(slow_engine, settled=True).written - written_before == 12  # each row's pass ran once
     again = ShardExtractor(cfg).run()  # and once it is done, the rerun finds every row complete
-    assert (again.state, again.skipped, again.done) == ("success", 6, 0)
+    assert (again.state, again.skipped, again.done) == ("success", 12, 0)
 
 
 def test_a_hung_engine_stops_the_shard_naming_it_and_the_rerun_after_it_recovers_completes(
