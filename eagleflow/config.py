@@ -133,3 +133,38 @@ def model_to_argv(config: BaseModel) -> list[str]:
         else:
             argv.append(f"{flag_name(name)}={value}")
     return argv
+
+
+def schemas_of(model: type[BaseModel], names: tuple[str, ...], section: str | None = None) -> dict[str, dict[str, Any]]:
+    """JSON schemas of ``model``'s fields ``names``, shaped for Airflow ``Param(**schema)``.
+
+    A field with a default also takes null: Airflow's form marks a field required unless its type
+    allows null, and a run can start without any of these (:meth:`PipelineConfig.from_params`
+    reads null as the default).
+    """
+    schema = model.model_json_schema()
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        prop = dict(schema["properties"][name])
+        if "anyOf" in prop:  # Optional[X] -> type [X, "null"], with X's own keywords (items, uniqueItems, bounds)
+            variants = prop.pop("anyOf")
+            prop["type"] = [v.get("type") for v in variants if "type" in v]
+            for variant in variants:
+                prop.update({key: value for key, value in variant.items() if key not in ("type", "enum")})
+            if any("enum" in v for v in variants):
+                prop["enum"] = [e for v in variants for e in v.get("enum", [])] + [None]
+        if "format" in prop and prop["format"] == "path":
+            prop.pop("format")
+        field = model.model_fields[name]
+        if field.default_factory is not None:
+            prop["default"] = field.default_factory()
+        elif field.is_required():
+            prop.setdefault("default", None)
+        if not field.is_required() and isinstance(prop.get("type"), str):
+            prop["type"] = [prop["type"], "null"]
+            if "enum" in prop:
+                prop["enum"] = [*prop["enum"], None]
+        if section is not None:
+            prop.setdefault("section", section)
+        out[name] = prop
+    return out

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, ValidationInfo, create_model, field_validator, model_validator
 
-from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype, build_model
+from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype, build_model, schemas_of
 from eagleflow.engine.process import ServerInfo
 from eagleflow.data.regenerate import CONVERSATIONS_FILE, RegenerateConfig
 from eagleflow.evaluate.config import EvaluateConfig
@@ -108,6 +108,7 @@ class PipelineConfig(BaseModel):
         title="Regenerate responses",
         description="Rewrite the dataset's assistant turns with the verifier through the warm engine before "
         "preparation, so the drafter learns the verifier's own answers (regen_* Params).",
+        json_schema_extra={"section": "Regeneration"},
     )
     aux_layer_ids: AuxLayerIds | None = Field(
         None,
@@ -115,19 +116,22 @@ class PipelineConfig(BaseModel):
         description="Layer ids whose input state is captured (state entering layer k); the final pre-norm state is "
         "added. Distinct, 0..n for an n-layer verifier. Empty: speculators' default [2, n//2, n-3]. "
         "The seed's Kimi-K2.5 run used [3, 31, 59].",
+        json_schema_extra={"section": "Extraction"},
     )
-    hidden_states_dtype: StoredHiddenStatesDtype = Field(title="Hidden-state storage")
-    max_len: int = Field(2048, ge=2, title="Max sequence length", description="Rows longer than this are truncated.")
+    hidden_states_dtype: StoredHiddenStatesDtype = Field(title="Hidden-state storage", json_schema_extra={"section": "Extraction"})
+    max_len: int = Field(2048, ge=2, title="Max sequence length", description="Rows longer than this are truncated.", json_schema_extra={"section": "Data"})
     skip_bad_rows: bool = Field(
         False, title="Skip bad rows",
         description="Leave unusable input rows out (listed in bad_rows.jsonl) instead of failing; with regeneration also rows "
         "whose first prompt does not fit the engine's context (listed in regenerated/skipped_rows.jsonl).",
+        json_schema_extra={"section": "Data"},
     )
     disk_margin: float = Field(
-        1.1, ge=1.0, title="Disk margin", description="Fail early unless free space >= estimated hidden-state bytes × this."
+        1.1, ge=1.0, title="Disk margin", description="Fail early unless free space >= estimated hidden-state bytes × this.",
+        json_schema_extra={"section": "Extraction"},
     )
-    shard_size: int = Field(2000, ge=1, title="Shard size", description="Rows per extraction shard (one mapped task each).")
-    concurrency: int = Field(8, ge=1, le=256, title="Requests in flight", description="Concurrent /generate requests per shard.")
+    shard_size: int = Field(2000, ge=1, title="Shard size", description="Rows per extraction shard (one mapped task each).", json_schema_extra={"section": "Extraction"})
+    concurrency: int = Field(8, ge=1, le=256, title="Requests in flight", description="Concurrent /generate requests per shard.", json_schema_extra={"section": "Extraction"})
     dump_queue_gb: float | None = Field(
         None,
         gt=0,
@@ -135,18 +139,22 @@ class PipelineConfig(BaseModel):
         description="Host memory the engine may hold in captured, not yet written hidden states (pinned on a GPU). "
         "When the disk falls this far behind, a request gets 'writer behind' and the extractor sends it again later, "
         "instead of the forward pass waiting for the disk. Empty: 1/8 of the engine host's memory, at most 32 GiB.",
+        json_schema_extra={"section": "Extraction"},
     )
     server_port: int = Field(
-        30000, ge=0, le=65535, title="Server port", description="Port of the launched engine; 0 picks a free port."
+        30000, ge=0, le=65535, title="Server port", description="Port of the launched engine; 0 picks a free port.",
+        json_schema_extra={"section": "Engine"},
     )
-    tp_size: int = Field(8, ge=1, title="Tensor parallel size", description="SGLang --tp-size (GPUs for the server).")
+    tp_size: int = Field(8, ge=1, title="Tensor parallel size", description="SGLang --tp-size (GPUs for the server).", json_schema_extra={"section": "Engine"})
     server_extra_args: list[str] = Field(
         default_factory=list,
         title="Extra server arguments",
         description="Appended to the engine command line as separate arguments (never through a shell).",
+        json_schema_extra={"section": "Engine"},
     )
     warmup_timeout_minutes: float = Field(
-        45.0, gt=0, title="Warmup timeout (minutes)", description="Fail the readiness wait after this long."
+        45.0, gt=0, title="Warmup timeout (minutes)", description="Fail the readiness wait after this long.",
+        json_schema_extra={"section": "Engine"},
     )
     num_engines: int = Field(
         1,
@@ -156,17 +164,20 @@ class PipelineConfig(BaseModel):
         description="Engines this run launches, each by its own launch_server task on the GPU queue (ports "
         "server_port, server_port+1, …); shards are spread over them and an engine that dies fails only its "
         "shards, whose retries go to one that is up. Give the gpu pool as many slots. Ignored with server_urls.",
+        json_schema_extra={"section": "Engine"},
     )
     server_urls: list[str] = Field(
         default_factory=list,
         title="Remote engine URLs",
         description="Use engines that are already running, e.g. one per GPU node (http://gpu-node-1:30000, …): "
         "launch and stop do nothing, the readiness wait polls each, shards are spread over them.",
+        json_schema_extra={"section": "Engine"},
     )
     server_dump_dir: str | None = Field(
         None,
         title="Remote engines' dump folder",
         description="With remote engines: the one folder their capture hooks write to, as seen from the workers.",
+        json_schema_extra={"section": "Engine"},
     )
 
     # Not a Param itself: the steps' Params as given (checked by from_params); see train_config(),
@@ -223,7 +234,8 @@ class PipelineConfig(BaseModel):
         :meth:`check_model` is the check against the model.
         """
         params = dict(params)
-        values = {k: v for k, v in params.items() if k in PIPELINE_PARAMS}
+        # A Param left empty in the form (null) takes its default.
+        values = {k: v for k, v in params.items() if k in PIPELINE_PARAMS and not (v is None and not cls.model_fields[k].is_required())}
         for name in ("run_name", "server_dump_dir", "aux_layer_ids"):
             if values.get(name) in ("", []):
                 values[name] = None
@@ -360,39 +372,19 @@ def run_name_from_run_id(run_id: str) -> str:
 
 
 def param_schemas() -> dict[str, dict[str, Any]]:
-    """JSON schema of each Param (``default``, ``type``, ``title``, ``description``, bounds), in form order."""
+    """JSON schema of each Param (``default``, ``type``, ``title``, ``description``, ``section``, bounds), in form order.
+
+    Airflow's trigger form opens only its first section ("Run Parameters": the Params without a
+    section, what every run sets); the others start collapsed. A step's Params are its step's
+    section; the pipeline's own name theirs with ``json_schema_extra={"section": …}``.
+    """
     return {
         **schemas_of(PipelineConfig, PIPELINE_PARAMS),
-        **schemas_of(VerifyCaptureConfig, VERIFY_PARAMS),
-        **schemas_of(TrainConfig, TRAIN_PARAMS),
-        **schemas_of(EvaluateConfig, EVAL_PARAMS),
-        **schemas_of(RegenerateConfig, REGEN_PARAMS),
+        **schemas_of(VerifyCaptureConfig, VERIFY_PARAMS, section="Extraction"),
+        **schemas_of(TrainConfig, TRAIN_PARAMS, section="Training"),
+        **schemas_of(EvaluateConfig, EVAL_PARAMS, section="Evaluation"),
+        **schemas_of(RegenerateConfig, REGEN_PARAMS, section="Regeneration"),
     }
-
-
-def schemas_of(model: type[BaseModel], names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    """JSON schemas of ``model``'s fields ``names``, shaped for Airflow ``Param(**schema)``."""
-    schema = model.model_json_schema()
-    out: dict[str, dict[str, Any]] = {}
-    for name in names:
-        prop = dict(schema["properties"][name])
-        if "anyOf" in prop:  # Optional[X] -> type [X, "null"], with X's own keywords (items, uniqueItems, bounds)
-            variants = prop.pop("anyOf")
-            prop["type"] = [v.get("type") for v in variants if "type" in v]
-            for variant in variants:
-                prop.update({key: value for key, value in variant.items() if key not in ("type", "enum")})
-            if any("enum" in v for v in variants):
-                prop["enum"] = [e for v in variants for e in v.get("enum", [])] + [None]
-        if "format" in prop and prop["format"] == "path":
-            prop.pop("format")
-        prop.setdefault("title", name.replace("_", " ").capitalize())
-        field = model.model_fields[name]
-        if field.default_factory is not None:
-            prop["default"] = field.default_factory()
-        elif field.is_required():
-            prop.setdefault("default", None)
-        out[name] = prop
-    return out
 
 
 def model_dir(cfg: PipelineConfig) -> Path:

@@ -11,10 +11,10 @@ BEGIN, END = "<!-- params-table:begin -->", "<!-- params-table:end -->"
 
 
 def params_table() -> str:
-    """A Markdown table: Param, default, meaning (GPU/seed defaults, not the demo's)."""
+    """A Markdown table: Param, its label and section in the trigger form, default, meaning (GPU/seed defaults, not the demo's)."""
     from operators.params import pipeline_params
 
-    lines = ["| Param | Default | Meaning |", "|---|---|---|"]
+    lines = ["| Param | Form label (section) | Default | Meaning |", "|---|---|---|---|"]
     for name, schema in pipeline_params().items():
         default = schema.get("default")
         if name == "output_root":
@@ -24,7 +24,8 @@ def params_table() -> str:
         else:
             shown = f"`{default!r}`" if default not in (None, []) else "—"
         text = schema.get("description", "").replace("|", "\\|")
-        lines.append(f"| `{name}` | {shown} | {text} |")
+        label = f"{schema['title']} ({schema.get('section', 'Run Parameters')})"
+        lines.append(f"| `{name}` | {label} | {shown} | {text} |")
     return "\n".join(lines)
 
 

@@ -60,11 +60,11 @@ class RegenerateConfig(BaseModel):
     out: Path = Field(description="folder for rows/, conversations.jsonl and regenerate.json")
     server: str = Field(description="the running engine's base URL")
     server_pid: int | None = Field(None, description="the engine's process id on this machine (a dead engine stops the wait)")
-    regen_temperature: float = Field(0.0, ge=0, description="sampling temperature of the regenerated answers (0: greedy)")
+    regen_temperature: float = Field(0.0, ge=0, title="Temperature", description="sampling temperature of the regenerated answers (0: greedy)")
     regen_max_new_tokens: int = Field(
-        512, ge=1, description="longest regenerated answer, in tokens (fewer where the engine's context leaves less after the prompt)"
+        512, ge=1, title="Max new tokens per answer", description="longest regenerated answer, in tokens (fewer where the engine's context leaves less after the prompt)"
     )
-    regen_concurrency: int = Field(8, ge=1, le=256, description="conversations regenerated at once")
+    regen_concurrency: int = Field(8, ge=1, le=256, title="Conversations at once", description="conversations regenerated at once")
     skip_bad_rows: bool = Field(
         False, description="leave out rows that are not usable chat rows, or whose first prompt does not fit the engine's "
         "context, instead of failing (listed in skipped_rows.jsonl)",

@@ -24,6 +24,7 @@ DEMO_PARAMS: dict[str, Any] = {
     "max_len": 512,
     "concurrency": 4,
     "server_port": 0,
+    "tp_size": 1,  # one CPU process, not the 8-GPU node's default
     "server_extra_args": ["--warmup-seconds", "10"],
     "warmup_timeout_minutes": 5.0,
     "epochs": 4,

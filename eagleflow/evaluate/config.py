@@ -17,9 +17,9 @@ class EvaluateConfig(BaseModel):
     out: Path = Field(description="folder for report.json and the chart")
     train_dir: Path | None = Field(None, description="the training folder: its train/validation split and last validation metrics")
     engine: Literal["reference", "sglang"] = Field("reference", description="which engine serves the drafter")
-    eval_rows: int = Field(16, ge=1, description="held-out prompts to decode (rows training never saw)")
-    eval_max_new_tokens: int = Field(128, ge=2, description="tokens generated per prompt")
-    eval_concurrency: int = Field(4, ge=1, description="requests in flight in the concurrent measurement")
+    eval_rows: int = Field(16, ge=1, title="Held-out prompts", description="held-out prompts to decode (rows training never saw)")
+    eval_max_new_tokens: int = Field(128, ge=2, title="New tokens per prompt", description="tokens generated per prompt")
+    eval_concurrency: int = Field(4, ge=1, title="Requests in flight (concurrent measurement)", description="requests in flight in the concurrent measurement")
     num_steps: int | None = Field(None, ge=1, description="draft tokens per verification; default: the drafter's TTT steps")
     train_data_ratio: float | None = Field(
         None, gt=0, lt=1, description="the training split; default: the training folder's setting"

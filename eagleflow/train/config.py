@@ -41,28 +41,28 @@ class TrainConfig(BaseModel):
     aux_layer_ids: AuxLayerIds = Field(
         description="captured layer ids, as given to extraction (speculators --target-layer-ids)"
     )
-    epochs: int = Field(5, ge=1, description="training epochs; resume with the same count")
-    lr: float = Field(3e-5, gt=0, description="peak learning rate (AdamW)")
-    total_seq_len: int = Field(2048, ge=16, description="tokens packed into one training sequence")
-    ttt_steps: int = Field(3, ge=1, description="test-time-training steps the draft is unrolled over")
+    epochs: int = Field(5, ge=1, title="Epochs", description="training epochs; resume with the same count")
+    lr: float = Field(3e-5, gt=0, title="Learning rate", description="peak learning rate (AdamW)")
+    total_seq_len: int = Field(2048, ge=16, title="Packed sequence length (tokens)", description="tokens packed into one training sequence")
+    ttt_steps: int = Field(3, ge=1, title="TTT steps", description="test-time-training steps the draft is unrolled over")
     noise_std: float = Field(
-        0.05, ge=0, description="noise added to training samples' aux hidden states: uniform in [-noise_std, noise_std]"
+        0.05, ge=0, title="Noise on hidden states", description="noise added to training samples' aux hidden states: uniform in [-noise_std, noise_std]"
     )
-    scheduler_type: Literal["cosine", "linear", "none"] = Field("cosine", description="learning-rate schedule")
-    scheduler_warmup_ratio: float = Field(0.01, ge=0, le=1, description="warmup as a fraction of all steps")
-    num_workers: int = Field(4, ge=0, description="data-loader worker processes")
-    draft_vocab_size: int = Field(32000, ge=1, description="draft vocabulary size (d2t/t2d built if missing)")
+    scheduler_type: Literal["cosine", "linear", "none"] = Field("cosine", title="Learning-rate schedule", description="learning-rate schedule")
+    scheduler_warmup_ratio: float = Field(0.01, ge=0, le=1, title="Warmup share of steps", description="warmup as a fraction of all steps")
+    num_workers: int = Field(4, ge=0, title="Data-loader workers", description="data-loader worker processes")
+    draft_vocab_size: int = Field(32000, ge=1, title="Draft vocabulary size", description="draft vocabulary size (d2t/t2d built if missing)")
     optimizer: Literal["adamw", "muon"] = Field(
         "adamw", description="optimizer; with muon, --lr applies to the AdamW group only"
     )
-    num_layers: int = Field(1, ge=1, description="draft decoder layers (ignored with --draft-config)")
+    num_layers: int = Field(1, ge=1, title="Draft decoder layers", description="draft decoder layers (ignored with --draft-config)")
     draft_config: Path | None = Field(
-        None, description="decoder config JSON (LlamaConfig) fixing the draft layer shape, e.g. for Kimi-K2.5"
+        None, title="Draft layer config (JSON)", description="decoder config JSON (LlamaConfig) fixing the draft layer shape, e.g. for Kimi-K2.5"
     )
-    train_data_ratio: float = Field(0.9, gt=0, lt=1, description="fraction of rows trained on; the rest validates")
+    train_data_ratio: float = Field(0.9, gt=0, lt=1, title="Training share of rows", description="fraction of rows trained on; the rest validates")
     serve_with: ServeWith = Field(
         "sglang",
-        description="the engine that will serve the drafter: sglang trains with norm_before_residual off "
+        title="Serving engine", description="the engine that will serve the drafter: sglang trains with norm_before_residual off "
         "(what SGLang's draft layer computes), vllm keeps speculators' default",
     )
     log_freq: int = Field(1, ge=1, description="log a metrics record every N steps")
@@ -80,9 +80,9 @@ class TrainConfig(BaseModel):
     draft_attn_impl: Literal["auto", "simple_flex_attention", "sdpa", "eager"] = Field(
         "auto", description="draft attention; auto: simple_flex_attention on GPU, sdpa on CPU"
     )
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where to train; auto: cuda when available")
-    gpus: int | None = Field(None, ge=1, description="GPUs to train on (torchrun when more than one); default: all")
-    restart: bool = Field(False, description="start from scratch; the old run moves to OUT/previous/<time>/")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", title="Training device", description="where to train; auto: cuda when available")
+    gpus: int | None = Field(None, ge=1, title="Training GPUs", description="GPUs to train on (torchrun when more than one); default: all")
+    restart: bool = Field(False, title="Restart training from scratch", description="start from scratch; the old run moves to OUT/previous/<time>/")
     lock_wait: float = Field(
         30.0, ge=0, description="seconds to wait for another trainer working in --out to exit before refusing (one trainer per folder)"
     )

@@ -179,3 +179,39 @@ def test_a_huge_param_value_is_quoted_as_an_excerpt(tmp_path: Path, random_tiny_
     for name in ("output_root", "run_name", "server_urls"):
         assert f"Param {name}: " in message
     assert "… (999800 more characters)" in message
+
+
+# What every run sets, in the form's first section (Airflow's "Run Parameters", the one it opens).
+RUN_ESSENTIALS = {"engine", "model_path", "dataset_input", "output_root", "run_name"}
+# What a run cannot start without: the only Params the form marks required.
+REQUIRED = {"model_path", "dataset_input", "output_root"}
+SECTIONS = {"Engine", "Data", "Extraction", "Training", "Evaluation", "Regeneration"}
+
+
+def test_the_form_has_sections_human_labels_and_requires_only_what_a_run_cannot_start_without() -> None:
+    from eagleflow.pipeline import PIPELINE_PARAMS, STEP_PARAMS
+
+    schemas = param_schemas()
+    owners = {**dict.fromkeys(PIPELINE_PARAMS, PipelineConfig), **STEP_PARAMS}
+    assert set(schemas) == set(owners)
+    for name, schema in schemas.items():
+        # A label written for people, not pydantic's title-cased id ("Lr", "Ttt Steps").
+        assert owners[name].model_fields[name].title, f"Param {name} has no title of its own"
+        required = isinstance(schema["type"], str) or "null" not in schema["type"]  # Airflow's own rule
+        assert required == (name in REQUIRED), (name, schema["type"])
+        if name in RUN_ESSENTIALS:
+            assert "section" not in schema, name
+        else:
+            assert schema.get("section") in SECTIONS, (name, schema.get("section"))
+        if "enum" in schema and not required:
+            assert None in schema["enum"], name
+    assert {s.get("section") for s in schemas.values()} == SECTIONS | {None}
+
+
+def test_a_param_left_empty_takes_its_default(tmp_path: Path, random_tiny_model: Path) -> None:
+    empty = {name: None for name in ("shard_size", "concurrency", "server_urls", "epochs", "hidden_states_dtype")}
+    cfg = PipelineConfig.from_params({**base(tmp_path, random_tiny_model), **empty, "run_name": "r"})
+    assert (cfg.shard_size, cfg.concurrency, cfg.server_urls) == (2000, 8, [])
+    assert cfg.hidden_states_dtype == "bf16" and cfg.train_config().epochs == 5
+    for name in empty:
+        Param(**param_schemas()[name]).resolve(None)  # and Airflow's form takes the empty field

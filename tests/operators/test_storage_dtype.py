@@ -57,4 +57,5 @@ def test_an_unknown_storage_dtype_is_refused_naming_the_param(params: dict[str, 
     with pytest.raises(UserError, match="Param hidden_states_dtype"):
         PipelineConfig.from_params({**params, "hidden_states_dtype": "fp16"})
     schema = param_schemas()["hidden_states_dtype"]
-    assert schema["enum"] == ["bf16", "fp8"] and schema["default"] == "bf16" and schema["title"]
+    # None: the field left empty in the form, which takes the default
+    assert schema["enum"] == ["bf16", "fp8", None] and schema["default"] == "bf16" and schema["title"]
