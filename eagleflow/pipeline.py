@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, ValidationInfo, create_model, field_validator, model_validator
 
-from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype, build_model
+from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype, build_model, schemas_of
 from eagleflow.engine.process import ServerInfo
 from eagleflow.data.regenerate import CONVERSATIONS_FILE, RegenerateConfig
 from eagleflow.evaluate.config import EvaluateConfig
@@ -54,6 +54,7 @@ TRAIN_PARAMS = (
     "gpus",
     "restart",
     "serve_with",
+    "draft_variant",
     "hidden_states_source",
     "online_prefetch",
     "online_cache_gb",
@@ -368,31 +369,6 @@ def param_schemas() -> dict[str, dict[str, Any]]:
         **schemas_of(EvaluateConfig, EVAL_PARAMS),
         **schemas_of(RegenerateConfig, REGEN_PARAMS),
     }
-
-
-def schemas_of(model: type[BaseModel], names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    """JSON schemas of ``model``'s fields ``names``, shaped for Airflow ``Param(**schema)``."""
-    schema = model.model_json_schema()
-    out: dict[str, dict[str, Any]] = {}
-    for name in names:
-        prop = dict(schema["properties"][name])
-        if "anyOf" in prop:  # Optional[X] -> type [X, "null"], with X's own keywords (items, uniqueItems, bounds)
-            variants = prop.pop("anyOf")
-            prop["type"] = [v.get("type") for v in variants if "type" in v]
-            for variant in variants:
-                prop.update({key: value for key, value in variant.items() if key not in ("type", "enum")})
-            if any("enum" in v for v in variants):
-                prop["enum"] = [e for v in variants for e in v.get("enum", [])] + [None]
-        if "format" in prop and prop["format"] == "path":
-            prop.pop("format")
-        prop.setdefault("title", name.replace("_", " ").capitalize())
-        field = model.model_fields[name]
-        if field.default_factory is not None:
-            prop["default"] = field.default_factory()
-        elif field.is_required():
-            prop.setdefault("default", None)
-        out[name] = prop
-    return out
 
 
 def model_dir(cfg: PipelineConfig) -> Path:
