@@ -92,15 +92,15 @@ class TrainedRun:
         return Path(json.loads((self.out / "result.json").read_text())["best_checkpoint"])
 
 
-def train_once(dataset: Path, verifier: Path, folder: Path, epochs: int = 2) -> TrainedRun:
-    """Train a drafter on a private copy of ``dataset`` (the defaults: served with SGLang)."""
+def train_once(dataset: Path, verifier: Path, folder: Path, epochs: int = 2, *extra: str) -> TrainedRun:
+    """Train a drafter on a private copy of ``dataset`` (the defaults: served with SGLang; ``extra``: more flags)."""
     import subprocess
 
     copy = copy_dataset(dataset, folder / "dataset")
     out = folder / "train"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        train_argv(copy, verifier, out, "--epochs", str(epochs)), capture_output=True, text=True, timeout=900, env=env
+        train_argv(copy, verifier, out, "--epochs", str(epochs), *extra), capture_output=True, text=True, timeout=900, env=env
     )
     return TrainedRun(copy, out, proc.returncode, proc.stdout, proc.stderr)
 

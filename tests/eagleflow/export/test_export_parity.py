@@ -22,7 +22,7 @@ from eagleflow.engine.reference.draft_model import Eagle3Drafter
 from eagleflow.errors import UserError
 from eagleflow.export.step import ExportConfig, export
 
-from training_data import random_speculators_checkpoint
+from training_data import random_speculators_checkpoint, train_once
 
 AUX = [2, 4, 5]
 DRAFT_VOCAB = 256
@@ -95,6 +95,43 @@ def test_eagle31_fc_norm_and_norm_output_are_served_as_trained(random_tiny_model
     assert {f"fc_norm.{i}.weight" for i in range(len(AUX))} <= names and "input_norm.weight" not in names
     assert set(manifest["sglang"]["sglang_features"]) >= {"fc_norm", "norm_output"}
     assert_parity(ckpt, tmp_path / "drafter")
+
+
+def test_the_train_step_trains_eagle31_and_the_export_serves_it_as_trained(
+    trained_data: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    """draft_variant eagle3.1 through ``python -m eagleflow train`` (real speculators training), exported."""
+    run = train_once(trained_data, tiny_model, tmp_path, 1, "--draft-variant", "eagle3.1")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    trained = json.loads((run.best_checkpoint / "config.json").read_text())
+    assert {k: trained[k] for k in EAGLE31} == EAGLE31
+    export(ExportConfig(checkpoint=run.best_checkpoint, verifier=tiny_model, out=tmp_path / "drafter"))
+    config = exported_config(tmp_path / "drafter")
+    assert (config["fc_norm"], config["norm_output"], config["eagle_config"]["norm_before_fc"]) == (True, True, False)
+    assert_parity(run.best_checkpoint, tmp_path / "drafter")
+    # The reference engine serves it: greedy speculative decoding is greedy decoding, and drafts are accepted.
+    from datasets import load_from_disk
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eagleflow.engine.reference.config import ReferenceEngineConfig
+    from eagleflow.engine.reference.runner import ReferenceEngine
+    from eagleflow.export.step import ServedDrafter
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    drafter = ServedDrafter.from_export(tmp_path / "drafter")
+    plain = ReferenceEngine(model, tokenizer, ReferenceEngineConfig(model=tiny_model, dtype="float32"))
+    speculative = ReferenceEngine(model, tokenizer, ReferenceEngineConfig(
+        model=tiny_model, dtype="float32", speculative_algorithm="EAGLE3", speculative_draft_model_path=drafter.path,
+        speculative_num_steps=drafter.num_steps, speculative_draft_window_size=drafter.window,
+    ))
+    correct = 0
+    for row, ids in enumerate(load_from_disk(str(run.dataset))["input_ids"][-4:]):
+        body = {"rid": f"row-{row}", "input_ids": [int(t) for t in ids[:24]], "sampling_params": {"max_new_tokens": 32, "temperature": 0.0}}
+        expected, got = plain.generate(dict(body)), speculative.generate(dict(body))
+        assert got["output_ids"] == expected["output_ids"], row
+        correct += got["meta_info"]["spec_num_correct_drafts"]
+    assert correct > 0
 
 
 def test_fc_norm_follows_the_config_flag_not_the_weights(random_tiny_model: Path, tmp_path: Path) -> None:
