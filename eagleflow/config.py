@@ -3,7 +3,8 @@
 Each step declares its knobs once, as a pydantic model whose fields carry a description
 (anchor: speculators ``train/config/schema.py``). :func:`add_model_arguments` derives the
 ``--flag`` of every field from it, and :func:`model_from_args` turns parsed flags back into
-the model, so a flag, its type, its default and its help text live in one place.
+the model, so a flag, its type, its default and its help text live in one place;
+:func:`schemas_of` shapes the same fields as the DAG's Airflow ``Param`` schemas.
 """
 
 from __future__ import annotations

@@ -54,6 +54,7 @@ TRAIN_PARAMS = (
     "gpus",
     "restart",
     "serve_with",
+    "draft_variant",
     "hidden_states_source",
     "online_prefetch",
     "online_cache_gb",

@@ -98,15 +98,15 @@ class TrainedRun:
         return Path(json.loads((self.out / "result.json").read_text())["best_checkpoint"])
 
 
-def train_once(dataset: Path, verifier: Path, folder: Path, epochs: int = 2) -> TrainedRun:
-    """Train a drafter on a private copy of ``dataset`` (the defaults: served with SGLang)."""
+def train_once(dataset: Path, verifier: Path, folder: Path, epochs: int = 2, *extra: str) -> TrainedRun:
+    """Train a drafter on a private copy of ``dataset`` (the defaults: served with SGLang; ``extra``: more flags)."""
     import subprocess
 
     copy = copy_dataset(dataset, folder / "dataset")
     out = folder / "train"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        train_argv(copy, verifier, out, "--epochs", str(epochs)), capture_output=True, text=True, timeout=900, env=env
+        train_argv(copy, verifier, out, "--epochs", str(epochs), *extra), capture_output=True, text=True, timeout=900, env=env
     )
     return TrainedRun(copy, out, proc.returncode, proc.stdout, proc.stderr)
 
@@ -120,12 +120,17 @@ def random_speculators_checkpoint(
     num_layers: int = 2,
     randomize: bool = True,
     vocab_mapping: tuple[Any, Any] | None = None,
+    draft_flags: dict[str, bool] | None = None,
+    layer_settings: dict[str, Any] | None = None,
 ) -> Path:
     """speculators' EAGLE-3 draft for ``verifier``, saved as speculators saves a checkpoint.
 
     ``randomize``: every weight random (a norm left at its initial ones would hide a mix-up);
     otherwise speculators' own initialisation (an untrained drafter). ``vocab_mapping``:
-    ``(d2t, t2d)`` to use instead of a synthetic one.
+    ``(d2t, t2d)`` to use instead of a synthetic one. ``draft_flags``: speculators' draft flags
+    instead of speculators 0.9.0's EAGLE-3 defaults (``norm_before_fc``, ``norm_output`` on,
+    ``fc_norm`` off); ``layer_settings``: set on the draft layer config (``attention_bias``,
+    ``rope_parameters``, …) before the model is built.
     """
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.cli import create_transformer_layer_config
@@ -141,10 +146,12 @@ def random_speculators_checkpoint(
         verifier_name_or_path=str(verifier), num_layers=num_layers, draft_arch="llama", hidden_act=None,
         sliding_window=2048, full_attention_indices=[],
     )
+    for key, value in (layer_settings or {}).items():
+        setattr(layer, key, value)
+    flags = {"norm_before_fc": True, "norm_output": True, "fc_norm": False, **(draft_flags or {})}
     model = Eagle3DraftModel.from_training_args(
         verifier_config=layer, t2d=t2d, d2t=d2t, verifier_name_or_path=str(verifier), target_layer_ids=aux_layer_ids,
-        draft_vocab_size=draft_vocab, norm_before_residual=norm_before_residual, norm_before_fc=True, norm_output=True,
-        ttt_steps=3, draft_attn_impl="sdpa",
+        draft_vocab_size=draft_vocab, norm_before_residual=norm_before_residual, ttt_steps=3, draft_attn_impl="sdpa", **flags,
     )
     with torch.no_grad():
         for name, parameter in model.named_parameters() if randomize else ():

@@ -17,6 +17,15 @@ source on what :func:`sglang_config` and :func:`sglang_weights` produce.
   replaced by the target's at start (``set_embed``), so it is not exported.
 - The draft layer is SGLang's Llama decoder layer: a checkpoint whose layer is another
   architecture (speculators' ``qwen3`` draft has q/k norms) would lose weights, so it is refused.
+  SGLang builds q/k/v without bias (``llama_eagle3.py`` overrides ``qkv_proj``) and the MLP without
+  bias, but ``o_proj`` with the config's ``attention_bias``: non-zero q/k/v or MLP biases are
+  refused, an ``o_proj`` bias is served.
+- Rotary settings: SGLang reads ``rope_parameters``, else ``rope_scaling`` with ``rope_theta``
+  (:mod:`eagleflow.engine.reference.rope`); the export writes ``rope_parameters`` either way, and
+  :mod:`eagleflow.export.rotary` refuses a drafter whose rotary SGLang computes otherwise.
+- The draft's ``hidden_size`` must be the verifier's: speculators' EAGLE-3 ``fc`` reads aux states
+  of the draft's own width and embeds with the verifier's embedding, while for a draft of another
+  width SGLang sizes ``fc`` by ``target_hidden_size`` and keeps the draft's own embedding.
 - The aux layer ids SGLang captures follow the *target's* rule, not the draft's: eagleflow's id k
   (the state entering layer k, as speculators counts) becomes k - 1 for Llama/Qwen targets, which
   add one back, and stays k for DeepSeek-V2/V3 and Kimi-K2.5, which take ids as given unless the
@@ -68,6 +77,8 @@ LAYER_KEYS = (
     "hidden_act", "rms_norm_eps", "max_position_embeddings", "num_hidden_layers", "rope_parameters",
     "attention_bias", "mlp_bias",
 )
+# Biases SGLang's draft layer never builds (it would drop them without a word).
+_UNBUILT_BIAS = re.compile(r"^layers\.\d+\.(self_attn\.[qkv]_proj|mlp\.(gate|up|down)_proj)\.bias$")
 
 
 class NotServable(ValueError):
@@ -145,7 +156,16 @@ def sglang_config(checkpoint_config: Mapping[str, Any], target_architecture: str
             f"the draft layer is a {layer.get('model_type')!r} layer; SGLang's {SGLANG_DRAFT_ARCHITECTURE} builds Llama "
             "layers and would silently drop the weights it does not know"
         )
+    draft_hidden, trained_target = int(layer["hidden_size"]), checkpoint_config.get("target_hidden_size")
+    if draft_hidden != target_hidden_size or (trained_target and int(trained_target) != target_hidden_size):
+        raise NotServable(
+            f"the draft's hidden_size {draft_hidden} (target_hidden_size {trained_target}) is not the verifier's "
+            f"{target_hidden_size}: speculators' EAGLE-3 draft reads aux states of its own width and the verifier's "
+            "embedding, while SGLang would size fc by target_hidden_size and keep the draft's own embedding "
+            "(set_embed); a checkpoint of another verifier, or a shape speculators does not train"
+        )
     config: dict[str, Any] = {key: layer[key] for key in LAYER_KEYS if key in layer}
+    config["rope_parameters"] = rope_parameters(layer)
     eagle_config: dict[str, Any] = {
         "eagle_aux_hidden_state_layer_ids": sglang_aux_layer_ids(
             checkpoint_config["eagle_aux_hidden_state_layer_ids"], target_architecture
@@ -158,7 +178,7 @@ def sglang_config(checkpoint_config: Mapping[str, Any], target_architecture: str
         model_type=SGLANG_DRAFT_LAYER_TYPE,
         vocab_size=int(layer["vocab_size"]),  # the target's: SGLang sizes the embedding by it
         draft_vocab_size=int(checkpoint_config["draft_vocab_size"]),
-        target_hidden_size=int(checkpoint_config.get("target_hidden_size") or target_hidden_size),
+        target_hidden_size=target_hidden_size,
         tie_word_embeddings=False,
         norm_output=bool(checkpoint_config.get("norm_output", False)),
         fc_norm=bool(checkpoint_config.get("fc_norm", False)),
@@ -166,6 +186,24 @@ def sglang_config(checkpoint_config: Mapping[str, Any], target_architecture: str
         dtype=checkpoint_config.get("dtype") or checkpoint_config.get("torch_dtype") or "bfloat16",
     )
     return config
+
+
+def rope_parameters(layer: Mapping[str, Any]) -> dict[str, Any]:
+    """The layer's rotary settings as one ``rope_parameters`` dict (SGLang reads it first).
+
+    A layer config written without ``rope_parameters`` (transformers before 5) keeps ``rope_theta``
+    and ``rope_scaling`` at its top level; both are carried.
+    """
+    if layer.get("rope_parameters") is not None:
+        return dict(layer["rope_parameters"])
+    scaling = dict(layer.get("rope_scaling") or {})
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    return {**scaling, "rope_type": kind, "rope_theta": float(layer.get("rope_theta", 10000.0))}
+
+
+def unserved_weights(tensors: Mapping[str, Any]) -> list[str]:
+    """Names of non-zero biases SGLang's draft layer does not build (q/k/v, MLP): it would drop them."""
+    return sorted(name for name, t in tensors.items() if _UNBUILT_BIAS.match(name) and bool(t.abs().max() > 0))
 
 
 def sglang_features(config: Mapping[str, Any]) -> list[str]:
@@ -186,7 +224,8 @@ def minimum_sglang(config: Mapping[str, Any]) -> str:
 
 
 def sglang_weights(tensors: Mapping[str, Any]) -> dict[str, Any]:
-    """The checkpoint's tensors under the names SGLang's ``load_weights`` maps (all but :data:`NOT_EXPORTED`).
+    """The checkpoint's tensors under the names SGLang's ``load_weights`` maps (all but :data:`NOT_EXPORTED`
+    and the zero biases SGLang never builds).
 
     One addition: in the layers after the first, SGLang normalises the layer input with
     ``hidden_norm`` (fusing the residual add) where speculators' plain Llama layer uses
@@ -196,7 +235,7 @@ def sglang_weights(tensors: Mapping[str, Any]) -> dict[str, Any]:
     """
     out: dict[str, Any] = {}
     for name, tensor in tensors.items():
-        if name in NOT_EXPORTED:
+        if name in NOT_EXPORTED or _UNBUILT_BIAS.match(name):  # zero biases (unserved_weights refuses others)
             continue
         out[name] = tensor
         match = _LATER_INPUT_NORM.match(name)

@@ -12,7 +12,8 @@
   copied and serves its own files.
 
 A checkpoint SGLang would serve as another function than the one trained (``norm_before_residual``
-True, a non-Llama draft layer, aux ids its target cannot capture) gets no SGLang folder: with
+True, a non-Llama draft layer, aux ids its target cannot capture, a draft narrower or wider than
+the verifier, q/k/v or MLP biases, rotary settings SGLang computes otherwise) gets no SGLang folder: with
 ``--serve-with sglang`` that is an error naming the reason, with ``vllm`` the reason is recorded.
 The checkpoint is read and checked first (a torn config, truncated weights or a missing layer
 config is an error naming the file); the whole of ``OUT`` is then built beside it, read back,
@@ -44,7 +45,9 @@ from eagleflow.export.sglang_drafter import (
     sglang_config,
     sglang_features,
     sglang_weights,
+    unserved_weights,
 )
+from eagleflow.export.rotary import check_rotary
 from eagleflow.export.targets import ServeWith
 from eagleflow.files import atomic_folder, fsync_path
 from eagleflow.layout import TrainLayout
@@ -185,6 +188,10 @@ def export_sglang(checkpoint: Checkpoint | Path, verifier: Path, target: Path) -
     try:
         config = sglang_config(checkpoint.config, architecture, config_int(verifier, "hidden_size"))
         window = draft_window_size(checkpoint.config["transformer_layer_config"])
+        check_rotary(checkpoint.config["transformer_layer_config"], config)
+        dropped = unserved_weights(checkpoint.weights)
+        if dropped:
+            raise NotServable(f"SGLang's draft layer builds no {', '.join(dropped)} (q/k/v and MLP without bias) and would drop them")
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, NotServable):
             raise

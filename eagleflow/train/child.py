@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from eagleflow.engine.process import die_with_parent
 from eagleflow.errors import UserError
-from eagleflow.export.targets import serving_target
+from eagleflow.export.targets import DRAFT_VARIANTS, serving_target
 from eagleflow.layout import TrainLayout
 from eagleflow.train.config import TrainConfig
 from eagleflow.train.lock import TrainFolderLock
@@ -142,6 +142,7 @@ def speculators_flags(
         "--on-missing", "raise",
         # What the serving engine's draft layer computes (eagleflow.export.targets).
         "--norm-before-residual" if serving_target(cfg.serve_with).norm_before_residual else "--no-norm-before-residual",
+        *DRAFT_VARIANTS[cfg.draft_variant],
     ]
     if release.noise_std_flag:
         flags += ["--noise-std", str(cfg.noise_std)]

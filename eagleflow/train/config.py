@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 
 from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype
-from eagleflow.export.targets import ServeWith
+from eagleflow.export.targets import DraftVariant, ServeWith
 from eagleflow.extract.config import ExtractConfig
 
 HiddenStatesSource = Literal["disk", "engine"]
@@ -29,6 +29,7 @@ RESUME_MUST_MATCH = (
     "num_layers",
     "draft_config",
     "serve_with",
+    "draft_variant",
 )
 
 
@@ -64,6 +65,13 @@ class TrainConfig(BaseModel):
         "sglang",
         title="Serving engine", description="the engine that will serve the drafter: sglang trains with norm_before_residual off "
         "(what SGLang's draft layer computes), vllm keeps speculators' default",
+    )
+    draft_variant: DraftVariant = Field(
+        "eagle3",
+        title="Draft variant",
+        description="eagle3: one RMSNorm over the concatenated aux states before fc (norm_before_fc). eagle3.1: one "
+        "RMSNorm per aux state (fc_norm, the EAGLE-3.1 paper's). Both feed each draft step the normed state "
+        "(norm_output); SGLang serves eagle3.1 from 0.5.13, eagle3 from 0.5.17",
     )
     log_freq: int = Field(1, ge=1, description="log a metrics record every N steps")
     seed: int = Field(42, description="random seed")

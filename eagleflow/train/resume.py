@@ -102,7 +102,9 @@ def prepare_checkpoints(cfg: TrainConfig, paths: TrainLayout, log: TrainLog) -> 
     if paths.config.exists():
         stored = json.loads(paths.config.read_text())
         current = json.loads(cfg.model_dump_json())
-        changed = [k for k in RESUME_MUST_MATCH if stored.get(k) != current.get(k)]
+        # A flag added since that run was made: it trained with the flag's default (e.g. draft_variant eagle3).
+        stored = {k: stored.get(k, TrainConfig.model_fields[k].default) for k in RESUME_MUST_MATCH}
+        changed = [k for k in RESUME_MUST_MATCH if stored[k] != current.get(k)]
         if changed:
             details = "; ".join(f"--{k.replace('_', '-')} was {stored.get(k)}, now {current.get(k)}" for k in changed)
             raise UserError(

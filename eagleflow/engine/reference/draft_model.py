@@ -1,15 +1,21 @@
 """An EAGLE-3 drafter computed as SGLang computes it, from the folder ``eagleflow export`` writes.
 
 Plain torch on the exported ``config.json`` and ``model.safetensors``, following
-``sglang/srt/models/llama_eagle3.py`` (0.5.20–0.5.23), not speculators' Python class, so the
-reference engine serves exactly what SGLang would load:
+``sglang/srt/models/llama_eagle3.py`` and ``llama.py`` (0.5.17–0.5.23), not speculators' Python
+class, so the reference engine serves exactly what SGLang would load:
 
-- the target's aux states ``[T, n_aux * H]`` pass ``input_norm`` (``norm_before_fc``), the per-aux
-  ``fc_norm`` and ``fc``; a draft decode step passes the draft's own hidden state instead;
+- the target's aux states ``[T, n_aux * target_hidden]`` pass ``input_norm`` (``norm_before_fc``),
+  the per-aux ``fc_norm`` (switched on by the config's ``fc_norm`` or legacy ``use_aux_norm``,
+  as SGLang builds it, never by the weights' presence) and ``fc``; a draft decode step passes the
+  draft's own hidden state instead;
+- the token embedding is the *target's* (SGLang's ``set_embed``), unless ``target_hidden_size``
+  differs from ``hidden_size``: ``set_embed`` then keeps the draft's own ``embed_tokens``;
 - the input layer keeps the **pre-norm** state as its residual, normalises it with
-  ``hidden_norm`` and the token embedding (the *target's*, as SGLang's ``set_embed`` gives it)
-  with ``input_layernorm``, and attends over their concatenation; later layers fold the residual
-  in with ``hidden_norm``; attention is Llama's (RoPE, neox style; GQA; optional sliding window);
+  ``hidden_norm`` and the embedding with ``input_layernorm``, and attends over their
+  concatenation; later layers fold the residual in with ``hidden_norm``; attention is Llama's
+  with q/k/v built without bias (SGLang overrides ``qkv_proj``), an ``o_proj`` bias when the
+  config has ``attention_bias`` (or ``bias``), GQA, an optional sliding window, and the rotary
+  embedding of :mod:`~eagleflow.engine.reference.rope`; the MLP has no bias;
 - ``norm(hidden, residual)`` gives the logits over the draft vocabulary and, for the next step,
   the pre-norm state (the normed one with ``norm_output``); draft ids map to target ids by
   ``d2t + arange`` (SGLang's hot token ids).
@@ -26,9 +32,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from eagleflow.engine.reference.rope import UnsupportedRope, sglang_rotary
 from eagleflow.errors import UserError, excerpt
 
-LEGACY_NAMES = {"midlayer.": "layers.0."}  # names older EAGLE-3 exports use (SGLang maps them too)
+# Names older EAGLE-3 exports use; SGLang maps them too (load_weights legacy_name_map).
+LEGACY_NAMES = {"midlayer.": "layers.0.", "aux_norm_low": "fc_norm.0", "aux_norm_mid": "fc_norm.1", "aux_norm_high": "fc_norm.2"}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -37,11 +45,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return (weight.float() * x).to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
 @dataclass
@@ -85,7 +88,6 @@ class Eagle3Drafter:
         for legacy, name in LEGACY_NAMES.items():
             weights = {k.replace(legacy, name): v for k, v in weights.items()}
         self.weights = {k.removeprefix("model."): (v if k == "d2t" else v.to(dtype)) for k, v in weights.items()}
-        self.embed_tokens = embed_tokens
         self.dtype = dtype
         c = self.config
         self.hidden = int(c["hidden_size"])
@@ -96,16 +98,48 @@ class Eagle3Drafter:
         self.eps = float(c["rms_norm_eps"])
         eagle = c.get("eagle_config") or {}
         self.norm_before_fc = bool(eagle.get("norm_before_fc", c.get("norm_before_fc", False)))
+        self.fc_norm = bool(c.get("fc_norm") or c.get("use_aux_norm", False))
         self.norm_output = bool(c.get("norm_output", False))
         self.num_aux = len(eagle.get("eagle_aux_hidden_state_layer_ids") or [None] * 3)
-        rope = c.get("rope_parameters") or {}
-        theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported by the reference drafter")
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim))
+        self.attention_bias = bool(c.get("attention_bias", False) or c.get("bias", False))
+        self.fc_bias = bool(c.get("bias", False))
+        try:
+            self.rotary = sglang_rotary(c, self.head_dim)
+        except UnsupportedRope as exc:
+            raise UserError(f"{folder / 'config.json'}: {exc}") from exc
+        self.own_embedding = "target_hidden_size" in c and int(c["target_hidden_size"]) != self.hidden
+        self.embed_tokens = self._own_embedding(folder) if self.own_embedding else embed_tokens
+        self._check_weights(folder)
         self.window: int | None = None  # set by the engine from --speculative-draft-window-size
         d2t = self.weights.get("d2t")
         self.hot_token_ids = (d2t + torch.arange(d2t.shape[0], device=d2t.device)) if d2t is not None else None
+
+    def _own_embedding(self, folder: Path) -> torch.nn.Module:
+        """The draft's own embedding, which SGLang's ``set_embed`` keeps when the hidden sizes differ."""
+        weight = self.weights.get("embed_tokens.weight")
+        if weight is None or tuple(weight.shape) != (int(self.config["vocab_size"]), self.hidden):
+            raise UserError(
+                f"{folder}: target_hidden_size {self.config['target_hidden_size']} differs from hidden_size {self.hidden}, "
+                f"so SGLang keeps the draft's own embed_tokens, but the folder has no [vocab_size, {self.hidden}] embed_tokens.weight"
+            )
+        return torch.nn.Embedding.from_pretrained(weight, freeze=True)
+
+    def _check_weights(self, folder: Path) -> None:
+        """Every weight this config makes SGLang build must be in the folder (SGLang would serve garbage)."""
+        needed = ["fc.weight", "norm.weight", "lm_head.weight"]
+        needed += ["input_norm.weight"] if self.norm_before_fc else []
+        needed += [f"fc_norm.{i}.weight" for i in range(self.num_aux)] if self.fc_norm else []
+        needed += ["fc.bias"] if self.fc_bias else []
+        for layer in range(self.layers):
+            p = f"layers.{layer}."
+            needed += [p + name for name in ("hidden_norm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+                                             "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                                             "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")]
+            needed += [p + "input_layernorm.weight"] if layer == 0 else []
+            needed += [p + "self_attn.o_proj.bias"] if self.attention_bias else []
+        missing = [name for name in needed if name not in self.weights]
+        if missing:
+            raise UserError(f"{folder / 'model.safetensors'}: no {', '.join(missing)}, which its config.json makes SGLang build")
 
     def new_cache(self) -> DraftCache:
         return DraftCache(keys=[None] * self.layers, values=[None] * self.layers)
@@ -131,10 +165,10 @@ class Eagle3Drafter:
         if hidden.shape[-1] != embeds.shape[-1]:
             if self.norm_before_fc:
                 hidden = rms_norm(hidden, w["input_norm.weight"], self.eps)
-            if "fc_norm.0.weight" in w:
+            if self.fc_norm:
                 chunks = hidden.chunk(self.num_aux, dim=-1)
                 hidden = torch.cat([rms_norm(x, w[f"fc_norm.{i}.weight"], self.eps) for i, x in enumerate(chunks)], -1)
-            hidden = F.linear(hidden, w["fc.weight"])
+            hidden = F.linear(hidden, w["fc.weight"], w.get("fc.bias") if self.fc_bias else None)
         residual: torch.Tensor | None = None
         for layer in range(self.layers):
             p = f"layers.{layer}."
@@ -161,10 +195,7 @@ class Eagle3Drafter:
         q = F.linear(x, w[p + "q_proj.weight"]).view(steps, self.heads, self.head_dim).transpose(0, 1)
         k = F.linear(x, w[p + "k_proj.weight"]).view(steps, self.kv_heads, self.head_dim).transpose(0, 1)
         v = F.linear(x, w[p + "v_proj.weight"]).view(steps, self.kv_heads, self.head_dim).transpose(0, 1)
-        angles = positions.float()[:, None] * self.inv_freq[None, :]
-        cos = torch.cat([angles, angles], -1).cos().to(q.dtype)
-        sin = torch.cat([angles, angles], -1).sin().to(q.dtype)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        q, k = self.rotary.apply(q, positions), self.rotary.apply(k, positions)
         if cache.keys[layer] is not None:
             k = torch.cat([cache.keys[layer], k], dim=1)
             v = torch.cat([cache.values[layer], v], dim=1)
@@ -178,4 +209,5 @@ class Eagle3Drafter:
         scores = (q.float() @ k.float().transpose(1, 2)) / math.sqrt(self.head_dim)
         scores = scores.masked_fill(~allowed[None], float("-inf"))
         out = (scores.softmax(-1) @ v.float()).to(x.dtype)
-        return F.linear(out.transpose(0, 1).reshape(steps, self.heads * self.head_dim), w[p + "o_proj.weight"])
+        bias = w[p + "o_proj.bias"] if self.attention_bias else None  # SGLang builds o_proj with the config's bias
+        return F.linear(out.transpose(0, 1).reshape(steps, self.heads * self.head_dim), w[p + "o_proj.weight"], bias)

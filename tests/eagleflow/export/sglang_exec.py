@@ -2,8 +2,9 @@
 
 ``sglang/srt/models/llama_eagle3.py`` and the ``llama.py`` it builds on run as they are; every
 other ``sglang.*`` module they import is replaced by stand-ins: layers that own a ``weight``
-(linear, norm, embedding and LM-head classes, whose real versions hold exactly one weight when
-built without bias) become modules with one empty weight whose loader records what reached it;
+(linear, norm, embedding and LM-head classes, whose real versions hold one weight, and a ``bias``
+when built with ``bias=True``) become modules with one empty weight (and bias) whose loader
+records what reached it; ``get_rope`` records the arguments the attention builds it with;
 the few functions whose value matters are given the value a single-GPU server has (world size 1,
 rank 0, last pipeline rank, no draft window); everything else is an inert object. So the module
 tree, the parameter names, the config the class reads and ``load_weights`` are SGLang's own.
@@ -16,6 +17,7 @@ import contextlib
 import sys
 import types
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -65,6 +67,11 @@ class LoadRecorder:
 
     def __init__(self) -> None:
         self.loads: list[tuple[nn.Parameter, Any, Any]] = []
+        self.ropes: list[dict[str, Any]] = []  # get_rope's arguments, one call per attention layer
+
+    def get_rope(self, head_size: int, rotary_dim: int, max_position: int, base: float, **kwargs: Any) -> Inert:
+        self.ropes.append(dict(head_size=head_size, rotary_dim=rotary_dim, max_position=max_position, base=base, **kwargs))
+        return Inert()
 
     def loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         self.loads.append((param, loaded, shard_id))
@@ -76,6 +83,9 @@ def weighted_layer(recorder: LoadRecorder) -> type[nn.Module]:
             super().__init__()
             self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
             self.weight.weight_loader = recorder.loader  # type: ignore[attr-defined]
+            if kwargs.get("bias") is True:
+                self.bias = nn.Parameter(torch.empty(0), requires_grad=False)
+                self.bias.weight_loader = recorder.loader  # type: ignore[attr-defined]
 
     return Weighted
 
@@ -91,6 +101,7 @@ def stub_value(name: str, recorder: LoadRecorder) -> Any:
         "get_pp_group": lambda: single_gpu,
         "get_parallel": lambda: types.SimpleNamespace(pp_group=single_gpu, tp_size=1, tp_rank=0),
         "get_spec": lambda: types.SimpleNamespace(speculative_draft_window_size=None),
+        "get_rope": recorder.get_rope,
         "layer_stack": contextlib.nullcontext,
     }
     if name in values:
@@ -150,3 +161,30 @@ def sglang_eagle3(wheel: Wheel) -> Iterator[tuple[types.ModuleType, LoadRecorder
         for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
             del sys.modules[name]
         sys.modules.update(saved)
+
+
+def load_into_sglang(wheel: Wheel, sglang_folder: Path) -> tuple[object, dict[str, torch.nn.Parameter], list[str], set[int], list]:
+    """Build SGLang's class from the folder and feed it the weights one by one; report what happened."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    with sglang_eagle3(wheel) as (module, recorder):
+        config = AutoConfig.from_pretrained(str(sglang_folder))
+        model = module.LlamaForCausalLMEagle3(config)
+        params = dict(model.named_parameters())
+        skipped = []
+        for name, tensor in load_file(str(sglang_folder / "model.safetensors")).items():
+            before, hot = len(recorder.loads), model.hot_token_id
+            model.load_weights([(name, tensor)])
+            if len(recorder.loads) == before and model.hot_token_id is hot:
+                skipped.append(name)
+        return model, params, skipped, {id(p) for p, _, _ in recorder.loads}, recorder.loads
+
+
+def sglang_ropes(wheel: Wheel, sglang_folder: Path) -> list[dict[str, Any]]:
+    """The arguments each draft layer's attention builds its rotary embedding with (``get_rope``), for the folder."""
+    from transformers import AutoConfig
+
+    with sglang_eagle3(wheel) as (module, recorder):
+        module.LlamaForCausalLMEagle3(AutoConfig.from_pretrained(str(sglang_folder)))
+        return list(recorder.ropes)

@@ -25,7 +25,7 @@ from eagleflow.engine.sglang_serving import build_serving_command, speculative_f
 from eagleflow.errors import UserError
 from eagleflow.export.sglang_drafter import SINCE, TARGET_CAPTURE_RULES, captured_layer_ids, sglang_aux_layer_ids
 from eagleflow.export.step import ExportConfig, ServedDrafter, export
-from sglang_exec import EAGLE3, sglang_eagle3
+from sglang_exec import EAGLE3, load_into_sglang
 from sglang_patch.hook_spec import parse_version
 from sglang_wheels import Wheel, cli_flags, find_class, find_function, get_wheel, pinned_version
 from training_data import random_speculators_checkpoint
@@ -51,23 +51,6 @@ def exported(random_tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) 
     checkpoint = random_speculators_checkpoint(random_tiny_model, folder / "checkpoint", False, AUX, DRAFT_VOCAB)
     export(ExportConfig(checkpoint=checkpoint, verifier=random_tiny_model, out=folder / "drafter"))
     return folder / "drafter"
-
-
-def load_into_sglang(wheel: Wheel, sglang_folder: Path) -> tuple[object, dict[str, torch.nn.Parameter], list[str], set[int], list]:
-    """Build SGLang's class from the folder and feed it the weights one by one; report what happened."""
-    from transformers import AutoConfig
-
-    with sglang_eagle3(wheel) as (module, recorder):
-        config = AutoConfig.from_pretrained(str(sglang_folder))
-        model = module.LlamaForCausalLMEagle3(config)
-        params = dict(model.named_parameters())
-        skipped = []
-        for name, tensor in load_file(str(sglang_folder / "model.safetensors")).items():
-            before, hot = len(recorder.loads), model.hot_token_id
-            model.load_weights([(name, tensor)])
-            if len(recorder.loads) == before and model.hot_token_id is hot:
-                skipped.append(name)
-        return model, params, skipped, {id(p) for p, _, _ in recorder.loads}, recorder.loads
 
 
 @pytest.mark.parametrize("version", SERVING_VERSIONS)

@@ -193,6 +193,15 @@ def test_speculators_0_8_1_trains_with_its_own_noise_flag(old_release: Path, tra
     assert "--noise-std 0.0 --" in command and command.endswith("--noise-std 0.05 --num-layers 1")
     assert_records(out / "metrics.jsonl", 1)
     assert json.loads((out / "drafter.json").read_text())["draft_vocab_size"] == DRAFT_VOCAB
+    # 0.8.1 reads the draft variant's flags too and trains eagle3.1 (its DraftArgs has fc_norm).
+    trained = json.loads((out / "checkpoints" / "0" / "config.json").read_text())
+    assert (trained["norm_before_fc"], trained["fc_norm"], trained["norm_output"]) == (True, False, True)
+    out31 = tmp_path / "train-eagle31"
+    proc = subprocess.run(train_argv(copy_dataset(trained_data, tmp_path / "dataset31"), tiny_model, out31, "--epochs", "1",
+                                     "--draft-variant", "eagle3.1"), capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    trained = json.loads((out31 / "checkpoints" / "0" / "config.json").read_text())
+    assert (trained["norm_before_fc"], trained["fc_norm"], trained["norm_output"]) == (False, True, True)
 
     fp8 = fp8_copy(trained_data, tmp_path / "fp8")
     refused = subprocess.run(train_argv(fp8, tiny_model, tmp_path / "fp8-train"), capture_output=True, text=True, timeout=300, env=env)

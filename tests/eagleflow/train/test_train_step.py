@@ -352,6 +352,12 @@ def test_defaults_are_the_seed_run_and_flags_reach_speculators(tmp_path: Path) -
     vllm = cfg.model_copy(update={"serve_with": "vllm"})
     vllm_flags = speculators_flags(vllm, Path("/v"), Device("cpu", 0), paths, RELEASES["0.9.0"])
     assert SpeculatorsConfig.resolve(vllm_flags).draft.norm_before_residual
+    # draft_variant decides how the aux states are normed before fc; both feed each step the normed state.
+    assert (parsed.draft.norm_before_fc, parsed.draft.fc_norm, parsed.draft.norm_output) == (True, False, True)
+    eagle31 = speculators_flags(cfg.model_copy(update={"draft_variant": "eagle3.1"}), Path("/v"), Device("cpu", 0), paths,
+                                RELEASES["0.9.0"])
+    draft = SpeculatorsConfig.resolve(eagle31).draft
+    assert (draft.norm_before_fc, draft.fc_norm, draft.norm_output) == (False, True, True)
 
     # 0.8.1 still gets its own noise flag, and cannot read fp8 files.
     old = speculators_flags(cfg, Path("/abs/verifier"), Device("cpu", 0), paths, RELEASES["0.8.1"])
@@ -491,6 +497,12 @@ def test_resume_point_cleanup_and_mismatched_settings(tmp_path: Path) -> None:
     assert [r["epoch"] for r in kept if r["kind"] == "val"] == [0, 1]
     assert "resuming from checkpoint" in paths.log.read_text()
 
+    # A run made before draft_variant existed trained eagle3 (speculators' defaults).
+    stored = json.loads(paths.config.read_text())
+    del stored["draft_variant"]
+    paths.config.write_text(json.dumps(stored))
+    with pytest.raises(UserError, match=r"--draft-variant was eagle3, now eagle3.1"):
+        prepare_checkpoints(cfg.model_copy(update={"draft_variant": "eagle3.1"}), paths, log)
     with pytest.raises(UserError, match=r"--epochs was 3, now 5.*pass --restart"):
         prepare_checkpoints(cfg.model_copy(update={"epochs": 5}), paths, log)
     assert prepare_checkpoints(cfg.model_copy(update={"epochs": 5, "restart": True}), paths, log) is None
