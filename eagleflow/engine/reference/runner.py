@@ -215,7 +215,6 @@ class ReferenceEngine:
             "speculative_algorithm": self.config.speculative_algorithm,
             "speculative_num_steps": self.config.speculative_num_steps if self.speculative else None,
             "speculative_eagle_topk": self.config.speculative_eagle_topk if self.speculative else None,
-            "speculative_num_draft_tokens": self.speculative.draft_tokens_per_round + 1 if self.speculative else None,
         }
 
     def server_info(self) -> dict[str, Any]:
