@@ -3,7 +3,8 @@
 Each step declares its knobs once, as a pydantic model whose fields carry a description
 (anchor: speculators ``train/config/schema.py``). :func:`add_model_arguments` derives the
 ``--flag`` of every field from it, and :func:`model_from_args` turns parsed flags back into
-the model, so a flag, its type, its default and its help text live in one place.
+the model, so a flag, its type, its default and its help text live in one place;
+:func:`schemas_of` gives the same fields' JSON schemas as Airflow Params.
 """
 
 from __future__ import annotations
@@ -133,3 +134,28 @@ def model_to_argv(config: BaseModel) -> list[str]:
         else:
             argv.append(f"{flag_name(name)}={value}")
     return argv
+
+
+def schemas_of(model: type[BaseModel], names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """JSON schemas of ``model``'s fields ``names``, shaped for Airflow ``Param(**schema)``."""
+    schema = model.model_json_schema()
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        prop = dict(schema["properties"][name])
+        if "anyOf" in prop:  # Optional[X] -> type [X, "null"], with X's own keywords (items, uniqueItems, bounds)
+            variants = prop.pop("anyOf")
+            prop["type"] = [v.get("type") for v in variants if "type" in v]
+            for variant in variants:
+                prop.update({key: value for key, value in variant.items() if key not in ("type", "enum")})
+            if any("enum" in v for v in variants):
+                prop["enum"] = [e for v in variants for e in v.get("enum", [])] + [None]
+        if "format" in prop and prop["format"] == "path":
+            prop.pop("format")
+        prop.setdefault("title", name.replace("_", " ").capitalize())
+        field = model.model_fields[name]
+        if field.default_factory is not None:
+            prop["default"] = field.default_factory()
+        elif field.is_required():
+            prop.setdefault("default", None)
+        out[name] = prop
+    return out

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, ValidationInfo, create_model, field_validator, model_validator
 
-from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype, build_model
+from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype, build_model, schemas_of
 from eagleflow.engine.process import ServerInfo
 from eagleflow.data.regenerate import CONVERSATIONS_FILE, RegenerateConfig
 from eagleflow.evaluate.config import EvaluateConfig
@@ -60,7 +60,9 @@ TRAIN_PARAMS = (
 )
 
 # Evaluation knobs offered in the Params form; their types, defaults and help are EvaluateConfig's.
-EVAL_PARAMS = ("eval_rows", "eval_max_new_tokens", "eval_concurrency")
+EVAL_PARAMS = (
+    "eval_sets", "eval_prompts", "eval_rows", "eval_max_new_tokens", "eval_configs", "eval_concurrency", "eval_rounds",
+)
 # Regeneration knobs (used with regenerate_responses); RegenerateConfig's.
 REGEN_PARAMS = ("regen_temperature", "regen_max_new_tokens", "regen_concurrency")
 # The capture check's knob in the Params form; VerifyCaptureConfig's.
@@ -368,31 +370,6 @@ def param_schemas() -> dict[str, dict[str, Any]]:
         **schemas_of(EvaluateConfig, EVAL_PARAMS),
         **schemas_of(RegenerateConfig, REGEN_PARAMS),
     }
-
-
-def schemas_of(model: type[BaseModel], names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    """JSON schemas of ``model``'s fields ``names``, shaped for Airflow ``Param(**schema)``."""
-    schema = model.model_json_schema()
-    out: dict[str, dict[str, Any]] = {}
-    for name in names:
-        prop = dict(schema["properties"][name])
-        if "anyOf" in prop:  # Optional[X] -> type [X, "null"], with X's own keywords (items, uniqueItems, bounds)
-            variants = prop.pop("anyOf")
-            prop["type"] = [v.get("type") for v in variants if "type" in v]
-            for variant in variants:
-                prop.update({key: value for key, value in variant.items() if key not in ("type", "enum")})
-            if any("enum" in v for v in variants):
-                prop["enum"] = [e for v in variants for e in v.get("enum", [])] + [None]
-        if "format" in prop and prop["format"] == "path":
-            prop.pop("format")
-        prop.setdefault("title", name.replace("_", " ").capitalize())
-        field = model.model_fields[name]
-        if field.default_factory is not None:
-            prop["default"] = field.default_factory()
-        elif field.is_required():
-            prop.setdefault("default", None)
-        out[name] = prop
-    return out
 
 
 def model_dir(cfg: PipelineConfig) -> Path:
