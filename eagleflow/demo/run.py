@@ -37,8 +37,8 @@ DEMO_PARAMS: dict[str, Any] = {
     # A small sweep that fits the demo's 10 minutes on 2 cores (the full one: eval_configs): the
     # drafter's chain one at a time and 2 in flight, a tree of 8 one at a time, on two prompt sets.
     "eval_sets": ["heldout", "humaneval"],
-    "eval_rows": 6,
-    "eval_max_new_tokens": 48,
+    "eval_rows": 4,
+    "eval_max_new_tokens": 32,
     "eval_concurrency": 2,
     "eval_configs": "1,3,1,4 2,3,1,4 1,3,4,8",
     "eval_rounds": 3,
