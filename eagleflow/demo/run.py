@@ -24,7 +24,10 @@ DEMO_PARAMS: dict[str, Any] = {
     "max_len": 512,
     "concurrency": 4,
     "server_port": 0,
-    "server_extra_args": ["--warmup-seconds", "10"],
+    # One torch thread per engine: with torch's default (one per core) a lone request on a busy 2-core
+    # machine ran ~25x slower than with one thread (OpenMP threads waiting on each other), which made
+    # single-stream speedups meaningless (the 9x beside an accept length of 1.6 of issue 23).
+    "server_extra_args": ["--warmup-seconds", "10", "--threads", "1"],
     "warmup_timeout_minutes": 5.0,
     "epochs": 4,
     # The seed's lr 3e-5 suits 10K rows on GPUs; 120 rows need a larger step to show learning
