@@ -84,7 +84,7 @@ def write_sweep_chart(report: dict[str, Any], out_dir: Path) -> dict[str, str]:
                 axes.annotate("disturbed", (bar.get_x() + bar.get_width() / 2, 0.02), rotation=90, ha="center", fontsize=7)
     axes.axhline(1.0, color="0.3", linestyle="--", linewidth=1, label="baseline")
     axes.set_xticks(range(len(rows)), [row["config"] for row in rows])
-    axes.set(title="speedup over the baseline at the same batch size (median over rounds, min-max)",
-             xlabel="config: batch size, steps, topk, draft tokens", ylabel="speedup")
+    axes.set_title("speedup over the same batch size's baseline\n(median of rounds, whiskers: min-max)", fontsize=10)
+    axes.set(xlabel="config: batch size, steps, topk, draft tokens", ylabel="speedup")
     axes.legend(fontsize=8)
     return _save(figure, out_dir, SWEEP_CHART)
