@@ -61,7 +61,9 @@ TRAIN_PARAMS = (
 )
 
 # Evaluation knobs offered in the Params form; their types, defaults and help are EvaluateConfig's.
-EVAL_PARAMS = ("eval_rows", "eval_max_new_tokens", "eval_concurrency")
+EVAL_PARAMS = (
+    "eval_sets", "eval_prompts", "eval_rows", "eval_max_new_tokens", "eval_configs", "eval_concurrency", "eval_rounds",
+)
 # Regeneration knobs (used with regenerate_responses); RegenerateConfig's.
 REGEN_PARAMS = ("regen_temperature", "regen_max_new_tokens", "regen_concurrency")
 # The capture check's knob in the Params form; VerifyCaptureConfig's.

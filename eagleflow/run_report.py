@@ -8,20 +8,18 @@ The one reader of a whole run folder (DESIGN.md §3.6), used by the UI plugin's 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
-
-from eagleflow.errors import UserError, excerpt
+from eagleflow.errors import UserError
 from eagleflow.extract.manifest import ShardManifest
 from eagleflow.layout import RunLayout
+from eagleflow.report_shapes import CaptureCheckShape, EvaluationShape, finite, shaped
 
 # The charts the plot step draws (its file stem, and a title for people).
 CHARTS = (("loss", "Loss per TTT step"), ("acc", "Accuracy per TTT step"))
-EVAL_REPORT, EVAL_CHART = "report.json", "accept"  # written by eagleflow.evaluate.step / .report
+EVAL_REPORT, EVAL_CHART, SWEEP_CHART = "report.json", "accept", "sweep"  # written by eagleflow.evaluate.step / .charts
 
 
 @dataclass
@@ -109,162 +107,31 @@ def _json_or_empty(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-# The shapes of the reports the page reads (written by evaluate and verify-capture). Every field is
-# optional and a nested object defaults to an empty one, so a report of another shape (valid JSON,
-# wrong types) is named on the page instead of failing it; keys the page does not read pass through.
-Number = Annotated[float, Field(allow_inf_nan=False)]
-
-
-def _empty_if_none(value: Any) -> Any:
-    return {} if value is None else value
-
-
-class _Shape(BaseModel):
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
-
-
-class _Speeds(_Shape):
-    drafter: Number | None = None
-    baseline: Number | None = None
-    speedup: Number | None = None
-
-
-class _TokensPerS(_Shape):
-    single_stream: Annotated[_Speeds, BeforeValidator(_empty_if_none)] = _Speeds()
-    concurrent: Annotated[_Speeds, BeforeValidator(_empty_if_none)] = _Speeds()
-
-
-class _AcceptLength(_Shape):
-    mean: Number | None = None
-    p50: Number | None = None
-    p90: Number | None = None
-    per_prompt: list[Number] = []
-
-
-class _OfflineEstimate(_Shape):
-    accept_length: Number | None = None
-    source: str | None = Field(None, alias="from")
-    full_acc: list[Number] = []
-
-
-class EvaluationShape(_Shape):
-    """What the run page reads from ``eval/report.json``."""
-
-    engine: str | None = None
-    prompts: int | None = None
-    max_new_tokens: int | None = None
-    concurrency: int | None = None
-    num_steps: int | None = None
-    accept_length: Annotated[_AcceptLength, BeforeValidator(_empty_if_none)] = _AcceptLength()
-    accept_rate: Number | None = None
-    tokens_per_s: Annotated[_TokensPerS, BeforeValidator(_empty_if_none)] = _TokensPerS()
-    same_tokens_as_baseline: Number | None = None
-    offline_estimate: _OfflineEstimate | None = None
-    versions: dict[str, str | None] = {}
-
-
-class _Worst(_Shape):
-    row: int | None = None
-    position: int | None = None
-    error: Number | None = None
-    tolerance: Number | None = None
-
-
-class _FinalSlot(_Shape):
-    positions: int | None = None
-    top1_agreement: Number | None = None
-    worst: Annotated[_Worst, BeforeValidator(_empty_if_none)] = _Worst()
-
-
-class _Slot(_Shape):
-    slot: int | None = None
-    layer_id: int | None = None
-    mean_token_norm: Number | None = None
-    std: Number | None = None
-    nearest_slot: int | None = None
-    nearest_distance: Number | None = None
-    normed_rms_range: list[Number] | None = None
-
-
-class _Engine(_Shape):
-    version: str | None = None
-    tp_size: int | None = None
-
-
-class _Embedding(_Shape):
-    equal: bool | None = None
-
-
-class _ExtractionRequest(_Shape):
-    cached_tokens: int | None = None
-
-
-class _Tolerance(_Shape):
-    atol: Number | None = None
-    rtol: Number | None = None
-
-
-class _Finding(_Shape):
-    text: str = ""
-
-
-class CaptureCheckShape(_Shape):
-    """What the run page reads from ``verify/<engine>/report.json``."""
-
-    passed: bool = False
-    rows_checked: int | None = None
-    rows: int | None = None
-    tokens: int | None = None
-    engine: Annotated[_Engine, BeforeValidator(_empty_if_none)] = _Engine()
-    final_slot: Annotated[_FinalSlot, BeforeValidator(_empty_if_none)] = _FinalSlot()
-    embedding: _Embedding | None = None
-    extraction_request: Annotated[_ExtractionRequest, BeforeValidator(_empty_if_none)] = _ExtractionRequest()
-    slots: list[_Slot] = []
-    findings: list[_Finding] = []
-    tolerance: Annotated[_Tolerance, BeforeValidator(_empty_if_none)] = _Tolerance()
-
-
-def _shaped(model: type[BaseModel], data: dict[str, Any], path: Path, root: Path) -> dict[str, Any]:
-    """``data`` checked against ``model`` as plain JSON, or ``{"error": …}`` naming the file and the first bad field."""
-    try:
-        return finite(model.model_validate(data).model_dump(by_alias=True))
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "the report"
-        name = path.relative_to(root) if path.is_relative_to(root) else path
-        return {"error": f"{name}: not a report of the expected shape ({where}: {excerpt(first['msg'], 120)})"}
-
-
-def finite(value: Any) -> Any:
-    """``value`` with every non-finite float replaced by None (JSON has no NaN or Infinity)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: finite(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [finite(item) for item in value]
-    return value
-
-
 def evaluation_summary(layout: RunLayout) -> dict[str, Any] | None:
     """The drafter's evaluation (accept length, speedup, estimate) and its chart, or None before one ran."""
     path = layout.evaluation / EVAL_REPORT
     report = _json_or_empty(path)
     if not report:
         return None
-    report = _shaped(EvaluationShape, report, path, layout.root)
+    report = shaped(EvaluationShape, report, path, layout.root)
     if "error" in report:
         return {"error": report["error"]}
-    png, svg = layout.evaluation / f"{EVAL_CHART}.png", layout.evaluation / f"{EVAL_CHART}.svg"
     keys = ("engine", "prompts", "max_new_tokens", "concurrency", "num_steps", "accept_length", "accept_rate",
-            "tokens_per_s", "same_tokens_as_baseline", "offline_estimate", "versions")
+            "tokens_per_s", "same_tokens_as_baseline", "offline_estimate", "versions", "prompt_sets", "rounds", "fastest")
     summary = {key: report.get(key) for key in keys}
-    summary["chart"] = {
+    summary["sweep"] = [{"config": row["config"], "set": name, **figures}
+                        for row in report["sweep"] for name, figures in row["sets"].items()]
+    summary["chart"], summary["sweep_chart"] = (_chart_files(layout, name) for name in (EVAL_CHART, SWEEP_CHART))
+    return summary
+
+
+def _chart_files(layout: RunLayout, name: str) -> dict[str, Any]:
+    png, svg = layout.evaluation / f"{name}.png", layout.evaluation / f"{name}.svg"
+    return {
         "png": str(png.relative_to(layout.root)) if png.is_file() else None,
         "svg": str(svg.relative_to(layout.root)) if svg.is_file() else None,
         "mtime": int(png.stat().st_mtime) if png.is_file() else 0,
     }
-    return summary
 
 
 def regeneration_summary(layout: RunLayout) -> dict[str, Any] | None:
@@ -286,7 +153,7 @@ def capture_check_summaries(layout: RunLayout) -> list[dict[str, Any]]:
     for path in layout.capture_check_reports:
         report = _json_or_empty(path)
         if report:
-            report = _shaped(CaptureCheckShape, report, path, layout.root)
+            report = shaped(CaptureCheckShape, report, path, layout.root)
         summary = {"error": report["error"]} if "error" in report else capture_check_summary(report)
         if summary:
             summaries.append({"name": path.parent.name, **summary})

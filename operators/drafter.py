@@ -35,7 +35,7 @@ class ExportOperator(EagleflowStepOperator):
 class EvaluateOperator(EagleflowStepOperator):
     """Serve the drafter, decode held-out prompts with and without it (``python -m eagleflow evaluate``).
 
-    Returns ``{report, accept_length, speedup}``. In remote mode (``server_urls``) there is no engine
+    Returns ``{report, accept_length, speedup, fastest}``. In remote mode (``server_urls``) there is no engine
     of this run to relaunch with the drafter: the task is skipped and says so.
     """
 

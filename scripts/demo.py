@@ -122,9 +122,21 @@ def main() -> int:
     evaluation = summary.get("evaluation")
     if evaluation:
         single = evaluation["tokens_per_s"]["single_stream"]
-        print(f"  drafter      accept length {evaluation['accept_length']['mean']:.2f} on {evaluation['prompts']} held-out "
-              f"prompts, speedup {single['speedup']:.2f}x ({single['drafter']:.1f} vs {single['baseline']:.1f} tokens/s, "
-              f"{evaluation['engine']} engine); report {cfg.layout.evaluation / 'report.json'}")
+        speedup = "disturbed" if single.get("disturbed") else f"{single['speedup'] or 0:.2f}x"
+        print(f"  drafter      accept length {evaluation['accept_length']['mean']:.2f} on {evaluation['prompts']} "
+              f"{evaluation['prompt_sets'][0]} prompts, speedup {speedup} one at a time ({single['drafter'] or 0:.1f} vs "
+              f"{single['baseline'] or 0:.1f} tokens/s, median of {evaluation['rounds']} rounds, {evaluation['engine']} engine); "
+              f"report {cfg.layout.evaluation / 'report.json'}")
+        print(f"  sweep        {'config':<10} {'prompt set':<11} {'accept len':>10} {'p50/p90':>9} {'tok/s':>7} {'speedup':>9}  rounds")
+        for row in evaluation["sweep"]:
+            a, speed = row["accept_length"], row["speedup"]
+            shown = "disturbed" if speed["disturbed"] else f"{speed['median'] or 0:.2f}x"
+            p50_p90 = f"{a['p50'] or 0:.1f}/{a['p90'] or 0:.1f}" if a["mean"] is not None else "-"
+            print(f"               {row['config']:<10} {row['set']:<11} {(a['mean'] or 1.0):>10.2f} {p50_p90:>9} "
+                  f"{row['tokens_per_s']['median'] or 0:>7.1f} {shown:>9}  {speed['min'] or 0:.2f}-{speed['max'] or 0:.2f}x")
+        for batch_size, best in (evaluation.get("fastest") or {}).items():
+            flags = " ".join(best["sglang_flags"]) or "(no drafter)"
+            print(f"  fastest      batch size {batch_size}: {best['config']} ({best['mean_speedup']:.2f}x); SGLang: {flags}")
     complete = (online or {}).get("fetched", 0) > 0 if args.online else summary.get("validated_rows") == summary["rows"] > 0
     evaluated = bool(evaluation) and (evaluation["accept_length"]["mean"] or 0) > 1
     checked = bool(check) and check["passed"]

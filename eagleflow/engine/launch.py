@@ -64,8 +64,11 @@ def serving_engine_command(
     *,
     tp_size: int = 1,
     extra_args: Sequence[str] = (),
+    topk: int = 1,
+    num_draft_tokens: int | None = None,
 ) -> tuple[list[str], dict[str, str]]:
-    """argv and environment of an engine that serves ``model`` (with ``drafter``'s EAGLE-3 decoding if given).
+    """argv and environment of an engine that serves ``model`` (with ``drafter``'s EAGLE-3 decoding if given:
+    a chain, or a tree of ``num_draft_tokens`` with ``topk`` > 1).
 
     The reference engine takes SGLang's speculative flags under the same names, so both
     engines measure the same thing.
@@ -80,7 +83,8 @@ def serving_engine_command(
                     "speculative_algorithm": "EAGLE3",
                     "speculative_draft_model_path": drafter.path,
                     "speculative_num_steps": drafter.num_steps,
-                    "speculative_num_draft_tokens": drafter.num_steps + 1,
+                    "speculative_eagle_topk": topk,
+                    "speculative_num_draft_tokens": num_draft_tokens or drafter.num_steps + 1,
                     "speculative_draft_window_size": drafter.window,
                 }
             )
@@ -89,7 +93,9 @@ def serving_engine_command(
         return argv + list(extra_args), {"PYTHONUNBUFFERED": "1"}
     from eagleflow.engine.sglang_serving import build_serving_command
 
-    return build_serving_command(str(model.absolute()), port, drafter, tp_size=tp_size, extra_args=extra_args)
+    return build_serving_command(
+        str(model.absolute()), port, drafter, tp_size=tp_size, extra_args=extra_args, topk=topk, num_draft_tokens=num_draft_tokens
+    )
 
 
 def check_server_extra_args(engine: str, extra: Sequence[str]) -> None:

@@ -29,14 +29,15 @@ from eagleflow.export.step import ServedDrafter
 from sglang_patch.hook_spec import parse_version
 
 
-def speculative_flags(drafter: ServedDrafter) -> list[str]:
-    """SGLang's flags for a chain of ``drafter.num_steps`` EAGLE-3 drafts (topk 1)."""
+def speculative_flags(drafter: ServedDrafter, topk: int = 1, num_draft_tokens: int | None = None) -> list[str]:
+    """SGLang's flags for ``drafter.num_steps`` EAGLE-3 draft steps: a chain (topk 1, steps + 1 verified
+    tokens) unless ``topk`` and ``num_draft_tokens`` ask for a tree."""
     flags = [
         "--speculative-algorithm", "EAGLE3",
         "--speculative-draft-model-path", str(drafter.path),
         "--speculative-num-steps", str(drafter.num_steps),
-        "--speculative-eagle-topk", "1",
-        "--speculative-num-draft-tokens", str(drafter.num_steps + 1),
+        "--speculative-eagle-topk", str(topk),
+        "--speculative-num-draft-tokens", str(num_draft_tokens or drafter.num_steps + 1),
     ]
     if drafter.window is not None:
         flags += ["--speculative-draft-window-size", str(drafter.window)]
@@ -71,6 +72,8 @@ def build_serving_command(
     python: str | None = None,
     sglang_version: str | None = None,
     compute_caps: Callable[[], list[str] | None] | None = None,
+    topk: int = 1,
+    num_draft_tokens: int | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """``(argv, env)`` of ``python -m sglang.launch_server`` serving ``model_path``, with ``drafter`` if given.
 
@@ -95,7 +98,7 @@ def build_serving_command(
         "--host", host,
         "--port", str(port),
         "--attention-backend", attention_backend,
-        *(speculative_flags(drafter) if drafter is not None else []),
+        *(speculative_flags(drafter, topk, num_draft_tokens) if drafter is not None else []),
         *extra,
     ]
     return argv, {**NCCL_ENV, "PYTHONUNBUFFERED": "1"}

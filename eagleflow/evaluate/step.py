@@ -1,19 +1,26 @@
-"""``evaluate``: serve the exported drafter, decode held-out prompts with and without it, report.
+"""``evaluate``: serve the exported drafter under a sweep of serving configs, decode prompt sets, report.
 
 ``python -m eagleflow evaluate --dataset RUN/dataset --model MODEL --drafter RUN/drafter --train-dir RUN/train --out RUN/eval``
 
-Two engines run one after the other on the same GPUs (or CPU): the engine with the drafter's
-EAGLE-3 decoding (SGLang's flags, or the reference engine's identical ones), then the same
-engine without it, the base model's own throughput. Each decodes the held-out prompts greedily,
-one at a time and then ``--eval-concurrency`` at once. ``OUT/report.json`` holds accept length
-(mean, p50, p90), accept rate, tokens/s with and without the drafter and their ratio, the offline
-estimate from training's last validation, the engine and versions;  ``OUT/accept.{png,svg}`` the
-chart; the task log one summary line.
+One engine per draft shape of ``--eval-configs`` (steps, topk, draft tokens; the baseline is the
+engine without a drafter), each warmed up (one untimed answer per prompt set) before it is timed.
+Every config decodes every prompt set (``--eval-sets``) greedily with its batch size in flight,
+``--eval-rounds`` times. The reference engines all run at once and the rounds interleave them
+(round r starts at the r-th engine), so a slow spell of the machine lands on every config alike;
+SGLang engines, which each take the GPUs, run one after the other, each for all its rounds.
+``OUT/report.json`` holds per config and prompt set the accept length (mean, p50, p90,
+aggregate), accept rate, tokens/s and speedup over the same batch size's baseline (median and
+spread over rounds; a speedup above the accept length is flagged disturbed, never reported),
+the fastest config per batch size with its SGLang flags, the offline estimate from training's
+last validation, the engine and versions; ``OUT/accept.{png,svg}`` and ``OUT/sweep.{png,svg}`` the
+charts; the task log the sweep table.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import importlib.metadata
 import json
 import time
@@ -24,9 +31,12 @@ from eagleflow.engine.launch import serving_engine_command
 from eagleflow.engine.process import free_port, interrupted_by_signals
 from eagleflow.evaluate.config import EvaluateConfig
 from eagleflow.errors import UserError
-from eagleflow.evaluate.engine_run import measure, running_engine
-from eagleflow.evaluate.prompts import held_out_prompts
-from eagleflow.evaluate.report import build_report, offline_estimate, summary_line, write_chart
+from eagleflow.evaluate.charts import write_chart, write_sweep_chart
+from eagleflow.evaluate.engine_run import TimedPass, generate, running_engine, timed_pass
+from eagleflow.evaluate.prompts import ChatPrompts, Prompt, file_prompts, held_out_prompts, humaneval_prompts
+from eagleflow.evaluate.report import build_report, offline_estimate, summary_line, sweep_rows, sweep_table
+from eagleflow.evaluate.sweep import ServeConfig, parse_configs
+from eagleflow.extract.client import EngineClient
 from eagleflow.export.step import ServedDrafter
 from eagleflow.files import atomic_write_json
 from eagleflow.layout import TrainLayout
@@ -56,39 +66,101 @@ def versions(engine: str) -> dict[str, str | None]:
     return found
 
 
+def prompt_sets(cfg: EvaluateConfig) -> tuple[dict[str, list[Prompt]], ChatPrompts | None]:
+    """The prompt sets of ``--eval-sets``, ``--eval-rows`` each, and the chat template that renders them."""
+    chat = ChatPrompts(cfg.model) if set(cfg.eval_sets) - {"heldout"} else None
+    sets: dict[str, list[Prompt]] = {}
+    for name in dict.fromkeys(cfg.eval_sets):
+        if name == "heldout":
+            sets[name] = held_out_prompts(cfg.dataset, training_ratio(cfg), cfg.eval_rows)
+        elif name == "humaneval":
+            sets[name] = humaneval_prompts(chat, cfg.eval_rows)
+        else:  # named after the file (a name of the built-in sets stays "file")
+            stem = cfg.eval_prompts.stem
+            sets["file" if stem in ("heldout", "humaneval") else stem] = file_prompts(chat, cfg.eval_prompts, cfg.eval_rows)
+    return sets, chat
+
+
+def measure_sweep(
+    cfg: EvaluateConfig, drafter: ServedDrafter, configs: list[ServeConfig], sets: dict[str, list[Prompt]], chat: ChatPrompts | None
+) -> dict[ServeConfig, dict[str, list[TimedPass]]]:
+    """Every config on every prompt set, ``eval_rounds`` timed passes each, after each engine's warm-up."""
+    shapes = sorted({c.shape for c in configs})
+    results: dict[ServeConfig, dict[str, list[TimedPass]]] = {c: {name: [] for name in sets} for c in configs}
+
+    def engine(shape: tuple[int, int, int]) -> contextlib.AbstractContextManager[Any]:
+        steps, topk, draft_tokens = shape
+        served = dataclasses.replace(drafter, num_steps=steps) if steps else None
+        port = free_port()
+        argv, env = serving_engine_command(cfg.engine, cfg.model, port, served, tp_size=cfg.tp_size,
+                                           extra_args=cfg.server_extra_args, topk=topk or 1, num_draft_tokens=draft_tokens or None)
+        label = "baseline" if not steps else f"{steps}-{topk}-{draft_tokens}"
+        return running_engine(argv, env, cfg.out / f"engine-{label}", port, cfg.warmup_timeout)
+
+    def warm_up(url: str) -> None:
+        client = EngineClient(url, request_timeout=3600.0)
+        for prompts in sets.values():
+            generate(client, prompts[0], cfg.eval_max_new_tokens, "warmup", chat)
+
+    def one_round(shape: tuple[int, int, int], url: str, round_: int) -> None:
+        for config in (c for c in configs if c.shape == shape):
+            for name, prompts in sets.items():
+                timed = timed_pass(url, prompts, cfg.eval_max_new_tokens, config.batch_size, config.label, chat)
+                results[config][name].append(timed)
+                print(f"evaluate: round {round_ + 1}/{cfg.eval_rounds} {config.label} {name}: "
+                      f"{timed.tokens_per_s:.1f} tokens/s", flush=True)
+
+    if cfg.engine == "reference":  # all engines at once, rounds interleaved
+        with contextlib.ExitStack() as stack:
+            urls = {shape: stack.enter_context(engine(shape)).url for shape in shapes}
+            for shape in shapes:
+                warm_up(urls[shape])
+            for round_ in range(cfg.eval_rounds):
+                for shape in shapes[round_ % len(shapes):] + shapes[: round_ % len(shapes)]:
+                    one_round(shape, urls[shape], round_)
+    else:
+        for shape in shapes:
+            with engine(shape) as info:
+                warm_up(info.url)
+                for round_ in range(cfg.eval_rounds):
+                    one_round(shape, info.url, round_)
+    return results
+
+
 def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
-    """Run both engines over the held-out prompts, write the report and the chart; return the report."""
+    """Run the sweep over the prompt sets, write the report and the charts; return the report."""
     started = time.monotonic()
     drafter = ServedDrafter.from_export(cfg.drafter, cfg.num_steps)
-    prompts = held_out_prompts(cfg.dataset, training_ratio(cfg), cfg.eval_rows)
+    configs = parse_configs(cfg.eval_configs, drafter.num_steps, cfg.eval_concurrency)
+    sets, chat = prompt_sets(cfg)
     print(
-        f"evaluate: {len(prompts)} held-out prompts (rows {prompts[0].row}..{prompts[-1].row}), {cfg.eval_max_new_tokens} "
-        f"new tokens each, {cfg.engine} engine, {drafter.num_steps} draft tokens per verification",
+        f"evaluate: prompt sets {', '.join(f'{n} ({len(p)})' for n, p in sets.items())}, {cfg.eval_max_new_tokens} new "
+        f"tokens each, {cfg.engine} engine; configs {' '.join(c.label for c in configs)}, {cfg.eval_rounds} rounds",
         flush=True,
     )
-    measurements = {}
-    for label, served in (("drafter", drafter), ("baseline", None)):
-        port = free_port()
-        argv, env = serving_engine_command(
-            cfg.engine, cfg.model, port, served, tp_size=cfg.tp_size, extra_args=cfg.server_extra_args
-        )
-        with running_engine(argv, env, cfg.out / f"engine-{label}", port, cfg.warmup_timeout) as info:
-            measurements[label] = measure(info.url, prompts, cfg.eval_max_new_tokens, cfg.eval_concurrency, label)
+    results = measure_sweep(cfg, drafter, configs, sets, chat)
+    heldout = sets.get("heldout")
     facts = {
         "engine": cfg.engine,
         "versions": versions(cfg.engine),
         "drafter": str(drafter.path),
         "num_steps": drafter.num_steps,
-        "prompts": len(prompts),
-        "rows": [prompts[0].row, prompts[-1].row],
+        "prompt_sets": list(sets),
+        "prompts": len(next(iter(sets.values()))),
+        "rows": [heldout[0].row, heldout[-1].row] if heldout else None,
         "max_new_tokens": cfg.eval_max_new_tokens,
         "concurrency": cfg.eval_concurrency,
+        "rounds": cfg.eval_rounds,
+        "interleaved": cfg.engine == "reference",
         "offline_estimate": offline_estimate(TrainLayout(cfg.train_dir).metrics if cfg.train_dir else None, drafter.num_steps),
     }
-    report = build_report(measurements["drafter"], measurements["baseline"], facts)
+    report = build_report(sweep_rows(results, str(drafter.path), drafter.window), facts)
     report["seconds"] = round(time.monotonic() - started, 1)
     report["chart"] = write_chart(report, cfg.out)
+    report["sweep_chart"] = write_sweep_chart(report, cfg.out)
     atomic_write_json(cfg.out / REPORT_FILE, report)
+    for line in sweep_table(report):
+        print(f"evaluate: {line}", flush=True)
     print(summary_line(report), flush=True)
     return report
 
@@ -111,6 +183,7 @@ def main(args: argparse.Namespace) -> int:
             "report": str(cfg.out / REPORT_FILE),
             "accept_length": report["accept_length"]["mean"],
             "speedup": report["tokens_per_s"]["single_stream"]["speedup"],
+            "fastest": {bs: best["config"] for bs, best in report["fastest"].items()},
         }
     )
     return 0

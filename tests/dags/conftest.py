@@ -64,6 +64,8 @@ class RunInputs:
             "eval_rows": 2,
             "eval_max_new_tokens": 8,
             "eval_concurrency": 1,
+            "eval_sets": ["heldout"],
+            "eval_rounds": 1,
             **overrides,
         }
 

@@ -84,7 +84,7 @@ def test_every_param_has_a_title_and_description(eagleflow_dag) -> None:
     for name in ("engine", "model_path", "dataset_input", "output_root", "run_name", "shard_size", "aux_layer_ids",
                  "max_len", "concurrency", "server_port", "server_extra_args", "num_engines", "server_urls", "epochs", "lr",
                  "noise_std", "ttt_steps", "draft_vocab_size", "serve_with", "eval_rows", "eval_max_new_tokens",
-                 "eval_concurrency", "regenerate_responses", "regen_temperature", "regen_max_new_tokens",
+                 "eval_concurrency", "eval_sets", "eval_prompts", "eval_configs", "eval_rounds", "regenerate_responses", "regen_temperature", "regen_max_new_tokens",
                  "regen_concurrency", "verify_rows"):
         param = params.get_param(name)
         assert param.schema.get("title") and param.description, name

@@ -91,6 +91,23 @@ def test_the_drafter_evaluation_is_shown_once_it_ran(client: TestClient, output_
     summary = client.get("/api/runs/demo").json()["evaluation"]
     assert summary["accept_length"]["mean"] == 1.74 and summary["chart"]["png"] == "eval/accept.png"
     assert "eval/report.json" in client.get("/api/runs/demo").json()["files"]
+    # The sweep: a table row per config and prompt set, a disturbed figure said as such, the fastest config's flags, its chart.
+    def figures(accept: float | None, speedup: float | None, disturbed: bool = False) -> dict[str, Any]:
+        return {"accept_length": {"mean": accept, "p50": accept, "p90": accept, "per_prompt": []}, "accept_rate": 0.3,
+                "tokens_per_s": {"median": 40.0, "min": 39.0, "max": 41.0},
+                "speedup": {"median": speedup, "min": 1.1, "max": 9.03 if disturbed else 1.3, "disturbed": disturbed}}
+    flags = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3", "--speculative-eagle-topk", "4"]
+    report |= {"prompt_sets": ["heldout", "humaneval"], "rounds": 3, "sweep": [
+        {"config": "1,0,0,0", "batch_size": 1, "steps": 0, "sets": {"heldout": figures(None, 1.0), "humaneval": figures(None, 1.0)}},
+        {"config": "1,3,4,8", "batch_size": 1, "steps": 3, "sets": {"heldout": figures(2.1, 1.25), "humaneval": figures(2.4, None, True)}},
+    ], "fastest": {"1": {"config": "1,3,4,8", "mean_speedup": 1.25, "sglang_flags": flags}}}
+    (evaluation / "report.json").write_text(json.dumps(report))
+    (evaluation / "sweep.png").write_bytes(png)
+    page = client.get("/runs/demo", headers=HTML).text
+    assert "Serving-config sweep" in page and "<td>1,3,4,8</td><td>humaneval</td><td>2.400</td>" in page
+    assert '<span class="error">disturbed</span>' in page and "1.250×" in page
+    assert "Fastest at batch size 1: <b>1,3,4,8</b>" in page and " ".join(flags) in page
+    assert re.search(r'<img src="demo/files/eval/sweep\.png\?v=\d+" alt="Speedup by config and prompt set">', page)
 
 
 def test_online_training_figures_are_shown_live_and_from_the_result(client: TestClient, output_root: Path) -> None:

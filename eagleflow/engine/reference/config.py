@@ -11,6 +11,23 @@ from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype
 from eagleflow.engine.reference.capture_faults import CaptureFault
 
 
+def check_tree_flags(num_steps: int, topk: int, num_draft_tokens: int | None) -> None:
+    """SGLang's rule for the three draft-shape flags (``speculative_hook``; ``organize_draft_results``' top-k)."""
+    chain = num_steps + 1
+    if topk == 1:
+        if num_draft_tokens not in (None, chain):
+            raise ValueError(f"--speculative-num-draft-tokens must be --speculative-num-steps + 1 = {chain} for a chain (topk 1)")
+        return
+    if num_draft_tokens is None:
+        raise ValueError(f"--speculative-eagle-topk {topk} needs --speculative-num-draft-tokens (the tree's size)")
+    candidates = topk + (num_steps - 1) * topk * topk
+    if num_draft_tokens - 1 > candidates:
+        raise ValueError(
+            f"--speculative-num-draft-tokens {num_draft_tokens} is more than 1 + the {candidates} candidates "
+            f"{num_steps} steps of topk {topk} draft (K + (steps - 1) * K^2)"
+        )
+
+
 class ReferenceEngineConfig(BaseModel):
     """Flags of ``python -m eagleflow serve-reference``."""
 
@@ -50,9 +67,13 @@ class ReferenceEngineConfig(BaseModel):
         None, description="the drafter folder eagleflow export wrote for SGLang (drafter/sglang)"
     )
     speculative_num_steps: int = Field(3, ge=1, description="draft tokens proposed per verification")
-    speculative_eagle_topk: int = Field(1, ge=1, le=1, description="candidates per draft step; the reference engine drafts a chain (1)")
+    speculative_eagle_topk: int = Field(
+        1, ge=1, description="candidates kept per draft step: 1 drafts a chain, K > 1 a tree of the best-scoring branches"
+    )
     speculative_num_draft_tokens: int | None = Field(
-        None, ge=2, description="tokens verified per round: --speculative-num-steps + 1 for a chain (default)"
+        None, ge=2,
+        description="tokens verified per round (the last accepted one and the drafts): --speculative-num-steps + 1 for a "
+        "chain (default); with --speculative-eagle-topk K > 1 the best M - 1 of the tree's K + (steps - 1) * K^2 candidates",
     )
     speculative_draft_window_size: int | None = Field(
         None, ge=1, description="sliding window of the draft's attention (the drafter's, from the export)"
@@ -96,11 +117,7 @@ class ReferenceEngineConfig(BaseModel):
             raise ValueError("--capture-fault needs capture (--dump-dir and --aux-layers)")
         if self.speculative_algorithm and self.speculative_draft_model_path is None:
             raise ValueError("--speculative-algorithm EAGLE3 needs --speculative-draft-model-path")
-        chain = self.speculative_num_steps + 1
-        if self.speculative_num_draft_tokens not in (None, chain):
-            raise ValueError(
-                f"--speculative-num-draft-tokens must be --speculative-num-steps + 1 = {chain} for a chain (topk 1)"
-            )
+        check_tree_flags(self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens)
         return self
 
     @field_validator("fail_row", "nan_row")

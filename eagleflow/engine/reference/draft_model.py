@@ -151,13 +151,16 @@ class Eagle3Drafter:
     # ---- the forward pass --------------------------------------------------------------
 
     def forward(
-        self, input_ids: torch.Tensor, hidden_states: torch.Tensor, positions: torch.Tensor, cache: DraftCache
+        self, input_ids: torch.Tensor, hidden_states: torch.Tensor, positions: torch.Tensor, cache: DraftCache,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft pass over ``T`` new positions; returns ``(draft-vocab logits [T, V_d], hidden [T, H])``.
 
         :param input_ids: ``[T]`` target-vocabulary token ids (the token after each position).
         :param hidden_states: ``[T, n_aux * target_hidden]`` target aux states, or ``[T, H]`` draft states.
         :param positions: ``[T]`` absolute positions, continuing ``cache``.
+        :param mask: ``[T, cached + T]`` keys each position may attend to, instead of every key at or
+            before its position (tree drafts: each branch sees the prefix and its own row only).
         """
         w = self.weights
         embeds = self.embed_tokens(input_ids).to(self.dtype)
@@ -179,7 +182,7 @@ class Eagle3Drafter:
             else:
                 residual = hidden + residual
                 x = rms_norm(residual, w[p + "hidden_norm.weight"], self.eps)
-            attn = self._attention(layer, x, positions, cache)
+            attn = self._attention(layer, x, positions, cache, mask)
             residual = attn + residual
             x = rms_norm(residual, w[p + "post_attention_layernorm.weight"], self.eps)
             gate, up = F.linear(x, w[p + "mlp.gate_proj.weight"]), F.linear(x, w[p + "mlp.up_proj.weight"])
@@ -189,7 +192,9 @@ class Eagle3Drafter:
         logits = F.linear(normed, w["lm_head.weight"]).float()
         return logits, (normed if self.norm_output else pre_norm)
 
-    def _attention(self, layer: int, x: torch.Tensor, positions: torch.Tensor, cache: DraftCache) -> torch.Tensor:
+    def _attention(
+        self, layer: int, x: torch.Tensor, positions: torch.Tensor, cache: DraftCache, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         w, p = self.weights, f"layers.{layer}.self_attn."
         steps = x.shape[0]
         q = F.linear(x, w[p + "q_proj.weight"]).view(steps, self.heads, self.head_dim).transpose(0, 1)
@@ -201,9 +206,12 @@ class Eagle3Drafter:
             v = torch.cat([cache.values[layer], v], dim=1)
         cache.keys[layer], cache.values[layer] = k, v
         key_positions = torch.arange(k.shape[1], device=x.device)
-        allowed = key_positions[None, :] <= positions[:, None]
-        if self.window is not None:
-            allowed &= key_positions[None, :] > positions[:, None] - self.window
+        if mask is not None:
+            allowed = mask
+        else:
+            allowed = key_positions[None, :] <= positions[:, None]
+            if self.window is not None:
+                allowed &= key_positions[None, :] > positions[:, None] - self.window
         repeat = self.heads // self.kv_heads
         k, v = k.repeat_interleave(repeat, dim=0), v.repeat_interleave(repeat, dim=0)
         scores = (q.float() @ k.float().transpose(1, 2)) / math.sqrt(self.head_dim)

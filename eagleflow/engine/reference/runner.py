@@ -214,6 +214,7 @@ class ReferenceEngine:
             "dump_dir": str(self.config.dump_dir) if self.config.dump_dir is not None else None,
             "speculative_algorithm": self.config.speculative_algorithm,
             "speculative_num_steps": self.config.speculative_num_steps if self.speculative else None,
+            "speculative_eagle_topk": self.config.speculative_eagle_topk if self.speculative else None,
         }
 
     def server_info(self) -> dict[str, Any]:

@@ -149,7 +149,8 @@ def serve(config: ReferenceEngineConfig) -> int:
             else "no capture; "
         )
         + (
-            f"EAGLE3 drafter {config.speculative_draft_model_path}, {config.speculative_num_steps} draft tokens per round; "
+            f"EAGLE3 drafter {config.speculative_draft_model_path}, {config.speculative_num_steps} steps of topk "
+            f"{config.speculative_eagle_topk}, {engine.speculative.draft_tokens_per_round} draft tokens verified per round; "
             if engine.speculative is not None
             else ""
         )

@@ -3,6 +3,8 @@
 SGLang's flags mean here what they mean there: ``--speculative-num-steps N`` drafts N tokens
 per round, ``--speculative-eagle-topk 1`` keeps one candidate per step (a chain, no tree) and
 ``--speculative-num-draft-tokens N+1`` verifies them together with the last accepted token.
+With ``--speculative-eagle-topk K > 1`` the round drafts and verifies a tree instead
+(:mod:`eagleflow.engine.reference.tree`); the rest of this loop is the same.
 
 One request, greedy (temperature 0):
 
@@ -84,6 +86,11 @@ class SpeculativeDecoder:
         self.num_steps = num_steps
         self.device = next(target.parameters()).device
 
+    @property
+    def draft_tokens_per_round(self) -> int:
+        """Drafts verified per round (``--speculative-num-draft-tokens`` - 1): SGLang's accept-rate denominator."""
+        return self.num_steps
+
     def _target(self, ids: Sequence[int], cache: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """One target pass over ``ids`` after ``cache``: (logits [T, V], aux [T, n_aux*H], cache)."""
         with self.capture() as hooks:
@@ -110,7 +117,7 @@ class SpeculativeDecoder:
         ``between_rounds`` runs before each draft-and-verify round (the engine hands its forward lock
         to waiting requests there).
         """
-        stats = SpecStats(draft_tokens_per_round=self.num_steps)
+        stats = SpecStats(draft_tokens_per_round=self.draft_tokens_per_round)
         logits, aux, target_cache = self._target(input_ids, None)
         current = int(torch.argmax(logits[-1]))
         output = [current]
@@ -122,30 +129,39 @@ class SpeculativeDecoder:
         draft_logits, draft_hidden = self._draft([*input_ids[1:], current], aux, 0, draft_cache)
         while True:
             between_rounds()
-            drafts: list[int] = []
-            logit, hidden = draft_logits[-1], draft_hidden[-1:]
-            for step in range(self.num_steps):
-                drafts.append(self.drafter.target_token(int(torch.argmax(logit))))
-                if step + 1 < self.num_steps:
-                    step_logits, hidden = self._draft([drafts[-1]], hidden, committed + step, draft_cache)
-                    logit = step_logits[-1]
-            verify_logits, verify_aux, target_cache = self._target([current, *drafts], target_cache)
-            choices = [int(t) for t in torch.argmax(verify_logits, dim=-1)]
-            accepted = 0
-            while accepted < len(drafts) and drafts[accepted] == choices[accepted]:
-                accepted += 1
+            drafts, choice, path_aux, target_cache = self._round(
+                current, draft_logits[-1], draft_hidden[-1:], committed, target_cache, draft_cache
+            )
             stats.verify_ct += 1
-            stats.correct_drafts += accepted
-            output += [*drafts[:accepted], choices[accepted]]
+            stats.correct_drafts += len(drafts)
+            output += [*drafts, choice]
             if self._finished(output, max_new_tokens, stop_ids, ignore_eos):
                 return self._result(output, max_new_tokens, stop_ids, ignore_eos, stats)
-            # Keep what was accepted: the verified block up to the last accepted draft.
-            crop_cache(target_cache, committed + accepted + 1)
+            # The drafter forgets this round's drafts and extends over what was accepted instead.
             draft_cache.crop(committed)
-            next_tokens = [*drafts[:accepted], choices[accepted]]
-            draft_logits, draft_hidden = self._draft(next_tokens, verify_aux[: accepted + 1], committed, draft_cache)
-            committed += accepted + 1
-            current = choices[accepted]
+            draft_logits, draft_hidden = self._draft([*drafts, choice], path_aux, committed, draft_cache)
+            committed += len(drafts) + 1
+            current = choice
+
+    def _round(
+        self, current: int, logit: torch.Tensor, hidden: torch.Tensor, committed: int, target_cache: Any, draft_cache: Any
+    ) -> tuple[list[int], int, torch.Tensor, Any]:
+        """Draft a chain after ``current``, verify it: (accepted drafts, the target's choice after them,
+        the aux states of ``current`` and the accepted drafts, the target cache holding exactly those)."""
+        drafts: list[int] = []
+        for step in range(self.num_steps):
+            drafts.append(self.drafter.target_token(int(torch.argmax(logit))))
+            if step + 1 < self.num_steps:
+                step_logits, hidden = self._draft([drafts[-1]], hidden, committed + step, draft_cache)
+                logit = step_logits[-1]
+        verify_logits, verify_aux, target_cache = self._target([current, *drafts], target_cache)
+        choices = [int(t) for t in torch.argmax(verify_logits, dim=-1)]
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == choices[accepted]:
+            accepted += 1
+        # Keep what was accepted: the verified block up to the last accepted draft.
+        crop_cache(target_cache, committed + accepted + 1)
+        return drafts[:accepted], choices[accepted], verify_aux[: accepted + 1], target_cache
 
     @staticmethod
     def _finished(output: list[int], max_new_tokens: int, stop_ids: set[int], ignore_eos: bool) -> bool:
@@ -166,12 +182,16 @@ class SpeculativeDecoder:
 def speculative_decoder(model: Any, config: ReferenceEngineConfig) -> Any:
     """The EAGLE-3 decoder of ``--speculative-draft-model-path`` for ``model``, capturing what SGLang's target would."""
     return load_speculative_decoder(
-        model, config.speculative_draft_model_path, config.speculative_num_steps, config.speculative_draft_window_size
+        model, config.speculative_draft_model_path, config.speculative_num_steps, config.speculative_draft_window_size,
+        topk=config.speculative_eagle_topk, num_draft_tokens=config.speculative_num_draft_tokens,
     )
 
 
-def load_speculative_decoder(model: Any, folder: Path | None, num_steps: int, window: int | None) -> SpeculativeDecoder:
-    """The EAGLE-3 decoder of the exported SGLang drafter ``folder`` for ``model`` (flags as SGLang's)."""
+def load_speculative_decoder(
+    model: Any, folder: Path | None, num_steps: int, window: int | None, topk: int = 1, num_draft_tokens: int | None = None
+) -> SpeculativeDecoder:
+    """The EAGLE-3 decoder of the exported SGLang drafter ``folder`` for ``model`` (flags as SGLang's):
+    a chain with ``topk`` 1, else a tree of ``num_draft_tokens`` (:mod:`eagleflow.engine.reference.tree`)."""
     from eagleflow.engine.capture import AuxStateCapture
     from eagleflow.export.sglang_drafter import NotServable, captured_layer_ids
 
@@ -184,4 +204,9 @@ def load_speculative_decoder(model: Any, folder: Path | None, num_steps: int, wi
         layers = captured_layer_ids(drafter.config["eagle_config"]["eagle_aux_hidden_state_layer_ids"], architecture)
     except NotServable as exc:
         raise UserError(f"--speculative-draft-model-path: {exc}") from exc
-    return SpeculativeDecoder(model, drafter, lambda: AuxStateCapture(model, layers), num_steps)
+    capture = lambda: AuxStateCapture(model, layers)  # noqa: E731
+    if topk == 1:
+        return SpeculativeDecoder(model, drafter, capture, num_steps)
+    from eagleflow.engine.reference.tree import TreeDecoder
+
+    return TreeDecoder(model, drafter, capture, num_steps, topk, int(num_draft_tokens or num_steps + 1))

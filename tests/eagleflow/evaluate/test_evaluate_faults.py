@@ -46,8 +46,14 @@ def evaluate_argv(setup: dict[str, Path], out: Path, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "eagleflow", "evaluate", "--dataset", str(setup["dataset"]), "--model", str(setup["model"]),
         "--drafter", str(setup["drafter"]), "--out", str(out), "--train-data-ratio", "0.5", "--eval-rows", "4",
-        "--eval-concurrency", "2", "--server-extra-args=--threads,1", *extra,
+        "--eval-concurrency", "2", "--eval-sets=heldout", "--eval-rounds", "1", "--server-extra-args=--threads,1", *extra,
     ]
+
+
+def drafter_engine_folder(out: Path) -> Path:
+    """The engine serving the drafter's chain (named by its shape, steps-topk-draft tokens; the other is engine-baseline)."""
+    found = sorted(out.glob("engine-[1-9]*"))
+    return found[0] if found else out / "engine-drafter-not-started"
 
 
 def engines(out: Path) -> list[tuple[int, int]]:
@@ -68,11 +74,12 @@ def port_open(port: int) -> bool:
 def wait_for_drafter_engine(out: Path, step_pid: int, timeout: float = 180.0) -> tuple[int, int]:
     """Block until the drafter engine answers /health_generate; its (pid, port)."""
     deadline = time.monotonic() + timeout
-    state = out / "engine-drafter" / "server.json"
     while time.monotonic() < deadline:
+        state = drafter_engine_folder(out) / "server.json"
         assert pid_alive(step_pid), "the step ended before its engine was ready"
         if state.is_file():
-            pid, port = engines(out)[0]
+            info = json.loads(state.read_text())
+            pid, port = int(info["pid"]), int(urlsplit(info["url"]).port)
             try:
                 if requests.get(f"http://127.0.0.1:{port}/health_generate", timeout=2).status_code == 200:
                     return pid, port
@@ -152,7 +159,7 @@ def test_a_broken_drafter_is_reported_by_the_file_the_engine_could_not_load_and_
     error = proc.stderr.strip().splitlines()
     assert len(error) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert error[0].startswith("error: the evaluation engine died") and f"{weights}: cannot load the drafter's weights" in error[0]
-    assert str(tmp_path / "eval" / "engine-drafter" / "server.log") in error[0]  # where the whole log is
+    assert str(drafter_engine_folder(tmp_path / "eval") / "server.log") in error[0]  # where the whole log is
     assert all(not pid_alive(pid) for pid, _ in engines(tmp_path / "eval"))
     # Export again over the broken folder, and the rerun completes.
     export(ExportConfig(checkpoint=setup["checkpoint"], verifier=setup["model"], out=drafter))

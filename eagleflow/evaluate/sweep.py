@@ -1,0 +1,121 @@
+"""The serving-config sweep: SpecForge's ``--config-list bs,steps,topk,draft_tokens``, its engines and its verdicts.
+
+A config ``B,S,K,M`` is ``B`` requests in flight against an engine serving the drafter with
+``--speculative-num-steps S --speculative-eagle-topk K --speculative-num-draft-tokens M``; ``S`` = 0
+is the engine without a drafter (the baseline). Every batch size gets its baseline, so each
+config's speedup is over the same engine's plain decoding at the same batch size. One engine
+serves every config of one draft shape (``S,K,M``): the batch size is only how many requests
+are in flight.
+
+**Trusting a speed**: greedy speculative decoding emits, per verification, the accepted drafts
+and one bonus token — the accept length — and a verification costs at least one decode step of
+the target. So no config can be faster than its accept length times the baseline: a figure
+above that bound says the measurement was disturbed (another process, a cold cache), and is
+reported as such, never as a result.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, order=True)
+class ServeConfig:
+    """One row of the sweep: batch size, steps, topk, draft tokens (all 0 but the batch size: no drafter)."""
+
+    batch_size: int
+    steps: int
+    topk: int
+    draft_tokens: int
+
+    @property
+    def baseline(self) -> bool:
+        return self.steps == 0
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The engine that serves it: configs of one shape share an engine."""
+        return self.steps, self.topk, self.draft_tokens
+
+    @property
+    def label(self) -> str:
+        return f"{self.batch_size},{self.steps},{self.topk},{self.draft_tokens}"
+
+    def sglang_flags(self, drafter_path: str, window: int | None = None) -> list[str]:
+        """SGLang's flags serving this config (none for the baseline); the batch size is a client setting."""
+        if self.baseline:
+            return []
+        flags = [
+            "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", drafter_path,
+            "--speculative-num-steps", str(self.steps), "--speculative-eagle-topk", str(self.topk),
+            "--speculative-num-draft-tokens", str(self.draft_tokens),
+        ]
+        return flags + (["--speculative-draft-window-size", str(window)] if window is not None else [])
+
+
+def parse_config(text: str) -> ServeConfig:
+    """``"1,3,1,4"`` -> :class:`ServeConfig`; a malformed one is a ValueError quoting it."""
+    from eagleflow.engine.reference.config import check_tree_flags
+
+    parts = text.split(",")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) != 4 or min(values) < 0 or values[0] < 1:
+        raise ValueError(f"{text!r} is not 'batch size,steps,topk,draft tokens' (e.g. 1,3,1,4; batch size >= 1)")
+    config = ServeConfig(*values)
+    if config.baseline:
+        return ServeConfig(config.batch_size, 0, 0, 0)
+    if config.topk < 1:
+        raise ValueError(f"{text!r}: topk must be >= 1 with a drafter (steps > 0)")
+    try:
+        check_tree_flags(config.steps, config.topk, config.draft_tokens)
+    except ValueError as exc:
+        raise ValueError(f"{text!r}: {exc}") from exc
+    return config
+
+
+def parse_configs(text: str, default_steps: int, default_concurrency: int) -> list[ServeConfig]:
+    """The sweep of ``eval_configs`` (space-separated), or the default one; every batch size's baseline added, sorted."""
+    if text.strip():
+        configs = {parse_config(item) for item in text.split()}
+    else:
+        chain = (default_steps, 1, default_steps + 1)
+        configs = {ServeConfig(bs, *chain) for bs in {1, default_concurrency}}
+    configs |= {ServeConfig(c.batch_size, 0, 0, 0) for c in configs}
+    return sorted(configs, key=lambda c: (c.batch_size, c.steps, c.topk, c.draft_tokens))
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    """Median, min and max of a figure measured in several rounds (and the rounds themselves)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": values}
+
+
+def verdict(speedups: list[float], accept_length: float | None) -> dict[str, Any]:
+    """A config's speedup over its baseline, per round and as the median; above the accept length: disturbed."""
+    figure = spread(speedups)
+    bound = accept_length if accept_length is not None else 1.0
+    disturbed = [i for i, s in enumerate(speedups) if s > bound]
+    figure["bound"] = bound
+    figure["disturbed_rounds"] = disturbed
+    figure["disturbed"] = figure["median"] > bound
+    if figure["disturbed"]:
+        figure["measured"], figure["median"] = figure["median"], None
+    return figure
+
+
+def fastest_per_batch_size(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """For each batch size, the config with the best mean speedup over the prompt sets (disturbed figures excluded)."""
+    best: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        speedups = [s["speedup"]["median"] for s in row["sets"].values()]
+        if any(s is None for s in speedups) or not speedups:
+            continue
+        score = statistics.fmean(speedups)
+        key = str(row["batch_size"])
+        if key not in best or score > best[key]["mean_speedup"]:
+            best[key] = {"config": row["config"], "mean_speedup": score, "sglang_flags": row["sglang_flags"]}
+    return best
