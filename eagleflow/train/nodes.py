@@ -56,6 +56,11 @@ def node_name(rank: int) -> str:
     return f"node-{rank}"
 
 
+def node_plan(nodes: int) -> list[dict[str, Any]]:
+    """The training nodes, ``[{name, rank}]``: what the DAG maps train_drafter over."""
+    return [{"name": node_name(rank), "rank": rank} for rank in range(nodes)]
+
+
 def node_address(configured: str | None) -> str:
     """The address the other nodes reach this one at: given, else ``$EAGLEFLOW_NODE_ADDRESS``, else the host's name."""
     from eagleflow.deploy import NODE_ADDRESS_ENV
