@@ -178,3 +178,27 @@ def test_every_node_must_be_one_of_the_nodes() -> None:
     with pytest.raises(ValueError, match="--hidden-states-source disk"):
         TrainConfig(dataset="d", verifier="v", out="o", aux_layer_ids=[2], hidden_states_dtype="bf16", train_nodes=2,
                     hidden_states_source="engine")
+
+
+def test_node_0_and_a_node_meet_in_the_folder_and_a_stale_go_starts_nobody(tmp_path: Path) -> None:
+    import threading
+
+    from eagleflow.train.child import TrainingFailed
+    from eagleflow.train.nodes import Publication, gather_nodes, join_node_0, publish
+
+    paths = TrainLayout(tmp_path / "train")
+    # A go left by a killed node-0: it names the nonce of an older join, so node-1 joins and waits, then gives up.
+    publish(paths, Publication("old", "127.0.0.1", 1, 2, 1, ["-m", "x"], go={"node-1": "an older join"}))
+    with pytest.raises(TrainingFailed, match="node-1: node-0 did not start rendezvous old within 1s"):
+        join_node_0(paths, 1, timeout=1.0, say=lambda _: None)
+    assert json.loads((paths.rendezvous / "node-1.json").read_text())["rdzv_id"] == "old"
+    # node-0's new attempt: node-1 (still waiting) joins it anew, and starts on the go that names its join.
+    fresh = Publication("new", "127.0.0.1", 2, 2, 1, ["-m", "x"])
+    publish(paths, fresh)
+    joined: list[Publication] = []
+    follower = threading.Thread(target=lambda: joined.append(join_node_0(paths, 1, timeout=30, say=lambda _: None)))
+    follower.start()
+    gather_nodes(paths, fresh, timeout=30, say=lambda _: None)
+    follower.join(timeout=30)
+    nonce = json.loads((paths.rendezvous / "node-1.json").read_text())["nonce"]
+    assert joined and joined[0].rdzv_id == "new" and joined[0].go == {"node-1": nonce}
