@@ -48,6 +48,7 @@ from eagleflow.train.lock import TrainFolderLock
 from eagleflow.train.resume import best_checkpoint
 
 POLL_SECONDS = 0.2
+SHUTDOWN_SECONDS = 5
 PUBLICATION = "node-0"
 
 
@@ -179,6 +180,10 @@ def torchrun_launcher(python: str, publication: Publication, rank: int, timeout:
         f"--rdzv-id={publication.rdzv_id}",
         f"--rdzv-conf=timeout={int(timeout)}",
         "--max-restarts=0",  # a group that lost a node fails; Airflow retries it from the last checkpoint
+        # A stopped node's ranks get this long for speculators' interrupt save before SIGKILL (torch's
+        # default: 30 s). A resume uses complete epochs only, and a rank in that save's barrier would
+        # hold its peers, whose node is gone, until then.
+        f"--shutdown-timeout={SHUTDOWN_SECONDS}",
     ]
 
 
