@@ -2,7 +2,7 @@
 
 ``celery_stack`` starts what ``docker/docker-compose.yaml`` deploys, with the same Airflow
 settings file (``docker/airflow.env``): scheduler, dag-processor, triggerer, api-server, a Celery
-worker on the default queue and one on the GPU queue with the GPU pool. The DAG runs twice
+worker on the default queue and one on the GPU queue with the GPU pool. The DAG runs three times
 through the REST API, each run with a fault and each ending in success:
 
 1. two engines serve the shards of one run (the GPU pool given a slot each); engine-1 is
@@ -10,9 +10,12 @@ through the REST API, each run with a fault and each ending in success:
    shards go to engine-0, and nothing finished is redone;
 2. the GPU worker is SIGKILLed, with everything under it, while a shard is in flight, then
    started again: the scheduler notices the lost task (no heartbeat), retries it on the
-   restarted worker, every row validates, and no row finished before the kill is written again.
+   restarted worker, every row validates, and no row finished before the kill is written again;
+3. a second GPU-queue worker joins, and training runs on two nodes (two mapped train_drafter
+   instances); node-1's task is SIGKILLed mid-epoch: node-0 stops, both retry and resume from the
+   last checkpoint, and the result is identical to one node with two ranks.
 
-Both print how long detection and retry took (README, "Beyond one machine").
+Each prints how long detection and retry took (README, "Beyond one machine").
 """
 
 from __future__ import annotations
