@@ -13,7 +13,8 @@ The story of DESIGN.md §1, top to bottom:
 4. extract_shard runs once per shard (rows_0-2000, …) on one of the engines, each retryable
    (on an engine that is up) and clearable alone;
 5. stop_server (teardown, one instance per engine) stops the engines, even when a shard fails;
-6. build_vocab, train_drafter and plot_metrics turn the hidden states into a drafter and charts.
+6. build_vocab, train_drafter and plot_metrics turn the hidden states into a drafter and charts
+   (train_drafter: one instance per training node, node-0, …, planned by plan_train_nodes).
    Online (hidden_states_source engine) no shard is extracted (each instance is skipped, saying
    why), the engines stay up, train_drafter asks them for each sample while it trains, and
    stop_server_after_training stops them once it is done, however it ended;
@@ -49,7 +50,15 @@ from operators.server import (
     SGLangServerOperator,
     StopServerOperator,
 )
-from operators.train import BuildVocabOperator, PlotOperator, TrainOperator
+from operators.train import (
+    NODE_MAP_INDEX_TEMPLATE,
+    TRAIN_RETRIES,
+    TRAIN_RETRY_DELAY,
+    BuildVocabOperator,
+    PlanTrainNodesOperator,
+    PlotOperator,
+    TrainOperator,
+)
 
 with DAG(
     dag_id="eagleflow",
@@ -102,7 +111,12 @@ with DAG(
 
     # none_failed: online, every shard is skipped and training goes on without them.
     build_vocab = BuildVocabOperator(task_id="build_vocab", trigger_rule="none_failed")
-    train_drafter = TrainOperator(task_id="train_drafter", engines=wait_server_ready.output, **on_gpu)
+    # One instance per training node (node-0, …), all at once: they meet in the run folder and train as one torchrun group.
+    plan_train_nodes = PlanTrainNodesOperator(task_id="plan_train_nodes")
+    train_drafter = TrainOperator.partial(
+        task_id="train_drafter", engines=wait_server_ready.output, map_index_template=NODE_MAP_INDEX_TEMPLATE,
+        retries=TRAIN_RETRIES, retry_delay=TRAIN_RETRY_DELAY, **on_gpu
+    ).expand(node=plan_train_nodes.output)
     # Online the engines serve training: stopped here (all_done: whatever training's outcome).
     stop_server_after_training = StopServerOperator.partial(
         task_id="stop_server_after_training", map_index_template=ENGINE_MAP_INDEX_TEMPLATE, after_training=True,
@@ -117,6 +131,6 @@ with DAG(
     launch_server >> wait_server_ready >> verify_capture >> extract_shard >> stop_server.as_teardown(setups=engine_setups)
     prepare_dataset >> verify_capture
     check_disk >> extract_shard
-    [extract_shard, stop_server] >> build_vocab >> train_drafter >> plot_metrics
+    [extract_shard, stop_server] >> build_vocab >> plan_train_nodes >> train_drafter >> plot_metrics
     train_drafter >> stop_server_after_training
     train_drafter >> export_drafter >> evaluate_drafter

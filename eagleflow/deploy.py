@@ -15,6 +15,10 @@ GPU_QUEUE = "gpu"
 # Airflow pool of the GPU tasks; one slot, so one GPU task runs on the node at a time.
 GPU_POOL = "gpu"
 
+# Training on several nodes: the address the other GPU nodes reach this one at (its rendezvous
+# store, when it is node-0); unset, the host's name.
+NODE_ADDRESS_ENV = "EAGLEFLOW_NODE_ADDRESS"
+
 # Where every container of the deployment sees the shared run folders (DESIGN.md §3.6).
 OUTPUT_ROOT_ENV = "EAGLEFLOW_OUTPUT_ROOT"
 

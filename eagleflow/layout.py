@@ -243,6 +243,15 @@ class TrainLayout:
         return self.root / ".train.lock"
 
     @property
+    def rendezvous(self) -> Path:
+        """Training on several nodes: node-0's publication and every other node's join (``node-<i>.json``)."""
+        return self.root / "rendezvous"
+
+    def node_log(self, node: str) -> Path:
+        """The log of a node other than node-0 (node-0 writes ``train.log``)."""
+        return self.root / "nodes" / f"{node}.log"
+
+    @property
     def online(self) -> Path:
         """The online feed's folder (``hidden_states_source=engine``): :class:`FeedLayout`."""
         return self.root / "online"

@@ -22,7 +22,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 from typing import Any, Literal
-
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, ValidationInfo, create_model, field_validator, model_validator
@@ -53,6 +52,7 @@ TRAIN_PARAMS = (
     "device",
     "gpus",
     "restart",
+    "train_nodes", "rendezvous_timeout",  # training on several nodes
     "serve_with",
     "draft_variant",
     "hidden_states_source",

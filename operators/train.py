@@ -5,13 +5,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from airflow.sdk.exceptions import AirflowException
+from datetime import timedelta
+
+from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from operators.links import EagleflowRunLink
-from operators.step import EagleflowStepOperator, pipeline_config
+from operators.step import EagleflowStepOperator, StepFailed, pipeline_config
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
+
+# One train_drafter instance per training node, named node-0, node-1, … (given to partial(), as every map_index_template).
+NODE_MAP_INDEX_TEMPLATE = "{{ task.node['name'] }}"
+# A stopped or failed training resumes from its last checkpoint; with several nodes every node's
+# instance fails when one stops, and their retries meet again.
+TRAIN_RETRIES = 2
+TRAIN_RETRY_DELAY = timedelta(seconds=15)
+EXIT_BAD_INPUT = 2  # python -m eagleflow's status for bad input or settings: another try would fail alike
+
 
 class BuildVocabOperator(EagleflowStepOperator):
     """Token frequencies over loss-masked tokens -> d2t/t2d in the dataset folder (``build-vocab``)."""
@@ -24,24 +36,49 @@ class BuildVocabOperator(EagleflowStepOperator):
         return ["--dataset", str(train.dataset), "--verifier", str(train.verifier), "--draft-vocab-size", str(train.draft_vocab_size)]
 
 
+class PlanTrainNodesOperator(BaseOperator):
+    """The training nodes, ``[{name, rank}]`` (``train_nodes`` Param): train_drafter is mapped over them."""
+
+    def execute(self, context: Context) -> list[dict[str, Any]]:
+        from eagleflow.train.config import TrainConfig
+        from eagleflow.train.nodes import node_plan
+
+        cfg = pipeline_config(context, check_model=False)
+        nodes = node_plan(cfg.step_values(TrainConfig).get("train_nodes", TrainConfig.model_fields["train_nodes"].default))
+        if len(nodes) > 1:
+            self.log.info("Training on %d nodes (%s): the gpu pool needs a slot for each", len(nodes), ", ".join(n["name"] for n in nodes))
+        return nodes
+
+
 class TrainOperator(EagleflowStepOperator):
-    """Train the EAGLE-3 drafter with speculators (``python -m eagleflow train``).
+    """Train the EAGLE-3 drafter with speculators (``python -m eagleflow train``), one instance per node.
 
     From the extracted files, or (``hidden_states_source`` engine) from the run's engines, asked
     for each sample while training runs; only engines this worker can reach are given. A retry
     with the same run folder resumes from the newest checkpoint. Returns ``{checkpoint_dir,
-    best_checkpoint, metrics_path, log_path}`` (online: and ``online``, the feed's figures).
+    best_checkpoint, metrics_path, log_path}`` (online: and ``online``, the feed's figures; a
+    node other than node-0: and ``node``). Bad input fails without a retry.
 
     :param engines: every engine's ``{url, pid, host, log_path, dump_dir, name}`` from the
         readiness sensors (templated; used online).
+    :param node: this instance's training node ``{name, rank}`` (templated; one of ``plan_train_nodes``).
     """
 
-    template_fields: Sequence[str] = ("engines",)
+    template_fields: Sequence[str] = ("engines", "node")
     operator_extra_links = (EagleflowRunLink(),)
 
-    def __init__(self, *, engines: Any = None, **kwargs: Any) -> None:
+    def __init__(self, *, engines: Any = None, node: Any = None, **kwargs: Any) -> None:
         super().__init__(step="train", **kwargs)
         self.engines = engines
+        self.node = node
+
+    def run_step(self, step: str, argv: list[str]) -> dict[str, Any] | None:
+        try:
+            return super().run_step(step, argv)
+        except StepFailed as exc:
+            if exc.returncode == EXIT_BAD_INPUT:
+                raise AirflowFailException(str(exc)) from exc
+            raise
 
     def step_argv(self, context: Context) -> list[str]:
         from eagleflow.config import model_to_argv
@@ -49,7 +86,8 @@ class TrainOperator(EagleflowStepOperator):
 
         cfg = pipeline_config(context)
         if not cfg.online:
-            return model_to_argv(cfg.train_config())
+            train = cfg.train_config()
+            return model_to_argv(train.model_copy(update={"node_rank": int((self.node or {}).get("rank", 0))}))
         engines = engines_from_xcom(self.engines)
         reachable = [e for e in engines if unreachable_reason(e) is None]
         for engine in engines:

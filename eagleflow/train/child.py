@@ -165,7 +165,12 @@ def online_flags(settings_file: Path) -> list[str]:
 
 
 def child_command(
-    device: Device, paths: TrainLayout, flags: list[str] | None, noise_std: float = 0.0, online: bool = False
+    device: Device,
+    paths: TrainLayout,
+    flags: list[str] | None,
+    noise_std: float = 0.0,
+    online: bool = False,
+    collective_timeout: float | None = None,
 ) -> list[str]:
     """``python -m eagleflow.train.speculators_entry …``, under torchrun for more than one GPU.
 
@@ -173,18 +178,33 @@ def child_command(
         imported speculators (:class:`TrainerChild`; a single process only).
     :param noise_std: eagleflow's own noise augmentation, for releases without ``--noise-std``.
     :param online: the samples come from the engines (:func:`online_flags` among the flags).
+    :param collective_timeout: under torchrun, how long a collective waits for a silent peer.
     """
-    entry = ["-m", "eagleflow.train.speculators_entry", "--metrics", str(paths.metrics.absolute()),
-             "--summary", str(paths.drafter.absolute()), "--noise-std", str(noise_std)]
-    if online:
-        entry.append("--online")
-    entry += ["--flags-on-stdin", "--"] if flags is None else ["--", *flags]
+    entry = entry_argv(paths, flags, noise_std, online, collective_timeout)
     if device.kind == "cuda" and device.gpus > 1:
         if flags is None:
             raise ValueError("torchrun's workers cannot read their flags from the step's stdin")
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={device.gpus}"]
         return launcher + entry
     return [sys.executable, "-u"] + entry
+
+
+def entry_argv(
+    paths: TrainLayout, flags: list[str] | None, noise_std: float, online: bool, collective_timeout: float | None
+) -> list[str]:
+    """``-m eagleflow.train.speculators_entry …`` (its flags, then speculators'): what a launcher runs."""
+    entry = ["-m", "eagleflow.train.speculators_entry", "--metrics", str(paths.metrics.absolute()),
+             "--summary", str(paths.drafter.absolute()), "--noise-std", str(noise_std)]
+    if online:
+        entry.append("--online")
+    if collective_timeout is not None:
+        entry += ["--collective-timeout", str(collective_timeout)]
+    return entry + (["--flags-on-stdin", "--"] if flags is None else ["--", *flags])
+
+
+def ranks_per_node(device: Device) -> int:
+    """torchrun's ``--nproc-per-node``: one rank per GPU; on CPU one rank per node."""
+    return device.gpus if device.kind == "cuda" else 1
 
 
 def child_env(device: Device) -> dict[str, str]:
@@ -196,7 +216,9 @@ def child_env(device: Device) -> dict[str, str]:
     return env
 
 
-def run_child(command: list[str], env: dict[str, str], log: TrainLog, lock: TrainFolderLock) -> tuple[int, int | None]:
+def run_child(
+    command: list[str], env: dict[str, str], log: TrainLog, lock: TrainFolderLock | None
+) -> tuple[int, int | None]:
     """Run the child, stream its output, forward SIGTERM/SIGINT; return (exit code, signal forwarded)."""
     return TrainerChild(command, env, log, lock).run(None)
 
@@ -207,10 +229,11 @@ class TrainerChild:
     Started before the step's own checks, the child imports torch and speculators (seconds)
     while the step checks the dataset and prepares the verifier head; :meth:`run` then hands it
     its flags. :meth:`cancel` (the checks failed, nothing to train) closes its stdin: it exits
-    without training. It holds the folder's lock, and dies with the step, from its start.
+    without training. It holds the folder's lock (a node other than node-0 has none), and dies
+    with the step, from its start.
     """
 
-    def __init__(self, command: list[str], env: dict[str, str], log: TrainLog, lock: TrainFolderLock) -> None:
+    def __init__(self, command: list[str], env: dict[str, str], log: TrainLog, lock: TrainFolderLock | None) -> None:
         step_pid = os.getpid()
         self.log, self.command = log, command
         self.process = subprocess.Popen(
@@ -220,10 +243,11 @@ class TrainerChild:
             stdin=subprocess.PIPE if "--flags-on-stdin" in command else subprocess.DEVNULL,
             env=env,
             process_group=0,  # its own group, so a forwarded signal reaches its data-loader workers too
-            pass_fds=(lock.fd,),  # the lock stays held while the child runs, even if this process is killed
+            pass_fds=(lock.fd,) if lock else (),  # the lock stays held while the child runs, even if this process is killed
             preexec_fn=lambda: die_with_parent(signal.SIGKILL, step_pid),
         )
-        lock.record_trainer(self.process.pid)
+        if lock:
+            lock.record_trainer(self.process.pid)
 
     def run(self, flags: list[str] | None) -> tuple[int, int | None]:
         """Hand over ``flags`` (when it waits for them), stream its output, forward SIGTERM/SIGINT;

@@ -91,6 +91,24 @@ class TrainConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", title="Training device", description="where to train; auto: cuda when available")
     gpus: int | None = Field(None, ge=1, title="Training GPUs", description="GPUs to train on (torchrun when more than one); default: all")
     restart: bool = Field(False, title="Restart training from scratch", description="start from scratch; the old run moves to OUT/previous/<time>/")
+    # Several nodes: one torchrun per node, ranks data-parallel (eagleflow.train.nodes).
+    train_nodes: int = Field(
+        1, ge=1, le=64, title="Training nodes",
+        description="nodes that train together (torchrun across them, data-parallel): one train_drafter instance "
+        "per node on the GPU queue, all started at once (give the gpu pool a slot per node); every node must see the "
+        "run folder at the same path (checkpoints are shared) and reach node-0",
+    )
+    node_rank: int = Field(0, ge=0, description="which of --train-nodes this is (node-0 prepares the folder and hosts the rendezvous)")
+    rendezvous_timeout: float = Field(
+        600.0, gt=0, title="Training nodes: rendezvous timeout (s)",
+        description="several nodes: seconds a node waits for the others to join before it fails naming those missing",
+    )
+    node_address: str | None = Field(
+        None, description="several nodes: the address the others reach node-0 at; default: $EAGLEFLOW_NODE_ADDRESS, else the host's name"
+    )
+    collective_timeout: float = Field(
+        600.0, gt=0, description="several ranks: seconds a collective waits for a peer that neither answers nor closes its connection"
+    )
     lock_wait: float = Field(
         30.0, ge=0, description="seconds to wait for another trainer working in --out to exit before refusing (one trainer per folder)"
     )
@@ -138,4 +156,8 @@ class TrainConfig(BaseModel):
             raise ValueError("--gpus does not apply with --device cpu")
         if self.engine_names and len(self.engine_names) != len(self.engine_urls):
             raise ValueError("--engine-names must name each of --engine-urls")
+        if self.node_rank >= self.train_nodes:
+            raise ValueError(f"--node-rank {self.node_rank} is not one of --train-nodes {self.train_nodes} (0..{self.train_nodes - 1})")
+        if self.train_nodes > 1 and self.hidden_states_source == "engine":
+            raise ValueError("--train-nodes above 1 trains from the extracted files only (--hidden-states-source disk)")
         return self

@@ -45,6 +45,7 @@ from eagleflow.train.recorder import MetricsRecorder
 from eagleflow.train.speculators_support import check_internals, installed_release
 
 METRICS_LOGGER = "speculators.metrics"
+DEFAULT_COLLECTIVE_TIMEOUT = 600.0
 
 
 def apply_cpu_shims() -> None:
@@ -65,6 +66,56 @@ def apply_cpu_shims() -> None:
     trainer.get_local_rank = lambda: "cpu"  # type: ignore[assignment]
     checkpointer.get_current_device = lambda: "cpu"  # type: ignore[assignment]
     torch.accelerator.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
+
+
+def distributed_setup_shim(on_cpu: bool, collective_timeout: float) -> Callable[[], None]:
+    """Wrap speculators' ``maybe_setup_distributed`` so that it runs on CPU (gloo) and bounds every collective.
+
+    speculators sets up the process group for the accelerator: ``torch.accelerator.set_device_index``
+    (raises without one), the backend of ``torch.accelerator.current_accelerator()`` (None on CPU:
+    "No accelerator found") and ``init_process_group(backend, device_id=local_rank)`` (an int
+    device id is refused without an accelerator). During that one call, on CPU only, the device
+    index is not set, the accelerator reads as the CPU (whose default backend is gloo) and no
+    device id is passed; speculators' own code then fills its topology as usual. On every device
+    the process group gets ``collective_timeout``: a rank whose peer vanished without closing its
+    connections (a lost machine) fails after that long instead of torch's 30 minutes (gloo) or
+    10 (NCCL). Returns the undo.
+    """
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    import speculators.train.cli as cli
+
+    setup = cli.maybe_setup_distributed
+
+    def setup_with_shims(*args: Any, **kwargs: Any) -> Any:
+        init = dist.init_process_group
+        accelerator = (torch.accelerator.set_device_index, torch.accelerator.current_accelerator)
+
+        def init_bounded(*init_args: Any, **init_kwargs: Any) -> Any:
+            if on_cpu:
+                init_kwargs.pop("device_id", None)
+            init_kwargs["timeout"] = datetime.timedelta(seconds=collective_timeout)
+            return init(*init_args, **init_kwargs)
+
+        dist.init_process_group = init_bounded  # type: ignore[assignment]
+        if on_cpu:
+            torch.accelerator.set_device_index = lambda *_args, **_kwargs: None  # type: ignore[assignment]
+            torch.accelerator.current_accelerator = lambda *_args, **_kwargs: torch.device("cpu")  # type: ignore[assignment]
+        try:
+            return setup(*args, **kwargs)
+        finally:
+            dist.init_process_group = init  # type: ignore[assignment]
+            torch.accelerator.set_device_index, torch.accelerator.current_accelerator = accelerator  # type: ignore[assignment]
+
+    cli.maybe_setup_distributed = setup_with_shims
+
+    def restore() -> None:
+        cli.maybe_setup_distributed = setup
+
+    return restore
 
 
 def _rank() -> int:
@@ -161,13 +212,19 @@ def install(metrics_path: Path, summary_path: Path | None = None, online: bool =
 
 
 def run(
-    argv: Sequence[str], metrics_path: Path, summary_path: Path | None = None, noise_std: float = 0.0, online: bool = False
+    argv: Sequence[str],
+    metrics_path: Path,
+    summary_path: Path | None = None,
+    noise_std: float = 0.0,
+    online: bool = False,
+    collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT,
 ) -> None:
     """Train with speculators' own entry point on ``argv`` (its flags), capturing metrics.
 
     :param noise_std: eagleflow's noise on the training split's aux states, for releases
         without ``--noise-std`` (give that release's own flag in ``argv`` instead).
     :param online: the samples come from the engines (``argv`` names eagleflow's backend).
+    :param collective_timeout: under torchrun, seconds a collective may wait for a peer.
     :raises UnsupportedSpeculators: another speculators release than those supported.
     """
     import torch
@@ -178,11 +235,14 @@ def run(
         raise UserError(f"speculators {release.version} adds the noise itself: pass --noise-std among its flags")
     if not torch.cuda.is_available():
         apply_cpu_shims()
+    undo = []
+    if "LOCAL_RANK" in os.environ:  # under torchrun
+        undo.append(distributed_setup_shim(not torch.cuda.is_available(), collective_timeout))
     if online:
         from eagleflow.train.online.backend import install_hooks, register_backend
 
         register_backend()  # before speculators' config module reads the registry
-    undo = [install(Path(metrics_path), summary_path, online=online)]
+    undo.append(install(Path(metrics_path), summary_path, online=online))
     if online:
         undo.append(install_hooks())
     if noise_std:
@@ -216,6 +276,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--noise-std", type=float, default=0.0, help="eagleflow's noise on the training split's aux states")
     parser.add_argument("--online", action="store_true", help="samples from the engines (eagleflow's hidden-states backend)")
     parser.add_argument(
+        "--collective-timeout", type=float, default=DEFAULT_COLLECTIVE_TIMEOUT,
+        help="under torchrun: seconds a collective may wait for a peer before the rank fails",
+    )
+    parser.add_argument(
         "--flags-on-stdin", action="store_true",
         help="import speculators first, then read its flags from stdin (one JSON list; end of input: exit, nothing to train)",
     )
@@ -239,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0  # the step stopped before training (its checks failed, or every epoch is done)
         flags = [*json.loads(line), *flags]
     try:
-        run(flags, ours.metrics, ours.summary, ours.noise_std, online=ours.online)
+        run(flags, ours.metrics, ours.summary, ours.noise_std, online=ours.online, collective_timeout=ours.collective_timeout)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2

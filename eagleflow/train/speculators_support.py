@@ -45,6 +45,7 @@ INTERNALS = (
     "speculators.train.cli:setup_metric_logger",  # the recorder is attached after it
     "speculators.train.cli:setup_root_logger",  # replaced by plain log lines
     "speculators.train.cli:build_draft_model",  # parameter counts
+    "speculators.train.cli:maybe_setup_distributed",  # under torchrun: gloo on CPU, bounded collectives
     "speculators.train.cli:main",
     "speculators.train.config:TrainConfig.resolve",
     "speculators.train.logger:IsRank0Filter",

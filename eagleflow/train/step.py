@@ -28,12 +28,13 @@ from eagleflow.layout import FeedLayout, TrainLayout, hidden_states_dir
 from eagleflow.progress import format_bytes
 from eagleflow.results import emit_result
 from eagleflow.train.child import (
-    TrainerChild, TrainingFailed, TrainLog, child_command, child_env, online_flags, resolve_device, run_child,
+    TrainerChild, TrainingFailed, TrainLog, child_command, child_env, entry_argv, online_flags, resolve_device, run_child,
     speculators_flags,
 )
 from eagleflow.train.config import TrainConfig
 from eagleflow.train.disk_space import NO_SPACE_ERRNOS, child_failed_message, no_space_reason
 from eagleflow.train.lock import TrainFolderLock
+from eagleflow.train.nodes import follow_node_0, lead_nodes
 from eagleflow.train.resume import best_checkpoint, epoch_dirs, prepare_checkpoints
 from eagleflow.train.online.settings import (
     EngineEndpoint, FeedSettings, online_cache_bytes, online_window_bytes, read_status,
@@ -205,6 +206,8 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
             "draft_config": cfg.draft_config.absolute() if cfg.draft_config else None,
         }
     )
+    if cfg.node_rank > 0:  # node-0 prepares the folder and says what to run
+        return follow_node_0(cfg)
     paths = TrainLayout(cfg.out)
     paths.root.mkdir(parents=True, exist_ok=True)
     release = installed_release()  # fail before any work; the child checks the names it patches
@@ -221,7 +224,7 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
         log.say(f"train {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: dataset {cfg.dataset}, verifier {cfg.verifier}")
         device = resolve_device(cfg)
         noise = 0.0 if release.noise_std_flag else cfg.noise_std  # else speculators adds it itself
-        if device.gpus <= 1:
+        if device.gpus <= 1 and cfg.train_nodes == 1:
             # Started now, it imports speculators while we check; it trains once given its flags.
             trainer = TrainerChild(child_command(device, paths, None, noise, online), child_env(device), log, lock)
         text = text_config(cfg.verifier)
@@ -239,6 +242,8 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
         resume = prepare_checkpoints(cfg, paths, log)
         if resume is not None and resume.epoch + 1 >= cfg.epochs:
             log.say(f"all {cfg.epochs} epochs are done; nothing to train")
+            if cfg.train_nodes > 1:
+                lead_nodes(cfg, device, paths, None, log, lock)  # the other nodes learn it, and stop
         else:
             ensure_vocab(cfg, vocab, log)
             verifier = prepare_verifier(cfg.verifier, paths.verifier_head)
@@ -250,7 +255,10 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
             flags = speculators_flags(cfg, verifier, device, paths, release, stored)
             if online:
                 flags += online_flags(feed_settings(cfg, paths, hidden).write())
-            if trainer is not None:
+            if cfg.train_nodes > 1:
+                entry = entry_argv(paths, flags, noise, online, cfg.collective_timeout)
+                returncode, forwarded = lead_nodes(cfg, device, paths, entry, log, lock)
+            elif trainer is not None:
                 returncode, forwarded = trainer.run(flags)
             else:
                 returncode, forwarded = run_child(
@@ -260,7 +268,7 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
                 name = signal.Signals(forwarded).name
                 raise TrainingFailed(f"training stopped by {name}; rerun the step to resume", 128 + forwarded)
             if returncode != 0:
-                raise TrainingFailed(child_failed_message(returncode, paths), returncode)
+                raise TrainingFailed(child_failed_message(returncode, paths, cfg.train_nodes), returncode)
             done = epoch_dirs(paths.checkpoints)
             if not done or max(done) + 1 < cfg.epochs:
                 last = max(done) + 1 if done else 0

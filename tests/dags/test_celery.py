@@ -2,7 +2,7 @@
 
 ``celery_stack`` starts what ``docker/docker-compose.yaml`` deploys, with the same Airflow
 settings file (``docker/airflow.env``): scheduler, dag-processor, triggerer, api-server, a Celery
-worker on the default queue and one on the GPU queue with the GPU pool. The DAG runs twice
+worker on the default queue and one on the GPU queue with the GPU pool. The DAG runs three times
 through the REST API, each run with a fault and each ending in success:
 
 1. two engines serve the shards of one run (the GPU pool given a slot each); engine-1 is
@@ -10,9 +10,12 @@ through the REST API, each run with a fault and each ending in success:
    shards go to engine-0, and nothing finished is redone;
 2. the GPU worker is SIGKILLed, with everything under it, while a shard is in flight, then
    started again: the scheduler notices the lost task (no heartbeat), retries it on the
-   restarted worker, every row validates, and no row finished before the kill is written again.
+   restarted worker, every row validates, and no row finished before the kill is written again;
+3. a second GPU-queue worker joins, and training runs on two nodes (two mapped train_drafter
+   instances); node-1's task is SIGKILLed mid-epoch: node-0 stops, both retry and resume from the
+   last checkpoint, and the result is identical to one node with two ranks.
 
-Both print how long detection and retry took (README, "Beyond one machine").
+Each prints how long detection and retry took (README, "Beyond one machine").
 """
 
 from __future__ import annotations
@@ -198,4 +201,142 @@ def test_the_run_survives_losing_the_gpu_worker_mid_shard(
     print(
         f"lost GPU worker: killed with {len(in_victim)}/12 rows of {victim} done: lost task detected after {detected:.0f}s, "
         f"retry started after {retried:.0f}s, shard done after {done:.0f}s; run {time.monotonic() - started:.0f}s"
+    )
+
+
+TRAIN_ROWS = 96
+TRAIN_EPOCHS = 2
+
+
+def _node_task(run_folder: Path, rank: int) -> int | None:
+    """pid of the Airflow task process running node ``rank``'s training step (the step's parent)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        if b"train" in argv and f"--node-rank={rank}".encode() in argv and f"--out={run_folder}/train".encode() in argv:
+            return int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+    return None
+
+
+def _epoch_seconds(records: list[dict[str, Any]], epoch: int) -> float:
+    """Seconds one epoch's training steps took: the span of its step records, scaled to every step."""
+    times = [r["time"] for r in records if r["kind"] == "train" and r["epoch"] == epoch]
+    return (times[-1] - times[0]) * len(times) / (len(times) - 1)
+
+
+def _max_difference(a: dict[str, Any], b: dict[str, Any]) -> float:
+    return max(abs(value - b[key]) for key, value in a.items() if key not in ("time", "tokens_per_s") and isinstance(value, float))
+
+
+def test_two_gpu_workers_train_as_two_nodes_and_a_killed_node_loses_nothing(
+    celery_stack: Any, run_inputs: Any, tmp_path: Path
+) -> None:
+    """train_drafter runs as two mapped instances (node-0, node-1) on two GPU-queue workers; node-1's task
+    is SIGKILLed mid-epoch: node-0's ranks stop at their next collective, both instances retry and resume
+    from the last checkpoint. Against one node with two ranks (the same global batch), from the same
+    starting points: the first epoch and the resumed one are identical."""
+    import shutil
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from eagleflow.layout import RunLayout
+    from eagleflow.metrics.records import read_records
+    from eagleflow.train.nodes import read_publication
+
+    started = time.monotonic()
+    run_id = "celery-two-nodes"
+    inputs = run_inputs(TRAIN_ROWS)
+    layout = RunLayout.of(tmp_path / "runs", run_id)
+    conf = inputs.conf(tmp_path / "runs", run_id, epochs=TRAIN_EPOCHS, total_seq_len=256, train_nodes=2, rendezvous_timeout=300)
+    # A second worker on the GPU queue: the two workers act as two GPU nodes (every node's instance at once: a pool slot each).
+    worker = celery_stack.processes.components["worker-gpu"]
+    celery_stack.processes.components["worker-gpu-2"] = [*worker[:-1], "gpu-2@%h"]
+    celery_stack.processes.start_component("worker-gpu-2")
+    celery_stack.request("PATCH", "/pools/gpu", json=_pool(2), params={"update_mask": ["slots"]})
+    try:
+        celery_stack.trigger(run_id, conf)
+        deadline = time.monotonic() + RUN_TIMEOUT
+        # Kill node-1's task once the first epoch is saved and the second is under way.
+        while not (layout.train.metrics.exists() and '"epoch": 1' in layout.train.metrics.read_text()):
+            _wait_while_running(celery_stack, run_id, deadline)
+        victim = _node_task(layout.root, 1)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.time()
+        saved_at_kill = sorted(p.name for p in layout.train.checkpoints.iterdir() if p.name.isdigit())
+        kept = (layout.train.checkpoints / "0" / "model.safetensors").stat()
+        state = celery_stack.wait_for_run(run_id, RUN_TIMEOUT)
+    finally:
+        celery_stack.request("PATCH", "/pools/gpu", json=_pool(1), params={"update_mask": ["slots"]})
+    assert state == "success", celery_stack.describe(run_id)
+    assert saved_at_kill == ["0"], saved_at_kill
+
+    tis = celery_stack.task_instances(run_id)
+    assert {tis[("train_drafter", i)]["rendered_map_index"] for i in (0, 1)} == {"node-0", "node-1"}
+    tries = {i: celery_stack.tries(run_id, "train_drafter", i) for i in (0, 1)}
+    for i in (0, 1):
+        assert [t["try_number"] for t in tries[i]] == [1, 2] and tries[i][-1]["state"] == "success", tries[i]
+    # node-0's first try stopped on its own (its peer's connection reset), within seconds of the kill.
+    stopped = _seconds(tries[0][0]["end_date"]) - killed_at
+    assert stopped < 60, stopped
+    first_log = celery_stack.task_log(run_id, "train_drafter", 1, 0)
+    assert "a retry resumes from the last checkpoint" in first_log, first_log[-3000:]
+    second_log = celery_stack.task_log(run_id, "train_drafter", 2, 0)
+    assert f"resuming from checkpoint {layout.train.checkpoints / '0'}" in second_log, second_log[-3000:]
+    assert "--nnodes=2 --node-rank=1" in celery_stack.task_log(run_id, "train_drafter", 2, 1)  # each node's log in its own task
+    after = (layout.train.checkpoints / "0" / "model.safetensors").stat()
+    assert (after.st_ino, after.st_mtime_ns) == (kept.st_ino, kept.st_mtime_ns), "the finished epoch was written again"
+    records = list(read_records(layout.train.metrics))
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(sum(r["kind"] == "train" for r in records)))
+
+    # One node with two ranks, the command node-0 published: from scratch, and resumed from the same epoch-0 checkpoint.
+    entry = read_publication(layout.train).entry
+
+    def one_node(folder: Path, resume_from: Path | None) -> Path:
+        if resume_from is not None:  # a copy: speculators passes over symlinked epochs
+            shutil.copytree(resume_from, folder / "checkpoints" / resume_from.name)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                   *[arg.replace(str(layout.train.root), str(folder)) for arg in entry]]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return folder
+
+    fresh = one_node(tmp_path / "one-node", None)
+    resumed = one_node(tmp_path / "one-node-resumed", layout.train.checkpoints / "0")
+    ours = [r for r in records if r["kind"] == "train"]
+    theirs = {e: [r for r in read_records(f / "metrics.jsonl") if r["kind"] == "train" and r["epoch"] == e]
+              for e, f in ((0, fresh), (1, resumed))}
+    metric_difference = max(
+        _max_difference(a, b) for e in (0, 1) for a, b in zip([r for r in ours if r["epoch"] == e], theirs[e], strict=True)
+    )
+    weight_difference = 0.0
+    for epoch, folder in ((0, fresh), (1, resumed)):
+        a = load_file(layout.train.checkpoints / str(epoch) / "model.safetensors")
+        b = load_file(folder / "checkpoints" / str(epoch) / "model.safetensors")
+        weight_difference = max(weight_difference, max((a[k].float() - b[k].float()).abs().max().item() for k in a))
+    assert metric_difference == 0.0 and weight_difference == 0.0, (metric_difference, weight_difference)
+
+    # Time per epoch, from the records: two nodes (one rank each) against one node of one rank.
+    single = tmp_path / "single"
+    proc = subprocess.run(
+        [sys.executable, "-m", "eagleflow", "train", "--dataset", str(layout.dataset), "--verifier", str(inputs.model),
+         "--out", str(single), "--aux-layer-ids", ",".join(str(k) for k in json.loads((layout.train.config).read_text())["aux_layer_ids"]),
+         "--epochs", str(TRAIN_EPOCHS), "--total-seq-len", "256", "--num-workers", "0", "--draft-vocab-size", "256", "--device", "cpu"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    one_rank = list(read_records(single / "metrics.jsonl"))
+    two, one = _epoch_seconds(records, 0), _epoch_seconds(one_rank, 0)
+    print(
+        f"two nodes on two Celery workers: node-1 killed in epoch 2, node-0 stopped {stopped:.0f}s later, both retried "
+        f"and resumed from epoch 1's checkpoint; identical to one node of two ranks (metrics and weights, difference "
+        f"{metric_difference}, {weight_difference}); epoch time {one:.1f}s on one node, {two:.1f}s on two "
+        f"({one / two:.2f}x); run {time.monotonic() - started:.0f}s"
     )

@@ -23,8 +23,8 @@ def test_the_dag_tells_the_story(eagleflow_dag) -> None:
     tasks = dag.task_dict
     assert set(tasks) == {
         "plan_engines", "launch_server", "wait_server_ready", "regenerate_dataset", "prepare_dataset", "dataset_stats",
-        "check_disk", "plan_shards", "verify_capture", "extract_shard", "stop_server", "build_vocab", "train_drafter",
-        "stop_server_after_training", "plot_metrics", "export_drafter", "evaluate_drafter",
+        "check_disk", "plan_shards", "verify_capture", "extract_shard", "stop_server", "build_vocab", "plan_train_nodes",
+        "train_drafter", "stop_server_after_training", "plot_metrics", "export_drafter", "evaluate_drafter",
     }
     # The capture check is a setup too: clearing a shard re-checks the restarted engine.
     assert all(tasks[name].is_setup for name in ("launch_server", "wait_server_ready", "verify_capture"))
@@ -48,7 +48,11 @@ def test_the_dag_tells_the_story(eagleflow_dag) -> None:
     assert tasks["build_vocab"].upstream_task_ids == {"extract_shard", "stop_server"}
     assert tasks["build_vocab"].trigger_rule == "none_failed"  # online, every shard is skipped
     # the engines' list: online, training asks them
-    assert tasks["train_drafter"].upstream_task_ids == {"build_vocab", "wait_server_ready"}
+    assert tasks["plan_train_nodes"].upstream_task_ids == {"build_vocab"}
+    assert tasks["train_drafter"].upstream_task_ids == {"plan_train_nodes", "wait_server_ready"}
+    # one instance per training node, named after it, all retried when one stops (they resume together)
+    assert tasks["train_drafter"].map_index_template == "{{ task.node['name'] }}"
+    assert tasks["train_drafter"].retries >= 1
     # online, the engines stop after training, however it ended (disk: stop_server stopped them)
     assert tasks["stop_server_after_training"].upstream_task_ids == {"plan_engines", "train_drafter"}
     assert tasks["stop_server_after_training"].trigger_rule == "all_done"

@@ -28,7 +28,9 @@ SHARD_NAMES = [f"rows_{s}-{s + SHARD_SIZE}" for s in range(0, ROWS, SHARD_SIZE)]
 # One engine: its setups (the capture check is one: a restarted engine is checked again) and
 # teardown are the single instance (map index 0) of each engine task.
 SETUPS_AND_TEARDOWN = [("launch_server", 0), ("wait_server_ready", 0), ("verify_capture", 0), ("stop_server", 0)]
-DOWNSTREAM = [(task, -1) for task in ("build_vocab", "train_drafter", "plot_metrics", "export_drafter", "evaluate_drafter")]
+DOWNSTREAM = [
+    (task, -1) for task in ("build_vocab", "plan_train_nodes", "train_drafter", "plot_metrics", "export_drafter", "evaluate_drafter")
+]
 # Runs whatever training's outcome (it stops an online run's engines; here, disk mode, nothing).
 AFTER_TRAINING = [("stop_server_after_training", 0)]
 UNTOUCHED = [
