@@ -20,6 +20,7 @@ time. What needs the model folder (aux ids beyond the verifier's depth) is check
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -366,6 +367,12 @@ PIPELINE_PARAMS = tuple(name for name in PipelineConfig.model_fields if name != 
 def param_name(field: str) -> str:
     """How a run's user knows a setting: ``Param epochs``."""
     return f"Param {field}"
+
+
+def run_name_of(params: Mapping[str, Any], run_id: str) -> str:
+    """The run folder's name of a DAG run: its ``run_name`` Param, else the name derived from its run id."""
+    name = str(params.get("run_name") or "").strip()
+    return name or run_name_from_run_id(run_id)
 
 
 def run_name_from_run_id(run_id: str) -> str:
