@@ -19,8 +19,6 @@ time. What needs the model folder (aux ids beyond the verifier's depth) is check
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -31,9 +29,10 @@ from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype, build_model, 
 from eagleflow.engine.process import ServerInfo
 from eagleflow.data.regenerate import CONVERSATIONS_FILE, RegenerateConfig
 from eagleflow.evaluate.config import EvaluateConfig
+from eagleflow.extract.config import ExtractConfig
 from eagleflow.extract.verify_config import VerifyCaptureConfig
 from eagleflow.errors import UserError, excerpt_repr
-from eagleflow.layout import RUN_NAME_PATTERN, RunLayout, check_output_path, check_run_name
+from eagleflow.layout import RUN_NAME_PATTERN, RunLayout, check_output_path, check_run_name, run_name_from_run_id
 from eagleflow.train.config import TrainConfig
 
 # Training knobs offered in the Params form; their types, defaults and help are TrainConfig's.
@@ -69,9 +68,12 @@ EVAL_PARAMS = (
 REGEN_PARAMS = ("regen_temperature", "regen_max_new_tokens", "regen_concurrency")
 # The capture check's knob in the Params form; VerifyCaptureConfig's.
 VERIFY_PARAMS = ("verify_rows",)
+# Extraction knobs in the Params form; ExtractConfig's.
+EXTRACT_PARAMS = ("reextract_complete_shards",)
 # Every step Param as a model of its own: checks them without a run folder.
 STEP_PARAMS: dict[str, type[BaseModel]] = {
     **dict.fromkeys(VERIFY_PARAMS, VerifyCaptureConfig),
+    **dict.fromkeys(EXTRACT_PARAMS, ExtractConfig),
     **dict.fromkeys(TRAIN_PARAMS, TrainConfig),
     **dict.fromkeys(EVAL_PARAMS, EvaluateConfig),
     **dict.fromkeys(REGEN_PARAMS, RegenerateConfig),
@@ -308,7 +310,11 @@ class PipelineConfig(BaseModel):
     @property
     def online(self) -> bool:
         """Online training: no shard is extracted; the engines stay up through training."""
-        return self.step_params.get("hidden_states_source", TrainConfig.model_fields["hidden_states_source"].default) == "engine"
+        return self.step_param("hidden_states_source") == "engine"
+
+    def step_param(self, name: str) -> Any:
+        """Step Param ``name`` as given, else its step's default."""
+        return self.step_params.get(name, STEP_PARAMS[name].model_fields[name].default)
 
     @property
     def prepare_input(self) -> str:
@@ -369,18 +375,6 @@ def param_name(field: str) -> str:
     return f"Param {field}"
 
 
-def run_name_of(params: Mapping[str, Any], run_id: str) -> str:
-    """The run folder's name of a DAG run: its ``run_name`` Param, else the name derived from its run id."""
-    name = str(params.get("run_name") or "").strip()
-    return name or run_name_from_run_id(run_id)
-
-
-def run_name_from_run_id(run_id: str) -> str:
-    """A folder name from a DAG run id (``manual__2026-11-30T16:00:00+00:00`` -> ``manual__2026-11-30T16-00-00-00-00``)."""
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", run_id).strip("-.") or "run"
-    return name[:128]
-
-
 def param_schemas() -> dict[str, dict[str, Any]]:
     """JSON schema of each Param (``default``, ``type``, ``title``, ``description``, ``section``, bounds), in form order.
 
@@ -391,6 +385,7 @@ def param_schemas() -> dict[str, dict[str, Any]]:
     return {
         **schemas_of(PipelineConfig, PIPELINE_PARAMS),
         **schemas_of(VerifyCaptureConfig, VERIFY_PARAMS, section="Extraction"),
+        **schemas_of(ExtractConfig, EXTRACT_PARAMS, section="Extraction"),
         **schemas_of(TrainConfig, TRAIN_PARAMS, section="Training"),
         **schemas_of(EvaluateConfig, EVAL_PARAMS, section="Evaluation"),
         **schemas_of(RegenerateConfig, REGEN_PARAMS, section="Regeneration"),

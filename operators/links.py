@@ -57,7 +57,7 @@ def _run_name_from_context(ti: Any) -> str | None:
     get_context = getattr(ti, "get_template_context", None)
     if get_context is None:
         return None
-    from eagleflow.pipeline import run_name_of
+    from eagleflow.layout import run_name_of
 
     context = get_context()
     return run_name_of(context.get("params") or {}, str(context.get("run_id") or ti.run_id))

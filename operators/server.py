@@ -26,6 +26,10 @@ LOG_REPORT_SECONDS = 60.0
 DEFERRAL_GRACE_SECONDS = 300.0
 
 
+# In launch_server's XCom: the engine was not launched, and why (every shard complete); the
+# readiness wait and the capture check pass such an engine on at once.
+NOT_LAUNCHED_KEY = "not_launched"
+
 # Names each mapped engine task after its engine in the UI (engine-0, …); give it to .partial().
 ENGINE_MAP_INDEX_TEMPLATE = "{{ task.engine['name'] }}"
 SERVER_MAP_INDEX_TEMPLATE = "{{ task.server['name'] }}"
@@ -69,7 +73,9 @@ class SGLangServerOperator(BaseOperator):
     With the ``server_urls`` Param set (remote mode) nothing is launched: the task
     short-circuits and returns that engine's address. It succeeds rather than skips because
     Airflow requires the tasks after a setup to run on ``all_success``: a skipped launch
-    would skip the readiness wait and every shard.
+    would skip the readiness wait and every shard. Likewise when every shard of the run is
+    complete (a finished shard cleared: :func:`operators.extract.nothing_to_extract`) no engine
+    is started: the XCom carries :data:`NOT_LAUNCHED_KEY` with the reason.
 
     :param engine: one entry of plan_engines' list, ``{name, index, url, port}`` (templated; mapped over).
 
@@ -84,7 +90,7 @@ class SGLangServerOperator(BaseOperator):
 
     def execute(self, context: Context) -> dict[str, Any]:
         from eagleflow.engine.launch import engine_command
-        from eagleflow.engine.process import free_port, launch_lock, running_server, start_server
+        from eagleflow.engine.process import ServerInfo, free_port, launch_lock, running_server, start_server
 
         cfg = pipeline_config(context)
         engine = dict(self.engine)
@@ -93,6 +99,13 @@ class SGLangServerOperator(BaseOperator):
             self.log.info("Remote mode: not launching anything; %s is at %s", name, engine["url"])
             return remote_engine(cfg, engine).as_dict()
         layout = cfg.layout
+        from operators.extract import nothing_to_extract
+
+        idle = nothing_to_extract(cfg, context)
+        if idle:
+            self.log.info("Not launching %s: %s", name, idle)
+            unstarted = ServerInfo(url=str(engine.get("url") or ""), pid=None, host="", log_path="", dump_dir=str(layout.dump_dir), name=name)
+            return {**unstarted.as_dict(), NOT_LAUNCHED_KEY: idle}
         with launch_lock(layout.server):
             existing = running_server(layout.engine_state(name))
             if existing is not None:
@@ -281,6 +294,9 @@ class ServerReadySensor(BaseSensorOperator):
         return PokeReturnValue(is_done=check.state is Readiness.READY, xcom_value=server)
 
     def execute(self, context: Context) -> Any:
+        if isinstance(self.server, dict) and self.server.get(NOT_LAUNCHED_KEY):
+            self.log.info("%s was not launched (%s): nothing to wait for", self.server.get("name"), self.server[NOT_LAUNCHED_KEY])
+            return dict(self.server)
         if self.timeout_from_params:
             self.timeout = pipeline_config(context, check_model=False).warmup_timeout_minutes * 60
         if not self.deferrable:

@@ -109,7 +109,7 @@ def dag_runs_by_folder(output_root: Path) -> dict[str, list[dict[str, Any]]] | N
     metadata database cannot be read.
 
     Each is ``{run_id, state, start_date, end_date, url}``. A DAG run writes the folder its
-    ``run_name`` Param names, else the one derived from its run id (:func:`eagleflow.pipeline.run_name_of`,
+    ``run_name`` Param names, else the one derived from its run id (:func:`eagleflow.layout.run_name_of`,
     the rule the tasks follow); a run whose ``output_root`` Param is another folder is left out.
     """
     from airflow.models.dagrun import DagRun
@@ -117,7 +117,7 @@ def dag_runs_by_folder(output_root: Path) -> dict[str, list[dict[str, Any]]] | N
     from sqlalchemy import select
     from sqlalchemy.exc import SQLAlchemyError
 
-    from eagleflow.pipeline import run_name_of
+    from eagleflow.layout import run_name_of
 
     query = (
         select(DagRun.run_id, DagRun.state, DagRun.conf, DagRun.start_date, DagRun.end_date)
