@@ -227,6 +227,7 @@ SPLIT_MODULES = {
 }
 
 
+@pytest.hookimpl(optionalhook=True)  # also with -p no:xdist
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """A module's tests as one work unit, but each test of :data:`SPLIT_MODULES` on its own.
 
