@@ -134,6 +134,13 @@ class PipelineConfig(BaseModel):
         json_schema_extra={"section": "Extraction"},
     )
     shard_size: int = Field(2000, ge=1, title="Shard size", description="Rows per extraction shard (one mapped task each).", json_schema_extra={"section": "Extraction"})
+    stop_after_extraction: bool = Field(
+        False,
+        title="Stop after extraction",
+        description="Extract the hidden states and stop: no vocabulary, training, export or evaluation. A later run "
+        "with the same run name and this off trains from them without extracting a row again.",
+        json_schema_extra={"section": "Extraction"},
+    )
     concurrency: int = Field(8, ge=1, le=256, title="Requests in flight", description="Concurrent /generate requests per shard.", json_schema_extra={"section": "Extraction"})
     dump_queue_gb: float | None = Field(
         None,
@@ -211,6 +218,14 @@ class PipelineConfig(BaseModel):
         from eagleflow.deploy import OUTPUT_ROOT_ENV
 
         return None if value is None else check_output_path(value, os.environ.get(OUTPUT_ROOT_ENV))
+
+    @model_validator(mode="after")
+    def _online_extracts_nothing(self) -> PipelineConfig:
+        if self.stop_after_extraction and self.step_params.get("hidden_states_source") == "engine":
+            raise ValueError(
+                "stop_after_extraction with hidden_states_source engine: online training extracts nothing to stop after"
+            )
+        return self
 
     @model_validator(mode="after")
     def _remote_needs_dump_dir(self) -> PipelineConfig:

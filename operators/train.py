@@ -31,6 +31,18 @@ class BuildVocabOperator(EagleflowStepOperator):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(step="build-vocab", **kwargs)
 
+    def execute(self, context: Context) -> Any:
+        cfg = pipeline_config(context)
+        if cfg.stop_after_extraction:
+            from airflow.sdk.exceptions import AirflowSkipException
+
+            # Skipped, not failed: training, export and evaluation are skipped after it and the run succeeds.
+            raise AirflowSkipException(
+                f"stop_after_extraction: the hidden states are in {cfg.layout.hidden_states}; trigger a run with "
+                f"run_name {cfg.layout.root.name!r} and stop_after_extraction off to train from them"
+            )
+        return super().execute(context)
+
     def step_argv(self, context: Context) -> list[str]:
         train = pipeline_config(context).train_config()
         return ["--dataset", str(train.dataset), "--verifier", str(train.verifier), "--draft-vocab-size", str(train.draft_vocab_size)]

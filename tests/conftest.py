@@ -98,14 +98,10 @@ def one_torch_thread() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def airflow_db() -> Path:
     """An initialized (migrated) Airflow metadata DB for in-process ``dag.test()`` runs."""
-    import subprocess
-    import sys
+    from metadata_db import migrated_sqlite_db
 
     home = Path(os.environ["AIRFLOW_HOME"])
-    home.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True, capture_output=True, timeout=300)
-    pools = REPO / "docker" / "pools.json"  # the DAG's GPU tasks run in the deployment's pool
-    subprocess.run([sys.executable, "-m", "airflow", "pools", "import", str(pools)], check=True, capture_output=True, timeout=300)
+    migrated_sqlite_db(home)
     return home
 
 

@@ -20,6 +20,7 @@ import pytest
 
 from eagleflow.deploy import NODE_ADDRESS_ENV
 from eagleflow.engine.process import free_port
+from metadata_db import migrated_sqlite_db
 
 REPO = Path(__file__).resolve().parents[2]
 DAG_ID = "eagleflow"
@@ -243,7 +244,7 @@ def airflow_stack(tmp_path_factory: pytest.TempPathFactory, scripts: Callable[[s
         home, port=free_port(), parallelism=3, all_admins=True, inherit_airflow_settings=False
     )
     env.update(TEST_TIMEOUTS)
-    airflow_env.migrate_db(env)
+    migrated_sqlite_db(home)  # the SQLite file airflow_env points AIRFLOW_HOME's stack at
     processes = airflow_env.AirflowProcesses(env, home / "component-logs")
     stack = AirflowStack(home=home, processes=processes)
     try:

@@ -215,3 +215,10 @@ def test_a_param_left_empty_takes_its_default(tmp_path: Path, random_tiny_model:
     assert cfg.hidden_states_dtype == "bf16" and cfg.train_config().epochs == 5
     for name in empty:
         Param(**param_schemas()[name]).resolve(None)  # and Airflow's form takes the empty field
+
+
+def test_stopping_after_extraction_is_refused_for_online_training_which_extracts_nothing(tmp_path: Path, random_tiny_model: Path) -> None:
+    conf = {**base(tmp_path, random_tiny_model), "stop_after_extraction": True}
+    assert PipelineConfig.from_params(conf).stop_after_extraction
+    with pytest.raises(UserError, match="stop_after_extraction with hidden_states_source engine"):
+        PipelineConfig.from_params({**conf, "hidden_states_source": "engine"})
