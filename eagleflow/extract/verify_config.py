@@ -24,7 +24,7 @@ class VerifyCaptureConfig(BaseModel):
     dataset: Path = Field(description="the prepared training dataset (rows are taken from its start)")
     server: str = Field(description="engine base URL, e.g. http://127.0.0.1:30000")
     dump_dir: Path = Field(description="folder where the engine writes <rid>.safetensors")
-    model: Path = Field(description="verifier model folder: its final norm and lm_head (and embedding rows) are read")
+    verifier: Path = Field(description="verifier model folder: its final norm and lm_head (and embedding rows) are read")
     aux_layer_ids: AuxLayerIds = Field(description="captured layer ids, as the engine captures them")
     verify_rows: int = Field(
         4, ge=1, le=64, title="Capture check rows",
