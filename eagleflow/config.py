@@ -53,18 +53,18 @@ DraftVocabSize = Annotated[
     ),
 ]
 
-# Which engine serves the verifier, and on how many GPUs, as the run and the evaluation declare them.
+# Which engine serves the verifier, and on how many GPUs, as the run and the evaluation declare them
+# (untitled: the run's own Params give them their form labels).
 EngineKind = Annotated[
     Literal["reference", "sglang"],
     Field(
         "reference",
-        title="Engine",
         description="sglang: SGLang on a GPU node (with the capture hook for extraction, with the drafter for evaluation). "
         "reference: the transformers reference engine (CPU or GPU), for demos, tests and checking the hook",
     ),
 ]
 TpSize = Annotated[
-    int, Field(8, ge=1, title="Tensor parallel size", description="SGLang --tp-size: GPUs per engine (the reference engine ignores it)")
+    int, Field(8, ge=1, description="SGLang --tp-size: GPUs per engine (the reference engine ignores it)")
 ]
 
 # How long an engine may take to become ready, as every step that waits for one declares it
@@ -74,7 +74,6 @@ WarmupTimeout = Annotated[
     Field(
         2700.0,
         gt=0,
-        title="Warmup timeout (s)",
         description="seconds an engine may take to become ready (SGLang warms a Kimi-K2.5 for about 9 minutes); "
         "past it the wait fails with the engine's log tail",
     ),

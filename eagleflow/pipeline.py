@@ -5,10 +5,11 @@ from the run's params (:meth:`PipelineConfig.from_params`) and turns it into the
 step. :func:`param_schemas` gives the JSON schema of every field, which the DAG turns into
 Airflow ``Param`` objects, so a knob's default, type, title and description live here only.
 A Param that sets a step's flag is that flag: its type, default, title and description are the
-field of the step's own config, listed by name in :data:`~eagleflow.step_params.STEP_PARAM_GROUPS` (offering another
-existing flag in the form is one edit there). Each ``PipelineConfig.<step>_config()`` gives a step
-its typed config (its Params as given, plus the run's folders and engines), and every operator
-turns that into the step's argv with :func:`eagleflow.config.model_to_argv`.
+field of the step's own config, and a field with a title is offered in the form
+(:mod:`eagleflow.step_params`), so offering another existing flag is one edit, its label. Each
+``PipelineConfig.<step>_config()`` gives a step its typed config (its Params as given, plus the
+run's folders and engines), and every operator turns that into the step's argv with
+:func:`eagleflow.config.model_to_argv`.
 
 Airflow validates a triggered run's conf against those JSON schemas before the run is
 created, so what a schema can say (types, bounds, distinct aux ids) is refused at trigger
@@ -50,7 +51,7 @@ M = TypeVar("M", bound=BaseModel)
 class PipelineConfig(BaseModel):
     """Every Param of the eagleflow DAG."""
 
-    engine: EngineKind
+    engine: EngineKind = Field(title="Engine")
     model_path: str = Field(
         title="Verifier model folder",
         description="Local folder of the base model (config.json, safetensors, tokenizer), e.g. Kimi-K2.5.",
@@ -98,7 +99,7 @@ class PipelineConfig(BaseModel):
         30000, ge=0, le=65535, title="Server port", description="Port of the launched engine; 0 picks a free port.",
         json_schema_extra={"section": "Engine"},
     )
-    tp_size: TpSize = Field(json_schema_extra={"section": "Engine"})
+    tp_size: TpSize = Field(title="Tensor parallel size", json_schema_extra={"section": "Engine"})
     server_extra_args: list[str] = Field(
         default_factory=list,
         title="Extra capture engine arguments",
@@ -106,7 +107,7 @@ class PipelineConfig(BaseModel):
         "(never through a shell); the evaluation's engines take eval_server_extra_args.",
         json_schema_extra={"section": "Engine"},
     )
-    warmup_timeout: WarmupTimeout = Field(json_schema_extra={"section": "Engine"})
+    warmup_timeout: WarmupTimeout = Field(title="Warmup timeout (s)", json_schema_extra={"section": "Engine"})
     num_engines: int = Field(
         1,
         ge=1,

@@ -1,9 +1,9 @@
 """Which step flags the DAG's Params form offers: each such Param *is* that flag.
 
 A step Param's type, default, bounds, title and description are the field of its step's own
-pydantic config (:mod:`eagleflow.config`'s anchor: speculators ``train/config/schema.py``); this
-module only names them, by step, with the form section they appear in. Offering another existing
-flag in the form is one edit: its name in :data:`STEP_PARAM_GROUPS`.
+pydantic config (:mod:`eagleflow.config`'s anchor: speculators ``train/config/schema.py``); a field
+with a title (its form label) is offered, in its step's section of :data:`STEP_SECTIONS`. Offering
+another existing flag in the form is one edit: its label.
 :class:`~eagleflow.pipeline.PipelineConfig` gives each step its Params (:func:`param_feeds`).
 """
 
@@ -19,55 +19,29 @@ from eagleflow.extract.config import ExtractConfig
 from eagleflow.extract.verify_config import VerifyCaptureConfig
 from eagleflow.train.config import TrainConfig
 
-# Training knobs offered in the Params form; their types, defaults and help are TrainConfig's.
-TRAIN_PARAMS = (
-    "epochs",
-    "lr",
-    "total_seq_len",
-    "ttt_steps",
-    "noise_std",
-    "scheduler_type",
-    "scheduler_warmup_ratio",
-    "num_workers",
-    "draft_vocab_size",
-    "num_layers",
-    "draft_config",
-    "train_data_ratio",
-    "device",
-    "gpus",
-    "restart",
-    "train_nodes", "rendezvous_timeout",  # training on several nodes
-    "serve_with",
-    "draft_variant",
-    "hidden_states_source",
-    "online_prefetch",
-    "online_cache_gb",
+# The steps whose flags the form offers, each with its form section. A field of theirs with a title
+# (its label in the form) is a Param, unless an earlier step here owns it: offering another existing
+# flag is one edit, its label. The run's own knobs (engine, tp_size, warmup_timeout) are untitled in
+# the steps, titled where PipelineConfig declares them.
+STEP_SECTIONS: tuple[tuple[type[BaseModel], str], ...] = (
+    (PrepareConfig, "Data"),
+    (DiskCheckConfig, "Extraction"),
+    (ExtractConfig, "Extraction"),
+    (VerifyCaptureConfig, "Extraction"),
+    (TrainConfig, "Training"),
+    (EvaluateConfig, "Evaluation"),
+    (RegenerateConfig, "Regeneration"),
 )
-
-# Evaluation knobs offered in the Params form; their types, defaults and help are EvaluateConfig's.
-EVAL_PARAMS = (
-    "eval_sets", "eval_prompts", "eval_rows", "eval_max_new_tokens", "eval_configs", "eval_concurrency", "eval_rounds",
-    "eval_server_extra_args",
+# Every step Param and the step config that declares it, in form order. A Param sets its step's flag,
+# and the same flag of any other step that declares it alike (a shared field type: regeneration's
+# skip_bad_rows is preparation's, build-vocab's draft_vocab_size training's).
+STEP_PARAMS: dict[str, type[BaseModel]] = {}
+for step, _ in STEP_SECTIONS:
+    STEP_PARAMS.update({name: step for name, field in step.model_fields.items() if field.title and name not in STEP_PARAMS})
+# (the step config, its Params, their form section)
+STEP_PARAM_GROUPS: tuple[tuple[type[BaseModel], tuple[str, ...], str], ...] = tuple(
+    (model, tuple(name for name, owner in STEP_PARAMS.items() if owner is model), section) for model, section in STEP_SECTIONS
 )
-# Regeneration knobs (used with regenerate_responses); RegenerateConfig's.
-REGEN_PARAMS = ("regen_temperature", "regen_max_new_tokens", "regen_concurrency")
-# The capture check's knob in the Params form; VerifyCaptureConfig's.
-VERIFY_PARAMS = ("verify_rows",)
-
-# Every Param that is a step's flag: (the step's config, the fields offered in the form, their form section).
-# A Param sets its step's flag, and the same flag of any other step that declares it alike (a shared
-# field type: regeneration's skip_bad_rows is preparation's, build-vocab's draft_vocab_size training's).
-STEP_PARAM_GROUPS: tuple[tuple[type[BaseModel], tuple[str, ...], str], ...] = (
-    (PrepareConfig, ("max_len", "skip_bad_rows"), "Data"),
-    (DiskCheckConfig, ("disk_margin",), "Extraction"),
-    (ExtractConfig, ("concurrency",), "Extraction"),
-    (VerifyCaptureConfig, VERIFY_PARAMS, "Extraction"),
-    (TrainConfig, TRAIN_PARAMS, "Training"),
-    (EvaluateConfig, EVAL_PARAMS, "Evaluation"),
-    (RegenerateConfig, REGEN_PARAMS, "Regeneration"),
-)
-# Every step Param and the step config that declares it.
-STEP_PARAMS: dict[str, type[BaseModel]] = {name: model for model, names, _ in STEP_PARAM_GROUPS for name in names}
 
 
 def declared_alike(model: type[BaseModel], name: str, owner: type[BaseModel]) -> bool:

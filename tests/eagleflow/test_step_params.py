@@ -24,7 +24,7 @@ RESOLVED_BY_THE_RUN = {"aux_layer_ids"}
 CHANGED = {
     "train_data_ratio": 0.8, "scheduler_warmup_ratio": 0.5, "noise_std": 0.1, "draft_config": "/models/draft.json",
     "eval_prompts": "/data/prompts.jsonl", "eval_sets": ["heldout", "file"], "eval_configs": "1,0,0,0 1,3,1,4",
-    "eval_server_extra_args": ["--threads", "2"], "gpus": 2, "online_cache_gb": 1.5,
+    "eval_server_extra_args": ["--threads", "2"], "online_cache_gb": 1.5,
 }
 # Params that are valid only beside another one.
 TOGETHER = {"eval_prompts": {"eval_sets": ["heldout", "file"]}, "eval_sets": {"eval_prompts": "/data/prompts.jsonl"}}
@@ -48,6 +48,9 @@ def changed_value(name: str, schema: dict[str, Any]) -> Any:
     if name in CHANGED:
         return CHANGED[name]
     default = schema["default"]
+    if default is None:  # an optional number: any value within its bounds
+        low = schema.get("minimum", schema.get("exclusiveMinimum", 0))
+        return {"integer": int(low) + 1, "number": low + 0.5}[next(t for t in schema["type"] if t != "null")]
     if "enum" in schema:
         return next(choice for choice in schema["enum"] if choice not in (default, None))
     if isinstance(default, bool):
