@@ -36,7 +36,7 @@ class VerifyCaptureConfig(BaseModel):
     hidden_states_dtype: StoredHiddenStatesDtype
     logprob_atol: float = Field(0.02, gt=0, description="log-probability tolerance, absolute part (nats)")
     logprob_rtol: float | None = Field(
-        None, ge=0, description="log-probability tolerance per position, times that position's largest |logit|; "
+        None, ge=0, title="Capture check: relative log-prob tolerance", description="log-probability tolerance per position, times that position's largest |logit|; "
         f"default by --hidden-states-dtype: {LOGPROB_RTOL} (their rounding)",
     )
     out: Path | None = Field(None, description="folder for report.json; default: the run folder's verify/engine-0/ beside --dataset")
