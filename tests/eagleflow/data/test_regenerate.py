@@ -258,7 +258,7 @@ def test_a_run_with_regeneration_prepares_the_regenerated_file_and_keeps_the_sou
     assert off.prepare_input == str(tmp_path / "chat.jsonl")
     assert on.prepare_input == str(on.layout.regenerated / CONVERSATIONS_FILE)
     cfg = on.regenerate_config("http://127.0.0.1:30000", 1234)
-    assert cfg.input == tmp_path / "chat.jsonl" and cfg.out == on.layout.regenerated and cfg.tokenizer == tiny_model
+    assert cfg.input == tmp_path / "chat.jsonl" and cfg.out == on.layout.regenerated and cfg.verifier == tiny_model
     assert (cfg.regen_temperature, cfg.regen_max_new_tokens, cfg.regen_concurrency, cfg.server_pid) == (0.7, 64, 2, 1234)
     with pytest.raises(UserError, match="regen_concurrency"):
         PipelineConfig.from_params({**params, "regenerate_responses": True, "regen_concurrency": 0}).regenerate_config("u", None)
