@@ -81,8 +81,8 @@ class ShardExtractOperator(EagleflowStepOperator):
         self.engines = engines
 
     def step_argv(self, context: Context) -> list[str]:
+        from eagleflow.config import model_to_argv
         from eagleflow.engine.pool import NoEngineReady, choose_engine, engines_from_xcom
-        from eagleflow.pipeline import model_dir
 
         cfg = pipeline_config(context)
         if cfg.online:
@@ -98,22 +98,7 @@ class ShardExtractOperator(EagleflowStepOperator):
         for reason in passed_over:
             self.log.warning("Passing over %s", reason)
         self.log.info("Shard %s uses %s", self.shard["name"], server.describe())
-        start, end, name = int(self.shard["start"]), int(self.shard["end"]), str(self.shard["name"])
-        argv = [
-            "--dataset", str(cfg.layout.dataset),
-            "--server", server.url,
-            "--engine", server.name,
-            "--dump-dir", server.dump_dir,
-            "--rows", f"{start}:{end}",
-            "--model", str(model_dir(cfg)),
-            "--aux-layer-ids", ",".join(str(k) for k in cfg.resolved_aux_layer_ids()),
-            "--hidden-states-dtype", cfg.hidden_states_dtype,
-            "--manifest", str(cfg.layout.shard_manifest(name)),
-            "--concurrency", str(cfg.concurrency),
-        ]
-        if server.is_local:
-            argv += ["--server-pid", str(server.pid)]
-        return argv
+        return model_to_argv(cfg.extract_config(server, self.shard))
 
     def run_step(self, step: str, argv: list[str]) -> dict[str, Any] | None:
         from eagleflow.extract.shard import EXIT_ENGINE_GONE

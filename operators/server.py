@@ -241,7 +241,7 @@ class ServerReadySensor(BaseSensorOperator):
     timeout; with ``deferrable=False`` it is a plain sensor whose ``mode`` (``poke`` or
     ``reschedule``), ``poke_interval`` and ``exponential_backoff`` apply. ``timeout`` bounds
     the wait: given to the operator, it is used as given; left out, the run's
-    ``warmup_timeout_minutes`` Param sets it. A timeout raises ``AirflowSensorTimeout``, and
+    ``warmup_timeout`` Param (seconds) sets it. A timeout raises ``AirflowSensorTimeout``, and
     ``soft_fail`` turns it (and a dead engine) into a skip, as for any sensor.
 
     Fails at once when the engine process dies: the engine's own last error line first, then the
@@ -282,7 +282,7 @@ class ServerReadySensor(BaseSensorOperator):
 
     def execute(self, context: Context) -> Any:
         if self.timeout_from_params:
-            self.timeout = pipeline_config(context, check_model=False).warmup_timeout_minutes * 60
+            self.timeout = pipeline_config(context, check_model=False).warmup_timeout
         if not self.deferrable:
             return super().execute(context)
         ready = self.poke(context)

@@ -33,8 +33,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from eagleflow.config import add_model_arguments, model_from_args
-from eagleflow.data.prepare import MAX_LISTED_ERRORS, check_messages, read_input_rows
+from eagleflow.config import WarmupTimeout, add_model_arguments, model_from_args
+from eagleflow.data.prepare import MAX_LISTED_ERRORS, SkipBadRows, check_messages, read_input_rows
 from eagleflow.data.verifier import text_config
 from eagleflow.engine.context import derived_context_length, max_new_tokens_left
 from eagleflow.engine.process import EngineGone, ServerInfo, wait_until_ready
@@ -56,7 +56,7 @@ class RegenerateConfig(BaseModel):
     """Flags of ``python -m eagleflow regenerate``."""
 
     input: Path = Field(description="chat conversations ({'messages': [...]}): .jsonl or .parquet")
-    tokenizer: Path = Field(description="the verifier model folder (its chat template builds the prompts)")
+    verifier: Path = Field(description="the verifier model folder (its chat template builds the prompts)")
     out: Path = Field(description="folder for rows/, conversations.jsonl and regenerate.json")
     server: str = Field(description="the running engine's base URL")
     server_pid: int | None = Field(None, description="the engine's process id on this machine (a dead engine stops the wait)")
@@ -65,11 +65,8 @@ class RegenerateConfig(BaseModel):
         512, ge=1, title="Max new tokens per answer", description="longest regenerated answer, in tokens (fewer where the engine's context leaves less after the prompt)"
     )
     regen_concurrency: int = Field(8, ge=1, le=256, title="Conversations at once", description="conversations regenerated at once")
-    skip_bad_rows: bool = Field(
-        False, description="leave out rows that are not usable chat rows, or whose first prompt does not fit the engine's "
-        "context, instead of failing (listed in skipped_rows.jsonl)",
-    )
-    warmup_timeout: float = Field(2700.0, gt=0, description="seconds to wait for the engine to become ready")
+    skip_bad_rows: SkipBadRows
+    warmup_timeout: WarmupTimeout
     request_timeout: float = Field(600.0, gt=0, description="seconds to wait for one answer")
 
 
@@ -84,13 +81,13 @@ class Regenerator:
 
         self.cfg = cfg
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(cfg.tokenizer))
+            self.tokenizer = AutoTokenizer.from_pretrained(str(cfg.verifier))
         except Exception as exc:
-            raise UserError(f"--tokenizer {cfg.tokenizer}: cannot load a tokenizer: {exc}") from exc
+            raise UserError(f"--verifier {cfg.verifier}: cannot load a tokenizer: {exc}") from exc
         if not self.tokenizer.chat_template:
-            raise UserError(f"--tokenizer {cfg.tokenizer} has no chat template to build prompts with")
+            raise UserError(f"--verifier {cfg.verifier} has no chat template to build prompts with")
         self.client = EngineClient(cfg.server, cfg.request_timeout)
-        self.context_length, self.context_source = engine_context_length(self.client, cfg.tokenizer)
+        self.context_length, self.context_source = engine_context_length(self.client, cfg.verifier)
 
     def prompt(self, messages: list[dict[str, Any]], turn: int) -> list[int]:
         """The token ids sent for the assistant turn at ``turn``: the messages before it and the generation prompt."""
@@ -285,7 +282,7 @@ def _publish(cfg: RegenerateConfig, usable: list[tuple[int, Any]], bad: list[tup
         "context_length": next(iter(context_lengths)) if len(context_lengths) == 1 else sorted(context_lengths) or None,
         "temperature": cfg.regen_temperature,
         "max_new_tokens": cfg.regen_max_new_tokens,
-        "verifier": str(cfg.tokenizer),
+        "verifier": str(cfg.verifier),
         "seconds": round(time.monotonic() - started, 1),
     }
     atomic_write_json(cfg.out / SUMMARY_FILE, summary)

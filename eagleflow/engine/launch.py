@@ -98,9 +98,10 @@ def serving_engine_command(
     )
 
 
-def check_server_extra_args(engine: str, extra: Sequence[str]) -> None:
-    """Refuse ``server_extra_args`` that set what the run sets for any engine it launches: the capture
-    engine and both evaluation engines get them (the policy is in :mod:`eagleflow.engine.extra_args`)."""
+def check_server_extra_args(engine: str, extra: Sequence[str], *, serving: bool = False) -> None:
+    """Refuse extra arguments that set what the run sets: the capture engines' (``server_extra_args``) or,
+    with ``serving``, the evaluation engines' (``eval_server_extra_args``). The policy is in
+    :mod:`eagleflow.engine.extra_args`."""
     if engine == "reference":
         check_reference_extra_args(extra)
         return
@@ -108,5 +109,7 @@ def check_server_extra_args(engine: str, extra: Sequence[str]) -> None:
     from eagleflow.engine.sglang_command import check_extra_args as check_capture_args
     from eagleflow.engine.sglang_serving import SERVING_OWNED
 
-    check_capture_args(list(extra))
-    check_extra_args(extra, SERVING_OWNED, who="the evaluation")
+    if serving:
+        check_extra_args(extra, SERVING_OWNED, who="the evaluation")
+    else:
+        check_capture_args(list(extra))

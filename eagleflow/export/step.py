@@ -48,7 +48,7 @@ from eagleflow.export.sglang_drafter import (
     unserved_weights,
 )
 from eagleflow.export.rotary import check_rotary
-from eagleflow.export.targets import ServeWith
+from eagleflow.export.targets import ServingEngine
 from eagleflow.files import atomic_folder, fsync_path
 from eagleflow.layout import TrainLayout
 from eagleflow.results import emit_result
@@ -98,7 +98,7 @@ class ExportConfig(BaseModel):
     out: Path = Field(description="drafter folder: sglang/, speculators/, export.json")
     train_dir: Path | None = Field(None, description="training folder; its best checkpoint is exported (result.json)")
     checkpoint: Path | None = Field(None, description="a speculators checkpoint folder to export instead of --train-dir's best")
-    serve_with: ServeWith = Field("sglang", description="sglang: the SGLang folder is required; vllm: only the speculators one")
+    serve_with: ServingEngine
 
 
 def chosen_checkpoint(cfg: ExportConfig) -> Path:

@@ -15,14 +15,14 @@ class ExtractConfig(BaseModel):
 
     dataset: Path = Field(description="training dataset folder (prepare-dataset output)")
     server: str = Field(description="engine base URL, e.g. http://127.0.0.1:30000")
-    engine: str = Field("", description="the engine's name (engine-0, …), for the log and the manifest")
+    engine_name: str = Field("", description="the engine's name (engine-0, …), for the log and the manifest")
     dump_dir: Path = Field(description="folder where the engine writes <rid>.safetensors")
     rows: str = Field(description="START:END, end exclusive")
-    model: Path = Field(description="verifier model folder (hidden size)")
+    verifier: Path = Field(description="verifier model folder (hidden size)")
     aux_layer_ids: AuxLayerIds = Field(description="captured layer ids; the files hold one more slot, the final state")
     hidden_states_dtype: StoredHiddenStatesDtype
     manifest: Path | None = Field(None, description="shard manifest path; default: the run folder's shards/rows_S-E.json beside --dataset")
-    concurrency: int = Field(8, ge=1, le=256, description="requests kept in flight")
+    concurrency: int = Field(8, ge=1, le=256, title="Requests in flight", description="/generate requests kept in flight per shard")
     server_pid: int | None = Field(None, description="engine process id on this machine, watched so a dead engine stops the shard at once")
     request_timeout: float = Field(600.0, gt=0, description="seconds to wait for one /generate answer")
     max_retries: int = Field(3, ge=0, description="retries of a row after a 5xx answer or a timeout")

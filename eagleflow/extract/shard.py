@@ -65,11 +65,11 @@ class ShardExtractor:
         self.hidden_dir = hidden_states_dir(cfg.dataset)
         # --dataset is <run>/dataset in a run folder, so its manifests live beside it.
         self.manifest_path = cfg.manifest or RunLayout(cfg.dataset.parent).shard_manifest(self.name)
-        self.n_slots = len(resolve_aux_layer_ids(cfg.model, cfg.aux_layer_ids)) + 1
-        self.hidden_size = config_int(cfg.model, "hidden_size")
+        self.n_slots = len(resolve_aux_layer_ids(cfg.verifier, cfg.aux_layer_ids)) + 1
+        self.hidden_size = config_int(cfg.verifier, "hidden_size")
         self.client = client or EngineClient(cfg.server, cfg.request_timeout)
         self.sleep = sleep
-        self.engine = engine_label(cfg.engine, cfg.server)
+        self.engine = engine_label(cfg.engine_name, cfg.server)
         self.report = ShardManifest(self.name, self.start, self.end, engine=self.engine)
         self._stop = threading.Event()
         self._stopped: tuple[str, str] | None = None  # (state, reason) of a shard-wide stop

@@ -1,6 +1,6 @@
 """``verify-capture``: check the live engine's capture on a few rows before hours of extraction.
 
-``python -m eagleflow verify-capture --dataset RUN/dataset --server URL --dump-dir DIR --model MODEL --aux-layer-ids 2,4,5``
+``python -m eagleflow verify-capture --dataset RUN/dataset --server URL --dump-dir DIR --verifier MODEL --aux-layer-ids 2,4,5``
 
 Sends the dataset's first ``--verify-rows`` rows (cut to ``--max-tokens``) with SGLang's
 input-logprob fields (``return_logprob``, ``logprob_start_len`` 0, ``top_logprobs_num``; one new
@@ -147,9 +147,9 @@ class CaptureCheck:
 
     def __init__(self, cfg: VerifyCaptureConfig, client: EngineClient | None = None) -> None:
         self.cfg = cfg
-        self.aux = resolve_aux_layer_ids(cfg.model, cfg.aux_layer_ids)
-        self.num_layers = config_int(cfg.model, "num_hidden_layers")
-        self.hidden = config_int(cfg.model, "hidden_size")
+        self.aux = resolve_aux_layer_ids(cfg.verifier, cfg.aux_layer_ids)
+        self.num_layers = config_int(cfg.verifier, "num_hidden_layers")
+        self.hidden = config_int(cfg.verifier, "hidden_size")
         self.layer_ids = [*self.aux, self.num_layers]
         self.client = client or EngineClient(cfg.server, cfg.request_timeout)
         self.findings: list[Finding] = []
@@ -165,7 +165,7 @@ class CaptureCheck:
             f"{engine.get('disable_radix_cache', '?')}); slots = layer ids {self.layer_ids}",
             flush=True,
         )
-        head = load_host_head(self.cfg.model)
+        head = load_host_head(self.cfg.verifier)
         checked: list[CheckedRow] = []
         extraction: dict[str, Any] = {}
         try:
@@ -279,12 +279,12 @@ class CaptureCheck:
         """Id 0's slot against the prompt's embedding rows: bit for bit."""
         if not checked:
             return None
-        weights = locate_weights(self.cfg.model)
+        weights = locate_weights(self.cfg.verifier)
         slot = self.aux.index(0)
         worst = {"max_abs_diff": -1.0}
         zero_or_equal = True  # every row either its embedding row or zeros: a vocab shard's partial sum
         for c in checked:
-            diff, zero = stored_slot_difference(c.stored, slot, read_weight(self.cfg.model, weights, weights.embed_key, rows=c.ids))
+            diff, zero = stored_slot_difference(c.stored, slot, read_weight(self.cfg.verifier, weights, weights.embed_key, rows=c.ids))
             zero_or_equal &= bool(((diff == 0) | zero).all())
             if float(diff.max()) > worst["max_abs_diff"]:
                 worst = {"max_abs_diff": float(diff.max()), "row": c.row, "position": int(diff.argmax())}

@@ -24,7 +24,7 @@ class VerifyCaptureConfig(BaseModel):
     dataset: Path = Field(description="the prepared training dataset (rows are taken from its start)")
     server: str = Field(description="engine base URL, e.g. http://127.0.0.1:30000")
     dump_dir: Path = Field(description="folder where the engine writes <rid>.safetensors")
-    model: Path = Field(description="verifier model folder: its final norm and lm_head (and embedding rows) are read")
+    verifier: Path = Field(description="verifier model folder: its final norm and lm_head (and embedding rows) are read")
     aux_layer_ids: AuxLayerIds = Field(description="captured layer ids, as the engine captures them")
     verify_rows: int = Field(
         4, ge=1, le=64, title="Capture check rows",
@@ -36,7 +36,7 @@ class VerifyCaptureConfig(BaseModel):
     hidden_states_dtype: StoredHiddenStatesDtype
     logprob_atol: float = Field(0.02, gt=0, description="log-probability tolerance, absolute part (nats)")
     logprob_rtol: float | None = Field(
-        None, ge=0, description="log-probability tolerance per position, times that position's largest |logit|; "
+        None, ge=0, title="Capture check: relative log-prob tolerance", description="log-probability tolerance per position, times that position's largest |logit|; "
         f"default by --hidden-states-dtype: {LOGPROB_RTOL} (their rounding)",
     )
     out: Path | None = Field(None, description="folder for report.json; default: the run folder's verify/engine-0/ beside --dataset")

@@ -57,7 +57,8 @@ class RunInputs:
             "concurrency": 4,
             "server_port": 0,
             "server_extra_args": ["--warmup-seconds", "3", "--threads", "1"],
-            "warmup_timeout_minutes": 5.0,
+            "eval_server_extra_args": ["--warmup-seconds", "3", "--threads", "1"],
+            "warmup_timeout": 300.0,
             "epochs": 1,
             "total_seq_len": 512,
             "num_workers": 0,
@@ -101,7 +102,7 @@ def run_inputs(random_tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
         if rows not in made:
             out = tmp_path_factory.mktemp("inputs") / f"conversations-{rows}.jsonl"
             subprocess.run(
-                [sys.executable, "-m", "eagleflow", "make-dataset", "--tokenizer", str(random_tiny_model), "--out", str(out),
+                [sys.executable, "-m", "eagleflow", "make-dataset", "--verifier", str(random_tiny_model), "--out", str(out),
                  "--rows", str(rows)],
                 check=True, capture_output=True, text=True,
             )

@@ -139,7 +139,7 @@ def remote_conf(tmp_path: Path, model: Path, engine: ServerInfo, run_name: str) 
     """The Params of a small run against ``engine``: 12 rows in 5-row shards."""
     from eagleflow.demo.synthetic_data import DatasetConfig, make_dataset
 
-    make_dataset(DatasetConfig(tokenizer=model, out=tmp_path / "conv.jsonl", rows=12))
+    make_dataset(DatasetConfig(verifier=model, out=tmp_path / "conv.jsonl", rows=12))
     return {
         "model_path": str(model), "dataset_input": str(tmp_path / "conv.jsonl"), "output_root": str(tmp_path / "runs"),
         "run_name": run_name, "shard_size": 5, "max_len": 256, "server_urls": [engine.url], "server_dump_dir": engine.dump_dir,
@@ -202,7 +202,7 @@ def test_online_mode_skips_every_shard_trains_from_the_engine_and_stops_it_after
     from eagleflow.demo.synthetic_data import DatasetConfig, make_dataset
     from eagleflow.layout import RunLayout
 
-    make_dataset(DatasetConfig(tokenizer=random_tiny_model, out=tmp_path / "conv.jsonl", rows=12))
+    make_dataset(DatasetConfig(verifier=random_tiny_model, out=tmp_path / "conv.jsonl", rows=12))
     conf = {
         "model_path": str(random_tiny_model), "dataset_input": str(tmp_path / "conv.jsonl"), "output_root": str(tmp_path / "runs"),
         "run_name": "online", "shard_size": 5, "max_len": 256, "server_port": 0, "server_extra_args": ["--threads", "1"],

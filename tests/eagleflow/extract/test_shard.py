@@ -165,7 +165,7 @@ def test_killing_the_engine_mid_shard_stops_within_seconds_and_the_next_attempt_
     dataset = tmp_path / "dataset"
     write_training_dataset(rows, [[1] * len(r) for r in rows], dataset)
     server = launch_engine(random_tiny_model, tmp_path / "dumps", tmp_path / "server.log")
-    cfg = config(dataset, server, random_tiny_model, "0:40", concurrency=2, progress_every=1, server_pid=server.pid, engine="engine-3")
+    cfg = config(dataset, server, random_tiny_model, "0:40", concurrency=2, progress_every=1, server_pid=server.pid, engine_name="engine-3")
     proc = subprocess.Popen(
         [sys.executable, "-m", "eagleflow", "extract", *model_to_argv(cfg)], stdout=subprocess.PIPE, text=True
     )
@@ -188,7 +188,7 @@ def test_killing_the_engine_mid_shard_stops_within_seconds_and_the_next_attempt_
 
     server = launch_engine(random_tiny_model, tmp_path / "dumps", tmp_path / "server2.log")
     try:
-        report = ShardExtractor(cfg.model_copy(update={"server": server.url, "server_pid": server.pid, "engine": "engine-0"})).run()
+        report = ShardExtractor(cfg.model_copy(update={"server": server.url, "server_pid": server.pid, "engine_name": "engine-0"})).run()
     finally:
         stop_server(server.pid, grace=10)
     assert report.skipped == len(done_before) and report.done == 40 - len(done_before) and not report.failed

@@ -45,9 +45,9 @@ def run_layout(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ru
     from eagleflow.demo.synthetic_data import DatasetConfig, make_dataset
 
     root = tmp_path_factory.mktemp("gate")
-    make_dataset(DatasetConfig(tokenizer=tiny_model, out=root / "conversations.jsonl", rows=ROWS))
+    make_dataset(DatasetConfig(verifier=tiny_model, out=root / "conversations.jsonl", rows=ROWS))
     layout = RunLayout.of(root / "runs", "gate")
-    prepare_dataset(PrepareConfig(input=root / "conversations.jsonl", tokenizer=tiny_model, out=layout.dataset, max_len=256))
+    prepare_dataset(PrepareConfig(input=root / "conversations.jsonl", verifier=tiny_model, out=layout.dataset, max_len=256))
     return layout
 
 
@@ -84,7 +84,7 @@ def gate_against(tiny_model: Path, run_layout: RunLayout, tmp_path: Path) -> Ite
         out = tmp_path / "verify"
         done = subprocess.run(
             [sys.executable, "-m", "eagleflow", "verify-capture", "--dataset", str(run_layout.dataset), "--server", info.url,
-             "--dump-dir", str(dumps), "--model", str(tiny_model), "--aux-layer-ids", ",".join(map(str, aux)),
+             "--dump-dir", str(dumps), "--verifier", str(tiny_model), "--aux-layer-ids", ",".join(map(str, aux)),
              "--hidden-states-dtype", dtype, "--out", str(out)],
             capture_output=True, text=True, timeout=300, cwd=REPO,
         )
@@ -196,7 +196,7 @@ def test_a_radix_cache_is_caught(gate_against: Callable[..., Gate]) -> None:
 
 def test_bad_flags_name_the_flag(tiny_model: Path, run_layout: RunLayout, tmp_path: Path) -> None:
     base = ["--dataset", str(run_layout.dataset), "--server", "http://127.0.0.1:9", "--dump-dir", str(tmp_path),
-            "--model", str(tiny_model)]
+            "--verifier", str(tiny_model)]
     for flags, fragment in (
         (["--aux-layer-ids", "2,9"], "aux layer ids [9] are outside 0..8"),
         (["--aux-layer-ids", "2,4", "--verify-rows", "0"], "--verify-rows"),

@@ -113,7 +113,7 @@ def test_engine_mode_learns_as_disk_mode_does_within_a_disk_window(
     disk = rows_only(trained_data, tmp_path / "disk" / "dataset")
     rows = len(datasets.load_from_disk(str(disk)))
     ShardExtractor(ExtractConfig(
-        dataset=disk, server=engine.url, dump_dir=dumps, rows=f"0:{rows}", model=tiny_model, aux_layer_ids=AUX,
+        dataset=disk, server=engine.url, dump_dir=dumps, rows=f"0:{rows}", verifier=tiny_model, aux_layer_ids=AUX,
         manifest=tmp_path / "disk" / "shard.json",
     )).run()
     stored = sum(p.stat().st_size for p in hidden_states_dir(disk).iterdir())
