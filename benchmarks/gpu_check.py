@@ -296,7 +296,7 @@ def prepare(run: Path, verifier: Path, bundle: Path) -> Path:
     """Copy a finished demo run's verifier, exported drafter, dataset and held-out prompts into ``bundle``."""
     from eagleflow.data.verifier import resolve_aux_layer_ids
     from eagleflow.evaluate.prompts import held_out_prompts
-    from eagleflow.export.step import ServedDrafter
+    from eagleflow.export.manifest import ServedDrafter
     from eagleflow.layout import RunLayout
 
     layout = RunLayout(run)

@@ -175,6 +175,20 @@ def small_tmpfs(tmp_path: Path) -> Iterator[object]:
 
 
 @pytest.fixture()
+def params(tmp_path: Path, random_tiny_model: Path) -> dict[str, Any]:
+    """A run's Params: the reference engine on the tiny model, any free port, one torch thread."""
+    return {
+        "engine": "reference",
+        "model_path": str(random_tiny_model),
+        "dataset_input": str(tmp_path / "unused.jsonl"),
+        "output_root": str(tmp_path / "out"),
+        "server_port": 0,
+        # One thread: the engine shares 2 cores with this test process.
+        "server_extra_args": ["--threads", "1"],
+    }
+
+
+@pytest.fixture()
 def process_groups() -> Iterator[list[int]]:
     """Process groups (= engine pids, session leaders) a test started; SIGKILLed and reaped afterwards."""
     import contextlib

@@ -31,15 +31,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from eagleflow.config import WarmupTimeout, add_model_arguments, model_from_args
 from eagleflow.data.prepare import MAX_LISTED_ERRORS, SkipBadRows, check_messages, read_input_rows
 from eagleflow.data.verifier import text_config
-from eagleflow.engine.context import derived_context_length, max_new_tokens_left
-from eagleflow.engine.process import EngineGone, ServerInfo, wait_until_ready
+from eagleflow.engine import (
+    EngineClient, EngineGone, EngineRequestSettings, RowFailed, ServerGone, ServerInfo, derived_context_length,
+    max_new_tokens_left, wait_until_ready, with_retries,
+)
 from eagleflow.errors import UserError
-from eagleflow.extract.client import EngineClient, RowFailed, ServerGone
 from eagleflow.files import atomic_write_json, atomic_write_text
 from eagleflow.progress import Progress
 from eagleflow.results import emit_result
@@ -48,11 +49,9 @@ from sglang_patch.request_ids import regenerate_request_id
 CONVERSATIONS_FILE = "conversations.jsonl"
 SUMMARY_FILE = "regenerate.json"
 SKIPPED_FILE = "skipped_rows.jsonl"
-# Tries of a conversation after a 5xx answer, a timeout or a dropped connection.
-MAX_ATTEMPTS = 3
 
 
-class RegenerateConfig(BaseModel):
+class RegenerateConfig(EngineRequestSettings):
     """Flags of ``python -m eagleflow regenerate``."""
 
     input: Path = Field(description="chat conversations ({'messages': [...]}): .jsonl or .parquet")
@@ -67,7 +66,6 @@ class RegenerateConfig(BaseModel):
     regen_concurrency: int = Field(8, ge=1, le=256, title="Conversations at once", description="conversations regenerated at once")
     skip_bad_rows: SkipBadRows
     warmup_timeout: WarmupTimeout
-    request_timeout: float = Field(600.0, gt=0, description="seconds to wait for one answer")
 
 
 class Regenerator:
@@ -225,25 +223,18 @@ def _regenerate_rows(regenerator: Regenerator, todo: list[tuple[int, list[dict[s
 
     def one(item: tuple[int, list[dict[str, Any]]]) -> None:
         row, messages = item
-        delay = 1.0
-        for attempt in range(1, MAX_ATTEMPTS + 1):
-            try:
-                record = regenerator.conversation(row, messages)
-                atomic_write_json(row_file(out, row), record)
-                if "shortened" in record:
-                    shortened.append(row)
-                break
-            except RowFailed as exc:
-                if exc.retryable and attempt < MAX_ATTEMPTS:
-                    print(f"row {row}: {exc}; retrying in {delay:.0f}s", flush=True)
-                    time.sleep(delay)
-                    delay *= 2
-                    continue
-                failed[row] = str(exc) + (f" (after {attempt} attempts)" if exc.retryable else "")
-            except ServerGone as exc:
-                failed[row] = str(exc)
+
+        def before_retry(exc: RowFailed, delay: float) -> None:
+            print(f"row {row}: {exc}; retrying in {delay:.0f}s", flush=True)
+
+        try:
+            record = with_retries(lambda: regenerator.conversation(row, messages), regenerator.cfg.max_retries, before_retry=before_retry)
+            atomic_write_json(row_file(out, row), record)
+            if "shortened" in record:
+                shortened.append(row)
+        except (RowFailed, ServerGone) as exc:
+            failed[row] = str(exc)
             print(f"row {row}: FAILED: {failed[row]}", flush=True)
-            break
         progress.advance(extra=f"failed {len(failed)}, shortened {len(shortened)}")
 
     with ThreadPoolExecutor(concurrency, thread_name_prefix="regenerate") as pool:

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagleflow.engine.process import EngineGone, ServerInfo, start_server, stop_server, wait_until_ready
+from eagleflow.engine import (
+    EngineClient, EngineGone, RowFailed, ServerGone, ServerInfo, start_server, stop_server, wait_until_ready
+)
 from eagleflow.errors import UserError
 from eagleflow.evaluate.prompts import ChatPrompts, Prompt
-from eagleflow.extract.client import EngineClient, RowFailed, ServerGone
 
 
 class EngineFailed(UserError):

@@ -27,8 +27,7 @@ import time
 from typing import Any
 
 from eagleflow.config import add_model_arguments, model_from_args
-from eagleflow.engine.launch import serving_engine_command
-from eagleflow.engine.process import free_port, interrupted_by_signals
+from eagleflow.engine import EngineClient, free_port, interrupted_by_signals, serving_engine_command
 from eagleflow.evaluate.config import EvaluateConfig
 from eagleflow.errors import UserError
 from eagleflow.evaluate.charts import write_chart, write_sweep_chart
@@ -36,8 +35,7 @@ from eagleflow.evaluate.engine_run import TimedPass, generate, running_engine, t
 from eagleflow.evaluate.prompts import ChatPrompts, Prompt, file_prompts, held_out_prompts, humaneval_prompts
 from eagleflow.evaluate.report import build_report, offline_estimate, summary_line, sweep_rows, sweep_table
 from eagleflow.evaluate.sweep import ServeConfig, parse_configs
-from eagleflow.extract.client import EngineClient
-from eagleflow.export.step import ServedDrafter
+from eagleflow.export import ServedDrafter
 from eagleflow.files import atomic_write_json
 from eagleflow.layout import TrainLayout
 from eagleflow.results import emit_result

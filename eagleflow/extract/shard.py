@@ -34,11 +34,10 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Callable
 
 from eagleflow.config import add_model_arguments, model_from_args
-from eagleflow.data.verifier import config_int, resolve_aux_layer_ids
-from eagleflow.engine.process import engine_label, pid_alive
+from eagleflow.data import config_int, resolve_aux_layer_ids
+from eagleflow.engine import EngineClient, RowFailed, ServerGone, engine_label, pid_alive
 from eagleflow.errors import UserError
 from eagleflow.extract.config import ExtractConfig, parse_rows
-from eagleflow.extract.client import EngineClient, RowFailed, ServerGone
 from eagleflow.extract.dump_wait import DiskFull, remove_dead_writer_statuses
 from eagleflow.extract.manifest import FAILED, INTERRUPTED, SUCCESS, ShardManifest
 from eagleflow.extract.row_fetch import RowFetcher, SampleShape

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype
+from eagleflow.engine import EngineRequestSettings
 
 # The log-probability tolerance per position is atol + rtol x that position's largest |logit|.
 # bf16 keeps 8 significant bits: the engine's logits and the captured state are each within 2^-9
@@ -18,7 +19,7 @@ from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype
 LOGPROB_RTOL = {"bf16": 2.0**-7, "fp8": 2.0**-4}
 
 
-class VerifyCaptureConfig(BaseModel):
+class VerifyCaptureConfig(EngineRequestSettings):
     """Flags of ``python -m eagleflow verify-capture``."""
 
     dataset: Path = Field(description="the prepared training dataset (rows are taken from its start)")
@@ -40,7 +41,6 @@ class VerifyCaptureConfig(BaseModel):
         f"default by --hidden-states-dtype: {LOGPROB_RTOL} (their rounding)",
     )
     out: Path | None = Field(None, description="folder for report.json; default: the run folder's verify/engine-0/ beside --dataset")
-    request_timeout: float = Field(600.0, gt=0, description="seconds to wait for one /generate answer")
     dump_wait: float = Field(60.0, ge=0, description="seconds to wait for a dump to appear after the answer")
 
     @property

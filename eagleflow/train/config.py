@@ -8,8 +8,8 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 
 from eagleflow.config import AuxLayerIds, DraftVocabSize, StoredHiddenStatesDtype
-from eagleflow.export.targets import DraftVariant, ServingEngine
-from eagleflow.extract.config import ExtractConfig
+from eagleflow.export import DraftVariant, ServingEngine
+from eagleflow.extract import ExtractConfig
 
 HiddenStatesSource = Literal["disk", "engine"]
 

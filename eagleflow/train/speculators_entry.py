@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from eagleflow.engine.process import die_with_parent
+from eagleflow.engine import die_with_parent
 from eagleflow.errors import UserError
 from eagleflow.files import atomic_write_json
 from eagleflow.train.recorder import MetricsRecorder

@@ -7,11 +7,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from eagleflow.config import model_to_argv
 from eagleflow.engine.reference.config import ReferenceEngineConfig
+from eagleflow.engine.reference.faults import faults_env
 from eagleflow.extract.sample_store import validate_dataset
 from eagleflow.engine.process import Readiness, ServerInfo, check_ready, free_port, pid_alive, start_server, stop_server
 
@@ -111,12 +113,12 @@ def test_parsing_the_dag_imports_no_heavy_library() -> None:
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
-def start_outside_engine(tmp_path: Path, model: Path, *extra: str) -> ServerInfo:
-    """A reference engine started by hand, outside Airflow (another team's server), with ``extra`` flags."""
+def start_outside_engine(tmp_path: Path, model: Path, **faults: Any) -> ServerInfo:
+    """A reference engine started by hand, outside Airflow (another team's server), injecting the test-only ``faults``."""
     port = free_port()
     engine = ReferenceEngineConfig(model=model, dump_dir=tmp_path / "remote-dumps", aux_layers=[2, 4, 5], port=port)
-    argv = [sys.executable, "-m", "eagleflow", "serve-reference", *model_to_argv(engine), "--threads", "1", *extra]
-    info = start_server(argv, {}, tmp_path / "remote.log", tmp_path / "remote.json", f"http://127.0.0.1:{port}", tmp_path / "remote-dumps")
+    argv = [sys.executable, "-m", "eagleflow", "serve-reference", *model_to_argv(engine), "--threads", "1"]
+    info = start_server(argv, faults_env(**faults), tmp_path / "remote.log", tmp_path / "remote.json", f"http://127.0.0.1:{port}", tmp_path / "remote-dumps")
     deadline = time.monotonic() + 120
     try:
         while check_ready(info).state is not Readiness.READY:
@@ -177,7 +179,7 @@ def test_remote_server_mode_launches_and_stops_nothing_and_extracts_everything(
 def test_a_wrong_capture_stops_the_run_before_any_shard(eagleflow_dag, tmp_path: Path, random_tiny_model: Path) -> None:
     """An engine that captures the post-norm final state (TEST-ONLY fault): verify_capture fails with the
     cause, no shard runs, no hidden-state file is written, and the report is left for the run page."""
-    engine = start_outside_engine(tmp_path, random_tiny_model, "--capture-fault", "post-norm-final")
+    engine = start_outside_engine(tmp_path, random_tiny_model, capture_fault="post-norm-final")
     try:
         conf = remote_conf(tmp_path, random_tiny_model, engine, "wrong-capture")
         run = eagleflow_dag.test(run_conf=conf, mark_success_pattern="build_vocab|train_drafter|plot_metrics|export_drafter")

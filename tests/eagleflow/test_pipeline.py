@@ -133,7 +133,7 @@ def test_server_extra_args_may_not_set_what_the_run_sets(
 
 
 def test_allowed_extra_args_pass(tmp_path: Path, random_tiny_model: Path) -> None:
-    for engine, extra in (("reference", ["--threads", "1", "--warmup-seconds", "3", "--th", "1", "--fail-row", "7"]),
+    for engine, extra in (("reference", ["--threads", "1", "--warmup-seconds", "3", "--th", "1", "--context-length", "64"]),
                           ("sglang", ["--trust-remote-code", "--mem-fraction-static", "0.8"])):
         cfg = PipelineConfig.from_params({**base(tmp_path, random_tiny_model), "engine": engine, "server_extra_args": extra})
         assert cfg.server_extra_args == extra

@@ -157,12 +157,8 @@ def serve(config: ReferenceEngineConfig) -> int:
         + f"listening on http://{host}:{port}; warmup {config.warmup_seconds:g}s",
         flush=True,
     )
-    if engine.faults.fail_rows:
-        print(f"TEST fault injection: requests for rows {sorted(engine.faults.fail_rows)} will answer 500", flush=True)
-    if config.capture_fault:
-        print(f"TEST fault injection: capturing wrongly on purpose (--capture-fault {config.capture_fault})", flush=True)
-    if config.min_request_seconds:
-        print(f"TEST slowdown: every captured request takes at least {config.min_request_seconds:g}s", flush=True)
+    for line in engine.faults.settings.announce():
+        print(line, flush=True)
     if stop_signals:  # stopped while the model was loading
         engine.close()
         sock.close()

@@ -41,7 +41,7 @@ from eagleflow.engine.process import (
     wait_until_ready,
 )
 from eagleflow.errors import UserError
-from eagleflow.extract.client import EngineClient
+from eagleflow.engine.client import EngineClient
 from eagleflow.extract.dump_wait import wait_for_dump
 from sglang_patch.handoff import STATUS_PREFIX, read_writer_statuses
 

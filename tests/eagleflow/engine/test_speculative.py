@@ -19,7 +19,7 @@ from eagleflow.engine.reference.config import ReferenceEngineConfig
 from eagleflow.engine.reference.protocol import RequestError
 from eagleflow.engine.reference.runner import ReferenceEngine
 from eagleflow.evaluate.prompts import Prompt, held_out_prompts
-from eagleflow.export.step import ServedDrafter
+from eagleflow.export.manifest import ServedDrafter
 from training_data import TrainedRun
 
 MAX_NEW_TOKENS = 48

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from eagleflow.config import model_to_argv
 from eagleflow.data.prepare import write_training_dataset
 from eagleflow.engine.process import ServerInfo, stop_server
-from eagleflow.extract.client import EngineClient
+from eagleflow.engine.client import EngineClient
 from eagleflow.extract.sample_store import sample_path, validate, write_sample
 from eagleflow.extract.manifest import ShardManifest
 from eagleflow.extract.shard import EXIT_ENGINE_GONE, ShardExtractor
@@ -44,7 +44,7 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[i
 @pytest.fixture(scope="module")
 def engine(random_tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerInfo]:
     folder = tmp_path_factory.mktemp("engine")
-    info = launch_engine(random_tiny_model, folder / "dumps", folder / "server.log", "--fail-row", "5")
+    info = launch_engine(random_tiny_model, folder / "dumps", folder / "server.log", faults={"fail_row": [5]})
     yield info
     stop_server(info.pid, grace=10)
 
