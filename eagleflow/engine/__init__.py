@@ -27,6 +27,6 @@ __all__, __getattr__ = lazy_exports(
         ],
         "client": ["AnswerLost", "EngineClient", "EngineRequestSettings", "RowFailed", "ServerGone", "with_retries"],
         "context": ["context_length_of_model_list", "derived_context_length", "max_new_tokens_left"],
-        "launch": ["EngineElsewhere", "launch_engine", "serving_engine_command", "stop_engine"],
+        "launch": ["EngineElsewhere", "check_server_extra_args", "launch_engine", "serving_engine_command", "stop_engine"],
     },
 )

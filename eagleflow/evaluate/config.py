@@ -70,7 +70,7 @@ class EvaluateConfig(BaseModel):
     @field_validator("eval_server_extra_args")
     @classmethod
     def _extra_args_policy(cls, extra: list[str], info: ValidationInfo) -> list[str]:
-        from eagleflow.engine.launch import check_server_extra_args
+        from eagleflow.engine import check_server_extra_args
 
         try:
             check_server_extra_args(info.data.get("engine", "reference"), extra, serving=True)

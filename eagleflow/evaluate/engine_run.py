@@ -83,6 +83,7 @@ def generate(client: EngineClient, prompt: Prompt, max_new_tokens: int, label: s
     began = time.monotonic()
     ids, messages = prompt.input_ids, list(prompt.messages)
     output: list[int] = []
+    answer_ids: list[int] = []  # the previous turn's answer, which a follow-up comes after
     totals: dict[str, int] = {}
     for turn in range(1 + len(prompt.followups)):
         if turn:
