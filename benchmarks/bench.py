@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import bench_dag_parse
@@ -22,7 +21,7 @@ import bench_extraction
 import bench_metrics_plot
 import bench_online
 import bench_training
-from bench_common import Row, measure_in_scratch, print_table
+from bench_common import Row, measure_in_scratch, run_sections
 
 
 def metrics_rows() -> list[Row]:
@@ -67,19 +66,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=",".join(SUITES), help=f"comma list of {', '.join(SUITES)}")
     args = parser.parse_args()
-    started = time.monotonic()
-    rows: list[Row] = []
-    for name in args.only.split(","):
-        began = time.monotonic()
-        print(f"== {name}", flush=True)
-        rows += SUITES[name]()
-        if name == "extraction":
-            rows += measure_in_scratch(fp8_rows, "bench-fp8")
-        print(f"== {name}: {time.monotonic() - began:.0f}s", flush=True)
-    print(f"\neagleflow benchmarks ({time.monotonic() - started:.0f}s)\n", flush=True)
-    print_table(rows)
-    return 0 if all(row.ok is not False for row in rows) else 1
-
+    # The extraction section also writes the same states as fp8 and as bf16 (bytes per token).
+    sections = [
+        (name, (lambda measure=SUITES[name]: measure() + measure_in_scratch(fp8_rows, "bench-fp8")) if name == "extraction" else SUITES[name])
+        for name in args.only.split(",")
+    ]
+    return run_sections("eagleflow benchmarks", sections)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,6 +7,7 @@ import contextlib
 import shutil
 import statistics
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,3 +76,17 @@ def run_alone(measure: Callable[[Path], list[Row]], name: str) -> int:
     """One benchmark module run by itself: its rows as a table."""
     print_table(measure_in_scratch(measure, name))
     return 0
+
+
+def run_sections(title: str, sections: list[tuple[str, Callable[[], list[Row]]]]) -> int:
+    """Measure each section in turn (timed, with a heading), print one table; 1 if a row misses its goal."""
+    started = time.monotonic()
+    rows: list[Row] = []
+    for name, measure in sections:
+        began = time.monotonic()
+        print(f"== {name}", flush=True)
+        rows += measure()
+        print(f"== {name}: {time.monotonic() - began:.0f}s", flush=True)
+    print(f"\n{title} ({time.monotonic() - started:.0f}s)\n", flush=True)
+    print_table(rows)
+    return 0 if all(row.ok is not False for row in rows) else 1

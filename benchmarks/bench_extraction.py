@@ -103,7 +103,7 @@ def extract(model: Path, dataset: Path, url: str, dump_dir: Path, concurrency: i
     shutil.rmtree(dataset / "hidden_states", ignore_errors=True)
     shutil.rmtree(dataset.parent / "shards", ignore_errors=True)
     cfg = ExtractConfig(
-        dataset=dataset, server=url, dump_dir=dump_dir, rows=f"0:{ROWS}", model=model, aux_layer_ids=[3, 31, 59],
+        dataset=dataset, server=url, dump_dir=dump_dir, rows=f"0:{ROWS}", verifier=model, aux_layer_ids=[3, 31, 59],
         concurrency=concurrency, progress_every=10_000, progress_interval=10_000,
     )
     cpu = time.process_time()

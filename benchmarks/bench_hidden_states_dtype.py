@@ -46,7 +46,7 @@ def build_datasets(model: Path, conversations: Path, aux: list[int], max_len: in
     from eagleflow.extract.sample_store import write_sample
 
     prepared = CACHE / "prepared"
-    prepare_dataset(PrepareConfig(input=conversations, tokenizer=model, out=prepared, max_len=max_len))
+    prepare_dataset(PrepareConfig(input=conversations, verifier=model, out=prepared, max_len=max_len))
     rows = datasets.load_from_disk(str(prepared)).with_format(None)["input_ids"]
     out = {dtype: CACHE / dtype / "dataset" for dtype in DTYPES}
     if all((path.parent / "done").exists() for path in out.values()):

@@ -103,7 +103,7 @@ def measure(work: Path) -> list[Row]:
     try:
         offline = copy_rows(dataset, work / "offline")
         extract_s, _ = timed([sys.executable, "-m", "eagleflow", "extract", "--dataset", str(offline), "--server", server.url,
-                              "--dump-dir", str(dumps), "--rows", f"0:{ROWS}", "--model", str(model),
+                              "--dump-dir", str(dumps), "--rows", f"0:{ROWS}", "--verifier", str(model),
                               "--aux-layer-ids", ",".join(map(str, AUX)), "--manifest", str(work / "shard.json")])
         stored = sum(p.stat().st_size for p in hidden_states_dir(offline).iterdir())
         train_s, _ = timed(train_argv(offline, model, work / "offline-train"))

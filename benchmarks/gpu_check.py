@@ -27,6 +27,7 @@ Run: ``python benchmarks/gpu_check.py`` (``make gpu-check``); ``--prepare`` on t
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench_common import REPO, Row, median, print_table, ratio_row, scratch
+from bench_common import REPO, Row, median, ratio_row, run_sections, scratch
 
 BUNDLE = REPO / ".cache" / "gpu-check"
 BUNDLE_MANIFEST = "bundle.json"
@@ -295,7 +296,7 @@ def prepare(run: Path, verifier: Path, bundle: Path) -> Path:
     """Copy a finished demo run's verifier, exported drafter, dataset and held-out prompts into ``bundle``."""
     from eagleflow.data.verifier import resolve_aux_layer_ids
     from eagleflow.evaluate.prompts import held_out_prompts
-    from eagleflow.export.step import ServedDrafter
+    from eagleflow.export.manifest import ServedDrafter
     from eagleflow.layout import RunLayout
 
     layout = RunLayout(run)
@@ -336,23 +337,16 @@ def main(argv: list[str] | None = None) -> int:
 
     where = torch.cuda.get_device_name() if device.startswith("cuda") else "the CPU (a dry run)"
     print(f"gpu_check on {where} (torch {torch.__version__}, CUDA {torch.version.cuda})", flush=True)
-    started = time.monotonic()
-    rows: list[Row] = []
     with scratch("gpu-check") as work:
-        for name, measure in (
+        sections = (
             ("capture hook", lambda: capture_rows(work, device)),
             ("fp8 quantisation", lambda: quantisation_rows(device)),
             ("dump writer", lambda: writer_rows(work, device)),
             ("speculative decoding", lambda: speculative_rows(args.bundle, device)),
             ("training", lambda: training_rows(args.bundle, work, device)),
-        ):
-            began = time.monotonic()
-            rows += guarded(name, measure)
-            print(f"== {name}: {time.monotonic() - began:.0f}s", flush=True)
-    print(f"\neagleflow GPU check ({time.monotonic() - started:.0f}s)\n", flush=True)
-    print_table(rows)
-    return 0 if all(row.ok is not False for row in rows) else 1
-
+        )
+        # A section that fails (a missing bundle, a CUDA error) is a failed row; the others still run.
+        return run_sections("eagleflow GPU check", [(name, functools.partial(guarded, name, measure)) for name, measure in sections])
 
 if __name__ == "__main__":
     sys.exit(main())

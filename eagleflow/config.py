@@ -14,7 +14,7 @@ import types
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, Field, ValidationError
 
@@ -41,6 +41,41 @@ StoredHiddenStatesDtype = Annotated[
         DEFAULT_HIDDEN_STATES_DTYPE,
         description="how hidden states are stored: bf16, or fp8 (float8_e4m3fn with one float32 scale per "
         "token, about half the disk; read by speculators 0.9's fp8 backend)",
+    ),
+]
+
+# The draft vocabulary's size, as vocabulary building and training declare it: one Param sets both.
+DraftVocabSize = Annotated[
+    int,
+    Field(
+        32000, ge=1, title="Draft vocabulary size",
+        description="target token ids the drafter can propose (the d2t/t2d mapping, built from the most frequent tokens if missing)",
+    ),
+]
+
+# Which engine serves the verifier, and on how many GPUs, as the run and the evaluation declare them
+# (untitled: the run's own Params give them their form labels).
+EngineKind = Annotated[
+    Literal["reference", "sglang"],
+    Field(
+        "reference",
+        description="sglang: SGLang on a GPU node (with the capture hook for extraction, with the drafter for evaluation). "
+        "reference: the transformers reference engine (CPU or GPU), for demos, tests and checking the hook",
+    ),
+]
+TpSize = Annotated[
+    int, Field(8, ge=1, description="SGLang --tp-size: GPUs per engine (the reference engine ignores it)")
+]
+
+# How long an engine may take to become ready, as every step that waits for one declares it
+# (the readiness sensor, regeneration, evaluation's engines): seconds, like every duration.
+WarmupTimeout = Annotated[
+    float,
+    Field(
+        2700.0,
+        gt=0,
+        description="seconds an engine may take to become ready (SGLang warms a Kimi-K2.5 for about 9 minutes); "
+        "past it the wait fails with the engine's log tail",
     ),
 ]
 

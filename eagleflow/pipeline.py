@@ -4,12 +4,12 @@
 from the run's params (:meth:`PipelineConfig.from_params`) and turns it into the argv of its
 step. :func:`param_schemas` gives the JSON schema of every field, which the DAG turns into
 Airflow ``Param`` objects, so a knob's default, type, title and description live here only.
-The capture check's, training and evaluation Params are fields of their steps' own configs
-(:data:`VERIFY_PARAMS` of :class:`~eagleflow.extract.verify_config.VerifyCaptureConfig`,
-:data:`TRAIN_PARAMS` of :class:`~eagleflow.train.config.TrainConfig`, :data:`EVAL_PARAMS` of
-:class:`~eagleflow.evaluate.config.EvaluateConfig`); :meth:`PipelineConfig.verify_capture_config`,
-:meth:`PipelineConfig.train_config` and :meth:`PipelineConfig.evaluate_config` give those steps
-their typed configs.
+A Param that sets a step's flag is that flag: its type, default, title and description are the
+field of the step's own config, and a field with a title is offered in the form
+(:mod:`eagleflow.step_params`), so offering another existing flag is one edit, its label. Each
+``PipelineConfig.<step>_config()`` gives a step its typed config (its Params as given, plus the
+run's folders and engines), and every operator turns that into the step's argv with
+:func:`eagleflow.config.model_to_argv`.
 
 Airflow validates a triggered run's conf against those JSON schemas before the run is
 created, so what a schema can say (types, bounds, distinct aux ids) is refused at trigger
@@ -20,78 +20,37 @@ time. What needs the model folder (aux ids beyond the verifier's depth) is check
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, Field, ValidationInfo, create_model, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
-from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype, build_model, schemas_of
+from eagleflow.config import AuxLayerIds, EngineKind, StoredHiddenStatesDtype, TpSize, WarmupTimeout, build_model, schemas_of
 from eagleflow.engine.process import ServerInfo
+from eagleflow.data.disk_check import DiskCheckConfig
+from eagleflow.data.prepare import PrepareConfig
 from eagleflow.data.regenerate import CONVERSATIONS_FILE, RegenerateConfig
+from eagleflow.data.stats import StatsConfig
+from eagleflow.data.vocab import VocabConfig
 from eagleflow.evaluate.config import EvaluateConfig
 from eagleflow.extract.config import ExtractConfig
 from eagleflow.extract.verify_config import VerifyCaptureConfig
 from eagleflow.errors import UserError, excerpt_repr
 from eagleflow.layout import RUN_NAME_PATTERN, RunLayout, check_output_path, check_run_name, run_name_from_run_id
+from eagleflow.step_params import FORM_SECTIONS, STEP_PARAM_GROUPS, STEP_PARAMS, StepParams, param_feeds
 from eagleflow.train.config import TrainConfig
 
-# Training knobs offered in the Params form; their types, defaults and help are TrainConfig's.
-TRAIN_PARAMS = (
-    "epochs",
-    "lr",
-    "total_seq_len",
-    "ttt_steps",
-    "noise_std",
-    "scheduler_type",
-    "scheduler_warmup_ratio",
-    "num_workers",
-    "draft_vocab_size",
-    "num_layers",
-    "draft_config",
-    "train_data_ratio",
-    "device",
-    "gpus",
-    "restart",
-    "train_nodes", "rendezvous_timeout",  # training on several nodes
-    "serve_with",
-    "draft_variant",
-    "hidden_states_source",
-    "online_prefetch",
-    "online_cache_gb",
-)
+if TYPE_CHECKING:  # imported where used: the DAG file imports this module, and these pull in the heavier steps
+    from eagleflow.export.step import ExportConfig
+    from eagleflow.metrics.plot import PlotConfig
 
-# Evaluation knobs offered in the Params form; their types, defaults and help are EvaluateConfig's.
-EVAL_PARAMS = (
-    "eval_sets", "eval_prompts", "eval_rows", "eval_max_new_tokens", "eval_configs", "eval_concurrency", "eval_rounds",
-)
-# Regeneration knobs (used with regenerate_responses); RegenerateConfig's.
-REGEN_PARAMS = ("regen_temperature", "regen_max_new_tokens", "regen_concurrency")
-# The capture check's knob in the Params form; VerifyCaptureConfig's.
-VERIFY_PARAMS = ("verify_rows",)
-# Extraction knobs in the Params form; ExtractConfig's.
-EXTRACT_PARAMS = ("reextract_complete_shards",)
-# Every step Param as a model of its own: checks them without a run folder.
-STEP_PARAMS: dict[str, type[BaseModel]] = {
-    **dict.fromkeys(VERIFY_PARAMS, VerifyCaptureConfig),
-    **dict.fromkeys(EXTRACT_PARAMS, ExtractConfig),
-    **dict.fromkeys(TRAIN_PARAMS, TrainConfig),
-    **dict.fromkeys(EVAL_PARAMS, EvaluateConfig),
-    **dict.fromkeys(REGEN_PARAMS, RegenerateConfig),
-}
-StepParams = create_model(  # type: ignore[call-overload]
-    "StepParams", **{name: (model.model_fields[name].annotation, model.model_fields[name]) for name, model in STEP_PARAMS.items()}
-)
+M = TypeVar("M", bound=BaseModel)
 
 
 class PipelineConfig(BaseModel):
     """Every Param of the eagleflow DAG."""
 
-    engine: Literal["reference", "sglang"] = Field(
-        "reference",
-        title="Engine",
-        description="sglang: launch SGLang with the capture hook (GPU node). reference: the transformers "
-        "reference engine (CPU or GPU), for demos, tests and checking the hook.",
-    )
+    engine: EngineKind = Field(title="Engine")
     model_path: str = Field(
         title="Verifier model folder",
         description="Local folder of the base model (config.json, safetensors, tokenizer), e.g. Kimi-K2.5.",
@@ -125,19 +84,14 @@ class PipelineConfig(BaseModel):
         json_schema_extra={"section": "Extraction"},
     )
     hidden_states_dtype: StoredHiddenStatesDtype = Field(title="Hidden-state storage", json_schema_extra={"section": "Extraction"})
-    max_len: int = Field(2048, ge=2, title="Max sequence length", description="Rows longer than this are truncated.", json_schema_extra={"section": "Data"})
-    skip_bad_rows: bool = Field(
-        False, title="Skip bad rows",
-        description="Leave unusable input rows out (listed in bad_rows.jsonl) instead of failing; with regeneration also rows "
-        "whose first prompt does not fit the engine's context (listed in regenerated/skipped_rows.jsonl).",
-        json_schema_extra={"section": "Data"},
-    )
-    disk_margin: float = Field(
-        1.1, ge=1.0, title="Disk margin", description="Fail early unless free space >= estimated hidden-state bytes × this.",
+    shard_size: int = Field(2000, ge=1, title="Shard size", description="Rows per extraction shard (one mapped task each).", json_schema_extra={"section": "Extraction"})
+    stop_after_extraction: bool = Field(
+        False,
+        title="Stop after extraction",
+        description="Extract the hidden states and stop: no vocabulary, training, export or evaluation. A later run "
+        "with the same run name and this off trains from them without extracting a row again.",
         json_schema_extra={"section": "Extraction"},
     )
-    shard_size: int = Field(2000, ge=1, title="Shard size", description="Rows per extraction shard (one mapped task each).", json_schema_extra={"section": "Extraction"})
-    concurrency: int = Field(8, ge=1, le=256, title="Requests in flight", description="Concurrent /generate requests per shard.", json_schema_extra={"section": "Extraction"})
     dump_queue_gb: float | None = Field(
         None,
         gt=0,
@@ -151,17 +105,15 @@ class PipelineConfig(BaseModel):
         30000, ge=0, le=65535, title="Server port", description="Port of the launched engine; 0 picks a free port.",
         json_schema_extra={"section": "Engine"},
     )
-    tp_size: int = Field(8, ge=1, title="Tensor parallel size", description="SGLang --tp-size (GPUs for the server).", json_schema_extra={"section": "Engine"})
+    tp_size: TpSize = Field(title="Tensor parallel size", json_schema_extra={"section": "Engine"})
     server_extra_args: list[str] = Field(
         default_factory=list,
-        title="Extra server arguments",
-        description="Appended to the engine command line as separate arguments (never through a shell).",
+        title="Extra capture engine arguments",
+        description="Appended to the command line of each engine this run launches for capture, as separate arguments "
+        "(never through a shell); the evaluation's engines take eval_server_extra_args.",
         json_schema_extra={"section": "Engine"},
     )
-    warmup_timeout_minutes: float = Field(
-        45.0, gt=0, title="Warmup timeout (minutes)", description="Fail the readiness wait after this long.",
-        json_schema_extra={"section": "Engine"},
-    )
+    warmup_timeout: WarmupTimeout = Field(title="Warmup timeout (s)", json_schema_extra={"section": "Engine"})
     num_engines: int = Field(
         1,
         ge=1,
@@ -216,6 +168,14 @@ class PipelineConfig(BaseModel):
         return None if value is None else check_output_path(value, os.environ.get(OUTPUT_ROOT_ENV))
 
     @model_validator(mode="after")
+    def _online_extracts_nothing(self) -> PipelineConfig:
+        if self.stop_after_extraction and self.step_params.get("hidden_states_source") == "engine":
+            raise ValueError(
+                "stop_after_extraction with hidden_states_source engine: online training extracts nothing to stop after"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _remote_needs_dump_dir(self) -> PipelineConfig:
         if self.server_urls and not self.server_dump_dir:
             raise ValueError("server_dump_dir is required with server_urls (where the remote hooks write their dumps)")
@@ -250,6 +210,9 @@ class PipelineConfig(BaseModel):
         cfg = build_model(cls, values, param_name)
         if cfg.run_name is None:
             cfg = cfg.model_copy(update={"run_name": run_name_from_run_id(run_id)})
+        # What the evaluation's own checks refuse (eval_server_extra_args against the engine, a prompt file
+        # without its set) fails the run's first task, not the last.
+        cfg.evaluate_config()
         return cfg
 
     @property
@@ -284,16 +247,69 @@ class PipelineConfig(BaseModel):
         return self
 
     def step_values(self, model: type[BaseModel]) -> dict[str, Any]:
-        """The Params of the step whose config is ``model``, as given."""
-        return {name: value for name, value in self.step_params.items() if STEP_PARAMS[name] is model}
+        """The Params given that set flags of the step whose config is ``model``."""
+        return {name: value for name, value in self.step_params.items() if param_feeds(name, model)}
 
-    def train_config(self, engines: list[ServerInfo] | None = None) -> TrainConfig:
+    def step_config(self, model: type[M], **run_values: Any) -> M:
+        """``model`` from the step's Params as given plus ``run_values`` (this run's folders, engine, aux ids);
+        a bad value raises :class:`UserError` naming its Param."""
+        return build_model(model, {**self.step_values(model), **run_values}, param_name)
+
+    @property
+    def prepare_input(self) -> str:
+        """What preparation tokenises: the regenerated conversations when regeneration is on."""
+        return str(self.layout.regenerated / CONVERSATIONS_FILE) if self.regenerate_responses else self.dataset_input
+
+    def prepare_config(self) -> PrepareConfig:
+        """``prepare-dataset``: the input (or its regenerated answers) into the run's dataset."""
+        return self.step_config(PrepareConfig, input=self.prepare_input, verifier=model_dir(self), out=self.layout.dataset)
+
+    def regenerate_config(self, server_url: str, server_pid: int | None) -> RegenerateConfig:
+        """``regenerate``: the input's answers rewritten through the engine at ``server_url``."""
+        return self.step_config(
+            RegenerateConfig, input=self.dataset_input, verifier=model_dir(self), out=self.layout.regenerated,
+            server=server_url, server_pid=server_pid, warmup_timeout=self.warmup_timeout,
+        )
+
+    def stats_config(self) -> StatsConfig:
+        """``dataset-stats``: the prepared dataset's rows, tokens and hidden-state bytes."""
+        return self.step_config(
+            StatsConfig, dataset=self.layout.dataset, verifier=model_dir(self), aux_layer_ids=self.resolved_aux_layer_ids(),
+            hidden_states_dtype=self.hidden_states_dtype,
+        )
+
+    def disk_check_config(self, folder: Path, needed_bytes: int) -> DiskCheckConfig:
+        """``check-disk``: ``folder`` must hold ``needed_bytes`` with the margin."""
+        return self.step_config(DiskCheckConfig, folder=folder, needed_bytes=needed_bytes)
+
+    def verify_capture_config(self, server_url: str, dump_dir: str, engine: str) -> VerifyCaptureConfig:
+        """The capture check's config: its Params plus this run's dataset, verifier and aux ids, for engine ``engine`` at ``server_url``."""
+        return self.step_config(
+            VerifyCaptureConfig, dataset=self.layout.dataset, server=server_url, dump_dir=dump_dir, verifier=model_dir(self),
+            aux_layer_ids=self.resolved_aux_layer_ids(), hidden_states_dtype=self.hidden_states_dtype,
+            out=self.layout.capture_check(engine),
+        )
+
+    def extract_config(self, server: ServerInfo, shard: dict[str, Any]) -> ExtractConfig:
+        """``extract``: the rows of ``shard`` (``{name, start, end}``) from ``server``, watched by pid when it runs here."""
+        return self.step_config(
+            ExtractConfig, dataset=self.layout.dataset, server=server.url, engine_name=server.name, dump_dir=server.dump_dir,
+            rows=f"{int(shard['start'])}:{int(shard['end'])}", verifier=model_dir(self),
+            aux_layer_ids=self.resolved_aux_layer_ids(), hidden_states_dtype=self.hidden_states_dtype,
+            manifest=self.layout.shard_manifest(str(shard["name"])), server_pid=server.pid if server.is_local else None,
+        )
+
+    def vocab_config(self) -> VocabConfig:
+        """``build-vocab``: the draft vocabulary in the run's dataset."""
+        return self.step_config(VocabConfig, dataset=self.layout.dataset, verifier=model_dir(self))
+
+    def train_config(self, engines: list[ServerInfo] | None = None, node_rank: int = 0) -> TrainConfig:
         """The training step's config: the training Params plus this run's folders and aux ids.
 
         :param engines: online (``hidden_states_source`` engine), the engines training asks.
+        :param node_rank: which of the training nodes runs it.
         """
-        values = {
-            **self.step_values(TrainConfig),
+        values: dict[str, Any] = {
             "dataset": self.layout.dataset,
             "verifier": model_dir(self),
             "out": self.layout.train.root,
@@ -301,11 +317,12 @@ class PipelineConfig(BaseModel):
             "hidden_states_dtype": self.hidden_states_dtype,
             # What the engines' writers may hold, online training may hold ahead of the trainer.
             "online_window_gb": self.dump_queue_gb,
+            "node_rank": node_rank,
         }
         if engines:  # one hand-off folder for all of a run's engines
             values.update(engine_urls=[e.url for e in engines], engine_names=[e.name for e in engines],
                           dump_dir=Path(engines[0].dump_dir))
-        return build_model(TrainConfig, values, param_name)
+        return self.step_config(TrainConfig, **values)
 
     @property
     def online(self) -> bool:
@@ -316,55 +333,25 @@ class PipelineConfig(BaseModel):
         """Step Param ``name`` as given, else its step's default."""
         return self.step_params.get(name, STEP_PARAMS[name].model_fields[name].default)
 
-    @property
-    def prepare_input(self) -> str:
-        """What preparation tokenises: the regenerated conversations when regeneration is on."""
-        return str(self.layout.regenerated / CONVERSATIONS_FILE) if self.regenerate_responses else self.dataset_input
+    def plot_config(self) -> PlotConfig:
+        """``plot``: charts of the run's training metrics (a :class:`~eagleflow.metrics.plot.PlotConfig`)."""
+        from eagleflow.metrics.plot import PlotConfig
 
-    def regenerate_config(self, server_url: str, server_pid: int | None) -> RegenerateConfig:
-        """The regeneration step's config for the engine at ``server_url``."""
-        values = {
-            **self.step_values(RegenerateConfig),
-            "input": self.dataset_input,
-            "tokenizer": model_dir(self),
-            "out": self.layout.regenerated,
-            "server": server_url,
-            "server_pid": server_pid,
-            "skip_bad_rows": self.skip_bad_rows,
-            "warmup_timeout": self.warmup_timeout_minutes * 60,
-        }
-        return build_model(RegenerateConfig, values, param_name)
+        return self.step_config(PlotConfig, metrics=self.layout.train.metrics, out=self.layout.charts)
 
-    def verify_capture_config(self, server_url: str, dump_dir: str, engine: str) -> VerifyCaptureConfig:
-        """The capture check's config: its Params plus this run's dataset, verifier and aux ids, for engine ``engine`` at ``server_url``."""
-        values = {
-            **self.step_values(VerifyCaptureConfig),
-            "dataset": self.layout.dataset,
-            "server": server_url,
-            "dump_dir": dump_dir,
-            "model": model_dir(self),
-            "aux_layer_ids": self.resolved_aux_layer_ids(),
-            "hidden_states_dtype": self.hidden_states_dtype,
-            "out": self.layout.capture_check(engine),
-        }
-        return build_model(VerifyCaptureConfig, values, param_name)
+    def export_config(self) -> ExportConfig:
+        """``export``: the best checkpoint as the drafter folders (an :class:`~eagleflow.export.step.ExportConfig`)."""
+        from eagleflow.export.step import ExportConfig
+
+        return self.step_config(ExportConfig, train_dir=self.layout.train.root, verifier=model_dir(self), out=self.layout.drafter)
 
     def evaluate_config(self) -> EvaluateConfig:
         """The evaluation step's config: its Params plus this run's folders, engine and training split."""
         layout = self.layout
-        values = {
-            **self.step_values(EvaluateConfig),
-            "dataset": layout.dataset,
-            "model": model_dir(self),
-            "drafter": layout.drafter,
-            "out": layout.evaluation,
-            "train_dir": layout.train.root,
-            "engine": self.engine,
-            "tp_size": self.tp_size,
-            "server_extra_args": list(self.server_extra_args),
-            "warmup_timeout": self.warmup_timeout_minutes * 60,
-        }
-        return build_model(EvaluateConfig, values, param_name)
+        return self.step_config(
+            EvaluateConfig, dataset=layout.dataset, verifier=model_dir(self), drafter=layout.drafter, out=layout.evaluation,
+            train_dir=layout.train.root, engine=self.engine, tp_size=self.tp_size, warmup_timeout=self.warmup_timeout,
+        )
 
 
 PIPELINE_PARAMS = tuple(name for name in PipelineConfig.model_fields if name != "step_params")
@@ -382,14 +369,11 @@ def param_schemas() -> dict[str, dict[str, Any]]:
     section, what every run sets); the others start collapsed. A step's Params are its step's
     section; the pipeline's own name theirs with ``json_schema_extra={"section": …}``.
     """
-    return {
-        **schemas_of(PipelineConfig, PIPELINE_PARAMS),
-        **schemas_of(VerifyCaptureConfig, VERIFY_PARAMS, section="Extraction"),
-        **schemas_of(ExtractConfig, EXTRACT_PARAMS, section="Extraction"),
-        **schemas_of(TrainConfig, TRAIN_PARAMS, section="Training"),
-        **schemas_of(EvaluateConfig, EVAL_PARAMS, section="Evaluation"),
-        **schemas_of(RegenerateConfig, REGEN_PARAMS, section="Regeneration"),
-    }
+    schemas = schemas_of(PipelineConfig, PIPELINE_PARAMS)
+    for model, names, section in STEP_PARAM_GROUPS:
+        schemas.update(schemas_of(model, names, section=section))
+    order = {section: rank for rank, section in enumerate(FORM_SECTIONS)}
+    return dict(sorted(schemas.items(), key=lambda item: order[item[1].get("section")]))  # stable: field order within a section
 
 
 def model_dir(cfg: PipelineConfig) -> Path:

@@ -21,12 +21,9 @@ class PrepareDatasetOperator(EagleflowStepOperator):
         super().__init__(step="prepare-dataset", **kwargs)
 
     def step_argv(self, context: Context) -> list[str]:
-        from eagleflow.pipeline import model_dir
+        from eagleflow.config import model_to_argv
 
-        cfg = pipeline_config(context)
-        argv = ["--input", cfg.prepare_input, "--tokenizer", str(model_dir(cfg)), "--out", str(cfg.layout.dataset)]
-        argv += ["--max-len", str(cfg.max_len), "--skip-bad-rows" if cfg.skip_bad_rows else "--no-skip-bad-rows"]
-        return argv
+        return model_to_argv(pipeline_config(context).prepare_config())
 
 
 class RegenerateOperator(EagleflowStepOperator):
@@ -75,14 +72,9 @@ class DatasetStatsOperator(EagleflowStepOperator):
         super().__init__(step="dataset-stats", **kwargs)
 
     def step_argv(self, context: Context) -> list[str]:
-        from eagleflow.pipeline import model_dir
+        from eagleflow.config import model_to_argv
 
-        cfg = pipeline_config(context)
-        ids = ",".join(str(k) for k in cfg.resolved_aux_layer_ids())
-        return [
-            "--dataset", str(cfg.layout.dataset), "--model", str(model_dir(cfg)), "--aux-layer-ids", ids,
-            "--hidden-states-dtype", cfg.hidden_states_dtype,
-        ]
+        return model_to_argv(pipeline_config(context).stats_config())
 
 
 class CheckDiskOperator(EagleflowStepOperator):
@@ -98,6 +90,8 @@ class CheckDiskOperator(EagleflowStepOperator):
         self.stats = stats
 
     def step_argv(self, context: Context) -> list[str]:
+        from eagleflow.config import model_to_argv
+
         cfg = pipeline_config(context)
         needed = int(self.stats["estimated_bytes"])
         folder = cfg.layout.hidden_states
@@ -109,7 +103,7 @@ class CheckDiskOperator(EagleflowStepOperator):
             needed = online_window_bytes(train) + online_cache_bytes(train)
             folder = cfg.layout.train.online
             self.log.info("Online training: the disk holds at most the window and the cache, %d bytes", needed)
-        return ["--folder", str(folder), "--needed-bytes", str(needed), "--margin", str(cfg.disk_margin)]
+        return model_to_argv(cfg.disk_check_config(folder, needed))
 
 
 class PlanShardsOperator(BaseOperator):

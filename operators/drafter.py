@@ -24,12 +24,9 @@ class ExportOperator(EagleflowStepOperator):
         super().__init__(step="export", **kwargs)
 
     def step_argv(self, context: Context) -> list[str]:
-        cfg = pipeline_config(context)
-        train = cfg.train_config()
-        return [
-            "--train-dir", str(train.out), "--verifier", str(train.verifier),
-            "--out", str(cfg.layout.drafter), "--serve-with", train.serve_with,
-        ]
+        from eagleflow.config import model_to_argv
+
+        return model_to_argv(pipeline_config(context).export_config())
 
 
 class EvaluateOperator(EagleflowStepOperator):

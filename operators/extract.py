@@ -38,7 +38,7 @@ def nothing_to_extract(cfg: PipelineConfig, context: Context) -> str | None:
     Online training and regeneration need the engines whatever the shards; before plan_shards has
     run (a run's first pass), nothing is known and the engines start.
     """
-    from eagleflow.extract.completion import incomplete_shards
+    from eagleflow.extract import incomplete_shards
 
     ti = context.get("ti")
     if cfg.online or cfg.regenerate_responses or cfg.step_param("reextract_complete_shards") or ti is None:
@@ -117,7 +117,7 @@ class ShardExtractOperator(EagleflowStepOperator):
 
     def execute(self, context: Context) -> Any:
         """A complete shard (a finished one, cleared) says so and extracts nothing, unless the run re-extracts complete shards."""
-        from eagleflow.extract.completion import already_complete_message, complete_shard
+        from eagleflow.extract import already_complete_message, complete_shard
         from eagleflow.pipeline import param_name
 
         cfg = pipeline_config(context)
@@ -134,8 +134,8 @@ class ShardExtractOperator(EagleflowStepOperator):
         return super().execute(context)
 
     def step_argv(self, context: Context) -> list[str]:
+        from eagleflow.config import model_to_argv
         from eagleflow.engine.pool import NoEngineReady, choose_engine, engines_from_xcom
-        from eagleflow.pipeline import model_dir
 
         cfg = pipeline_config(context)
         if cfg.online:
@@ -157,24 +157,7 @@ class ShardExtractOperator(EagleflowStepOperator):
         for reason in passed_over:
             self.log.warning("Passing over %s", reason)
         self.log.info("Shard %s uses %s", self.shard["name"], server.describe())
-        start, end, name = int(self.shard["start"]), int(self.shard["end"]), str(self.shard["name"])
-        argv = [
-            "--dataset", str(cfg.layout.dataset),
-            "--server", server.url,
-            "--engine", server.name,
-            "--dump-dir", server.dump_dir,
-            "--rows", f"{start}:{end}",
-            "--model", str(model_dir(cfg)),
-            "--aux-layer-ids", ",".join(str(k) for k in cfg.resolved_aux_layer_ids()),
-            "--hidden-states-dtype", cfg.hidden_states_dtype,
-            "--manifest", str(cfg.layout.shard_manifest(name)),
-            "--concurrency", str(cfg.concurrency),
-        ]
-        if cfg.step_param("reextract_complete_shards"):
-            argv.append("--reextract-complete-shards")
-        if server.is_local:
-            argv += ["--server-pid", str(server.pid)]
-        return argv
+        return model_to_argv(cfg.extract_config(server, self.shard))
 
     def run_step(self, step: str, argv: list[str]) -> dict[str, Any] | None:
         from eagleflow.extract.shard import EXIT_ENGINE_GONE

@@ -17,9 +17,6 @@ from operators.step import pipeline_config
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-    from eagleflow.pipeline import PipelineConfig
-    from eagleflow.engine.process import ServerInfo
-
 # How often the trigger hands the new server log lines back to the task log while waiting.
 LOG_REPORT_SECONDS = 60.0
 # How long past the deadline Airflow waits for the trigger's own timeout event.
@@ -33,15 +30,6 @@ NOT_LAUNCHED_KEY = "not_launched"
 # Names each mapped engine task after its engine in the UI (engine-0, …); give it to .partial().
 ENGINE_MAP_INDEX_TEMPLATE = "{{ task.engine['name'] }}"
 SERVER_MAP_INDEX_TEMPLATE = "{{ task.server['name'] }}"
-
-
-def remote_engine(cfg: PipelineConfig, engine: dict[str, Any]) -> ServerInfo:
-    """An engine of remote mode (``server_urls``), with the run's ``server_dump_dir``."""
-    from eagleflow.engine.process import ServerInfo
-
-    return ServerInfo(
-        url=str(engine["url"]), pid=None, host="", log_path="", dump_dir=str(cfg.server_dump_dir), name=str(engine["name"])
-    )
 
 
 class PlanEnginesOperator(BaseOperator):
@@ -62,7 +50,8 @@ class PlanEnginesOperator(BaseOperator):
 
 
 class SGLangServerOperator(BaseOperator):
-    """Start one engine of this run (SGLang with the capture hook, or the reference engine).
+    """Start one engine of this run (SGLang with the capture hook, or the reference engine):
+    :func:`eagleflow.engine.launch.launch_engine`, which ``python -m eagleflow launch`` runs too.
 
     The server runs in its own session and outlives this task; its output goes to
     ``<run>/server/<engine>.log``. If that engine is already up (a retry, or a cleared shard
@@ -89,42 +78,24 @@ class SGLangServerOperator(BaseOperator):
         self.engine = engine
 
     def execute(self, context: Context) -> dict[str, Any]:
-        from eagleflow.engine.launch import engine_command
-        from eagleflow.engine.process import ServerInfo, free_port, launch_lock, running_server, start_server
-
-        cfg = pipeline_config(context)
-        engine = dict(self.engine)
-        name = str(engine["name"])
-        if cfg.remote:
-            self.log.info("Remote mode: not launching anything; %s is at %s", name, engine["url"])
-            return remote_engine(cfg, engine).as_dict()
-        layout = cfg.layout
+        from eagleflow.engine import ServerInfo, launch_engine
         from operators.extract import nothing_to_extract
 
-        idle = nothing_to_extract(cfg, context)
+        cfg = pipeline_config(context)
+        name = str(self.engine["name"])
+        idle = None if cfg.remote else nothing_to_extract(cfg, context)
         if idle:
             self.log.info("Not launching %s: %s", name, idle)
-            unstarted = ServerInfo(url=str(engine.get("url") or ""), pid=None, host="", log_path="", dump_dir=str(layout.dump_dir), name=name)
-            return {**unstarted.as_dict(), NOT_LAUNCHED_KEY: idle}
-        with launch_lock(layout.server):
-            existing = running_server(layout.engine_state(name))
-            if existing is not None:
-                self.log.info("Reusing %s: pid %s (log %s)", existing.describe(), existing.pid, existing.log_path)
-                return existing.as_dict()
-            # Engines of this run already running on this machine hold the first GPUs.
-            neighbours = [e for e in cfg.engine_plan() if e["name"] != name and running_server(layout.engine_state(e["name"]))]
-            port = int(engine["port"]) or free_port()
-            argv, env = engine_command(cfg, port, gpu_offset=len(neighbours) * cfg.tp_size)
-            self.log.info("Starting %s engine %s: %s", cfg.engine, name, " ".join(argv))
-            info = start_server(
-                argv, env, layout.engine_log(name), layout.engine_state(name), f"http://127.0.0.1:{port}", layout.dump_dir, name
+            unstarted = ServerInfo(
+                url=str(self.engine.get("url") or ""), pid=None, host="", log_path="", dump_dir=str(cfg.layout.dump_dir), name=name
             )
-        self.log.info("%s: pid %s, log %s", info.describe(), info.pid, info.log_path)
-        return info.as_dict()
+            return {**unstarted.as_dict(), NOT_LAUNCHED_KEY: idle}
+        return launch_engine(cfg, name, say=self.log.info).as_dict()
 
 
 class StopServerOperator(BaseOperator):
-    """Teardown: stop one engine of the run and its whole process group (TERM, then KILL).
+    """Teardown: stop one engine of the run and its whole process group (TERM, then KILL), with
+    :func:`eagleflow.engine.launch.stop_engine` (``python -m eagleflow stop``).
 
     Finds the engine's process in ``<run>/server/<engine>.json``, which launch wrote, so it works
     whatever launch pushed or whether it failed.
@@ -147,31 +118,18 @@ class StopServerOperator(BaseOperator):
         self.after_training = after_training
 
     def execute(self, context: Context) -> str:
-        import json
-
-        from eagleflow.engine.process import ServerInfo, stop_server
+        from eagleflow.engine import EngineElsewhere, stop_engine
 
         cfg = pipeline_config(context, check_model=False)  # the teardown must work whatever the Params say
         name = str(self.engine["name"])
-        if cfg.remote:
-            self.log.info("Remote mode: %s at %s is not ours to stop", name, self.engine["url"])
-            return "remote engine left running"
-        if cfg.online != self.after_training:
+        if not cfg.remote and cfg.online != self.after_training:
             when = "after training" if cfg.online else "after extraction"
             self.log.info("hidden_states_source %s: %s is stopped %s, not here", "engine" if cfg.online else "disk", name, when)
             return f"left for the stop {when}"
-        state = cfg.layout.engine_state(name)
         try:
-            info = ServerInfo.from_dict(json.loads(state.read_text()))
-        except (FileNotFoundError, ValueError):
-            info = None
-        if info is None or info.pid is None:
-            self.log.info("%s was not started for this run; nothing to stop", name)
-            return "nothing to stop"
-        if not info.is_local:
-            raise AirflowException(f"{info.describe()} (pid {info.pid}) runs on {info.host}, not here; cannot stop it from this worker")
-        message = stop_server(info.pid, self.grace_seconds)
-        state.unlink(missing_ok=True)
+            message = stop_engine(cfg, name, self.grace_seconds)
+        except EngineElsewhere as exc:
+            raise AirflowException(str(exc)) from exc
         self.log.info("%s: %s", name, message)
         return message
 
@@ -254,7 +212,7 @@ class ServerReadySensor(BaseSensorOperator):
     timeout; with ``deferrable=False`` it is a plain sensor whose ``mode`` (``poke`` or
     ``reschedule``), ``poke_interval`` and ``exponential_backoff`` apply. ``timeout`` bounds
     the wait: given to the operator, it is used as given; left out, the run's
-    ``warmup_timeout_minutes`` Param sets it. A timeout raises ``AirflowSensorTimeout``, and
+    ``warmup_timeout`` Param (seconds) sets it. A timeout raises ``AirflowSensorTimeout``, and
     ``soft_fail`` turns it (and a dead engine) into a skip, as for any sensor.
 
     Fails at once when the engine process dies: the engine's own last error line first, then the
@@ -298,7 +256,7 @@ class ServerReadySensor(BaseSensorOperator):
             self.log.info("%s was not launched (%s): nothing to wait for", self.server.get("name"), self.server[NOT_LAUNCHED_KEY])
             return dict(self.server)
         if self.timeout_from_params:
-            self.timeout = pipeline_config(context, check_model=False).warmup_timeout_minutes * 60
+            self.timeout = pipeline_config(context, check_model=False).warmup_timeout
         if not self.deferrable:
             return super().execute(context)
         ready = self.poke(context)

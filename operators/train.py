@@ -31,9 +31,22 @@ class BuildVocabOperator(EagleflowStepOperator):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(step="build-vocab", **kwargs)
 
+    def execute(self, context: Context) -> Any:
+        cfg = pipeline_config(context)
+        if cfg.stop_after_extraction:
+            from airflow.sdk.exceptions import AirflowSkipException
+
+            # Skipped, not failed: training, export and evaluation are skipped after it and the run succeeds.
+            raise AirflowSkipException(
+                f"stop_after_extraction: the hidden states are in {cfg.layout.hidden_states}; trigger a run with "
+                f"run_name {cfg.layout.root.name!r} and stop_after_extraction off to train from them"
+            )
+        return super().execute(context)
+
     def step_argv(self, context: Context) -> list[str]:
-        train = pipeline_config(context).train_config()
-        return ["--dataset", str(train.dataset), "--verifier", str(train.verifier), "--draft-vocab-size", str(train.draft_vocab_size)]
+        from eagleflow.config import model_to_argv
+
+        return model_to_argv(pipeline_config(context).vocab_config())
 
 
 class PlanTrainNodesOperator(BaseOperator):
@@ -86,8 +99,7 @@ class TrainOperator(EagleflowStepOperator):
 
         cfg = pipeline_config(context)
         if not cfg.online:
-            train = cfg.train_config()
-            return model_to_argv(train.model_copy(update={"node_rank": int((self.node or {}).get("rank", 0))}))
+            return model_to_argv(cfg.train_config(node_rank=int((self.node or {}).get("rank", 0))))
         engines = engines_from_xcom(self.engines)
         reachable = [e for e in engines if unreachable_reason(e) is None]
         for engine in engines:
@@ -108,5 +120,6 @@ class PlotOperator(EagleflowStepOperator):
         super().__init__(step="plot", **kwargs)
 
     def step_argv(self, context: Context) -> list[str]:
-        layout = pipeline_config(context).layout
-        return ["--metrics", str(layout.train.metrics), "--out", str(layout.charts)]
+        from eagleflow.config import model_to_argv
+
+        return model_to_argv(pipeline_config(context).plot_config())

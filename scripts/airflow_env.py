@@ -210,17 +210,17 @@ def migrate_db(env: dict[str, str], timeout: float = 600.0) -> None:
 
 def session_processes(session: str) -> list[int]:
     """Pids of live processes whose environment carries ``EAGLEFLOW_AIRFLOW_SESSION=session``."""
-    marker = f"{SESSION_VAR}={session}".encode()
+    import psutil
+
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+    for process in psutil.process_iter():
+        if process.pid == os.getpid():
             continue
         try:
-            environ = (entry / "environ").read_bytes()
-        except OSError:  # gone, or not ours to read
+            if process.environ().get(SESSION_VAR) == session and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process.pid)
+        except psutil.Error:  # gone, or not ours to read
             continue
-        if marker in environ.split(b"\0"):
-            found.append(int(entry.name))
     return found
 
 

@@ -114,9 +114,9 @@ def build_run(layout: RunLayout, model: Path, rows: int, shard_size: int, aux: l
     """Dataset, engine, one extraction per shard: the first half of the pipeline, for real."""
     py = sys.executable
     conversations = layout.root / "conversations.jsonl"
-    run([py, "-m", "eagleflow", "make-dataset", "--tokenizer", str(model), "--out", str(conversations),
+    run([py, "-m", "eagleflow", "make-dataset", "--verifier", str(model), "--out", str(conversations),
          "--rows", str(rows), "--seed", "7"])
-    run([py, "-m", "eagleflow", "prepare-dataset", "--input", str(conversations), "--tokenizer", str(model),
+    run([py, "-m", "eagleflow", "prepare-dataset", "--input", str(conversations), "--verifier", str(model),
          "--out", str(layout.dataset), "--max-len", "512"])
 
     layout.server.mkdir(parents=True, exist_ok=True)
@@ -134,7 +134,7 @@ def build_run(layout: RunLayout, model: Path, rows: int, shard_size: int, aux: l
         wait_ready(url, server, engine_log)
         for shard in plan_shards(rows, shard_size):
             run([py, "-m", "eagleflow", "extract", "--dataset", str(layout.dataset), "--server", url,
-                 "--engine", engine_name(0), "--dump-dir", str(layout.dump_dir), "--rows", f"{shard['start']}:{shard['end']}", "--model", str(model),
+                 "--engine-name", engine_name(0), "--dump-dir", str(layout.dump_dir), "--rows", f"{shard['start']}:{shard['end']}", "--verifier", str(model),
                  "--aux-layer-ids", aux_text, "--manifest", str(layout.shard_manifest(str(shard["name"]))),
                  "--server-pid", str(server.pid), "--concurrency", "2"],
                 log=layout.root / f"extract-{shard['name']}.log")

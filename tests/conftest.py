@@ -98,14 +98,10 @@ def one_torch_thread() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def airflow_db() -> Path:
     """An initialized (migrated) Airflow metadata DB for in-process ``dag.test()`` runs."""
-    import subprocess
-    import sys
+    from metadata_db import migrated_sqlite_db
 
     home = Path(os.environ["AIRFLOW_HOME"])
-    home.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True, capture_output=True, timeout=300)
-    pools = REPO / "docker" / "pools.json"  # the DAG's GPU tasks run in the deployment's pool
-    subprocess.run([sys.executable, "-m", "airflow", "pools", "import", str(pools)], check=True, capture_output=True, timeout=300)
+    migrated_sqlite_db(home)
     return home
 
 
@@ -179,6 +175,20 @@ def small_tmpfs(tmp_path: Path) -> Iterator[object]:
 
 
 @pytest.fixture()
+def params(tmp_path: Path, random_tiny_model: Path) -> dict[str, Any]:
+    """A run's Params: the reference engine on the tiny model, any free port, one torch thread."""
+    return {
+        "engine": "reference",
+        "model_path": str(random_tiny_model),
+        "dataset_input": str(tmp_path / "unused.jsonl"),
+        "output_root": str(tmp_path / "out"),
+        "server_port": 0,
+        # One thread: the engine shares 2 cores with this test process.
+        "server_extra_args": ["--threads", "1"],
+    }
+
+
+@pytest.fixture()
 def process_groups() -> Iterator[list[int]]:
     """Process groups (= engine pids, session leaders) a test started; SIGKILLed and reaped afterwards."""
     import contextlib
@@ -227,6 +237,7 @@ SPLIT_MODULES = {
 }
 
 
+@pytest.hookimpl(optionalhook=True)  # also with -p no:xdist
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """A module's tests as one work unit, but each test of :data:`SPLIT_MODULES` on its own.
 

@@ -5,20 +5,24 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from eagleflow.config import model_to_argv
 from eagleflow.engine.process import Readiness, ServerInfo, check_ready, free_port, pid_alive, start_server
 from eagleflow.engine.reference.config import ReferenceEngineConfig
+from eagleflow.engine.reference.faults import faults_env
 
 
 def launch_engine(
-    model: Path, dump_dir: Path, log: Path, *extra: str, aux: list[int], port: int | None = None, name: str = "engine-0"
+    model: Path, dump_dir: Path, log: Path, *extra: str, aux: list[int], port: int | None = None, name: str = "engine-0",
+    faults: dict[str, Any] | None = None,
 ) -> ServerInfo:
-    """A reference engine capturing ``aux`` into ``dump_dir``, once it is ready (``extra``: more of its flags)."""
+    """A reference engine capturing ``aux`` into ``dump_dir``, once it is ready (``extra``: more of its flags;
+    ``faults``: the test-only faults it injects, :class:`~eagleflow.engine.reference.faults.EngineFaults`' fields)."""
     port = port or free_port()
     engine = ReferenceEngineConfig(model=model, dump_dir=dump_dir, aux_layers=aux, port=port, warmup_seconds=0)
     argv = [sys.executable, "-m", "eagleflow", "serve-reference", *model_to_argv(engine), *extra]
-    info = start_server(argv, {}, log, log.with_suffix(".json"), f"http://127.0.0.1:{port}", dump_dir, name)
+    info = start_server(argv, faults_env(**faults or {}), log, log.with_suffix(".json"), f"http://127.0.0.1:{port}", dump_dir, name)
     deadline = time.monotonic() + 120
     while check_ready(info).state is not Readiness.READY:
         assert time.monotonic() < deadline and pid_alive(info.pid), log.read_text()[-3000:]

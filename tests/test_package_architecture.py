@@ -15,7 +15,7 @@ CORE = REPO / "eagleflow"
 # The top of eagleflow/ holds only what every stage uses; each stage is a package.
 CROSS_CUTTING = {
     "__init__.py", "__main__.py", "config.py", "deploy.py", "errors.py", "files.py", "layout.py",
-    "pipeline.py", "progress.py", "results.py", "run_report.py", "report_shapes.py",
+    "pipeline.py", "progress.py", "results.py", "run_report.py", "report_shapes.py", "step_params.py",
 }
 STAGES = {"engine", "data", "extract", "train", "metrics", "export", "evaluate", "demo"}
 MAX_MODULE_LINES = 400
@@ -73,3 +73,67 @@ def test_no_module_is_over_the_size_limit() -> None:
         if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
     ]
     assert big == []
+
+
+def stage_of(path: Path) -> str | None:
+    """The stage package a core module belongs to (None for the cross-cutting modules at the top)."""
+    parts = path.relative_to(CORE).parts
+    return parts[0] if len(parts) > 1 else None
+
+
+def is_package(module: str) -> bool:
+    return (REPO / Path(*module.split(".")) / "__init__.py").exists()
+
+
+def cross_stage_imports(path: Path) -> list[tuple[str, list[str]]]:
+    """``(module, names)`` of every import of another stage in ``path`` (``names`` empty for ``import x``)."""
+    own = stage_of(path)
+    found: list[tuple[str, list[str]]] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.module, [alias.name for alias in node.names]))
+    return [
+        (module, names) for module, names in found
+        if module.startswith("eagleflow.") and module.split(".")[1] in STAGES and module.split(".")[1] != own
+    ]
+
+
+def test_stages_import_one_another_only_through_a_packages_public_names() -> None:
+    """A stage reaches another through ``from eagleflow.<stage> import name`` (or a sub-package's), where
+    ``name`` is in that package's ``__all__``: what a stage offers the others is its ``__init__``'s list."""
+    import importlib
+
+    bad = []
+    for path in sorted(CORE.rglob("*.py")):
+        if stage_of(path) is None:
+            continue
+        for module, names in cross_stage_imports(path):
+            where = f"{path.relative_to(REPO)}: {module}"
+            if not names or not is_package(module):
+                bad.append(f"{where} (import through the package, not its module)")
+                continue
+            public = set(importlib.import_module(module).__all__)
+            bad += [f"{where} import {name} (not in its __all__)" for name in names if name not in public]
+    assert bad == []
+
+
+@pytest.mark.parametrize("stage", sorted(STAGES))
+def test_every_public_name_of_a_stage_resolves(stage: str) -> None:
+    """Each name a stage's ``__init__`` lists imports (they load lazily, so a typo would hide until used)."""
+    import importlib
+
+    package = importlib.import_module(f"eagleflow.{stage}")
+    assert [name for name in package.__all__ if getattr(package, name, None) is None] == []
+
+
+def test_importing_every_stage_package_imports_no_torch() -> None:
+    """A stage's public names load lazily: the Airflow processes that only read a package's light names
+    (the API server reading shard manifests, the triggerer probing an engine) never pay for torch."""
+    import subprocess
+    import sys
+
+    code = "import sys\n" + "".join(f"import eagleflow.{s}\n" for s in sorted(STAGES)) + "print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"

@@ -27,10 +27,10 @@ class ChatTokenizer:
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
         except Exception as exc:
-            raise UserError(f"--tokenizer {tokenizer_dir}: cannot load a tokenizer: {exc}") from exc
+            raise UserError(f"--verifier {tokenizer_dir}: cannot load a tokenizer: {exc}") from exc
         template = self.tokenizer.chat_template or ""
         if not template:
-            raise UserError(f"--tokenizer {tokenizer_dir} has no chat template; give pre-tokenized input_ids instead")
+            raise UserError(f"--verifier {tokenizer_dir} has no chat template; give pre-tokenized input_ids instead")
         self.has_generation_markers = "{% generation %}" in template or "{%- generation %}" in template
 
     def __call__(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:

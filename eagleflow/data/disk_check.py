@@ -20,7 +20,9 @@ class DiskCheckConfig(BaseModel):
 
     folder: Path = Field(description="where the hidden states go (created if missing)")
     needed_bytes: int = Field(ge=0, description="estimated bytes of all hidden states (dataset-stats)")
-    margin: float = Field(1.1, ge=1.0, description="free space must be at least needed × margin")
+    disk_margin: float = Field(
+        1.1, ge=1.0, title="Disk margin", description="fail early unless free space >= needed bytes × this"
+    )
 
 
 class NotEnoughDisk(UserError):
@@ -45,7 +47,7 @@ def check_disk(cfg: DiskCheckConfig) -> dict[str, Any]:
     cfg.folder.mkdir(parents=True, exist_ok=True)
     present = bytes_present(cfg.folder)
     remaining = max(cfg.needed_bytes - present, 0)
-    required = int(remaining * cfg.margin)
+    required = int(remaining * cfg.disk_margin)
     free = shutil.disk_usage(cfg.folder).free
     print(
         format_table(
@@ -53,7 +55,7 @@ def check_disk(cfg: DiskCheckConfig) -> dict[str, Any]:
                 ("folder", str(cfg.folder)),
                 ("estimated total", format_bytes(cfg.needed_bytes)),
                 ("already written", format_bytes(present)),
-                (f"required (× {cfg.margin})", format_bytes(required)),
+                (f"required (× {cfg.disk_margin})", format_bytes(required)),
                 ("free", format_bytes(free)),
             ]
         ),

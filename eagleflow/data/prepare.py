@@ -21,7 +21,7 @@ import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, Field
 
@@ -38,17 +38,33 @@ BAD_ROWS_FILE = "bad_rows.jsonl"
 MAX_LISTED_ERRORS = 20
 
 
+# Whether unusable input rows are left out, as preparation and regeneration (which reads the same
+# rows first) declare it: one Param sets both.
+SkipBadRows = Annotated[
+    bool,
+    Field(
+        False,
+        title="Skip bad rows",
+        description="leave unusable input rows out instead of failing: preparation lists them in the dataset's "
+        "bad_rows.jsonl; regeneration, which also leaves out rows whose first prompt does not fit the engine's "
+        "context, in its skipped_rows.jsonl",
+    ),
+]
+
+
 class PrepareConfig(BaseModel):
     """Flags of ``python -m eagleflow prepare-dataset``."""
 
     input: Path = Field(description="conversations or token ids: .jsonl or .parquet")
-    tokenizer: Path = Field(description="tokenizer folder (usually the verifier model folder)")
+    verifier: Path = Field(description="the verifier model folder: its tokenizer and chat template tokenize the rows")
     out: Path = Field(description="dataset folder to write (datasets save_to_disk layout)")
-    max_len: int = Field(2048, ge=2, description="rows longer than this many tokens are truncated")
-    vocab_size: int | None = Field(
-        None, ge=1, description="verifier vocabulary size; default: config.json beside the tokenizer, else the tokenizer's"
+    max_len: int = Field(
+        2048, ge=2, title="Max sequence length", description="rows longer than this many tokens are truncated"
     )
-    skip_bad_rows: bool = Field(False, description="leave bad rows out (listed in bad_rows.jsonl) instead of failing")
+    vocab_size: int | None = Field(
+        None, ge=1, description="verifier vocabulary size; default: the verifier's config.json, else its tokenizer's"
+    )
+    skip_bad_rows: SkipBadRows
 
 
 class BadRows(UserError):
@@ -155,7 +171,7 @@ def _int_list(value: Any, name: str) -> list[int] | str:
 def tokenize_rows(cfg: PrepareConfig, vocab_size: int) -> PreparedRows:
     """Turn every input row into (input_ids, loss_mask), truncating and collecting bad rows."""
     out = PreparedRows()
-    chat = LazyChatTokenizer(cfg.tokenizer, cfg.max_len)
+    chat = LazyChatTokenizer(cfg.verifier, cfg.max_len)
     progress = Progress(count_input_rows(cfg.input), label="rows", every=1000)
     for row, record in read_input_rows(cfg.input):  # one row in memory at a time, beside the token ids
         progress.advance()
@@ -265,8 +281,8 @@ def fingerprint(cfg: PrepareConfig, vocab_size: int) -> str:
     with open(cfg.input, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
-    for name in sorted(p.name for p in cfg.tokenizer.glob("tokenizer*")) + ["chat_template.jinja"]:
-        path = cfg.tokenizer / name
+    for name in sorted(p.name for p in cfg.verifier.glob("tokenizer*")) + ["chat_template.jinja"]:
+        path = cfg.verifier / name
         if path.is_file():
             digest.update(name.encode() + path.read_bytes())
     digest.update(json.dumps([cfg.max_len, vocab_size, cfg.skip_bad_rows]).encode())
@@ -279,7 +295,7 @@ def prepare_dataset(cfg: PrepareConfig) -> dict[str, Any]:
     Unchanged inputs are not re-tokenized: the summary records a fingerprint of the input,
     tokenizer and settings, and a rerun with the same fingerprint returns at once.
     """
-    vocab_size = cfg.vocab_size or tokenizer_vocab_size(cfg.tokenizer)
+    vocab_size = cfg.vocab_size or tokenizer_vocab_size(cfg.verifier)
     print_fp = fingerprint(cfg, vocab_size)
     marker = cfg.out / MARKER_FILE
     if marker.exists():

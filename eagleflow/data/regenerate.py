@@ -31,15 +31,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
-from eagleflow.config import add_model_arguments, model_from_args
-from eagleflow.data.prepare import MAX_LISTED_ERRORS, check_messages, read_input_rows
+from eagleflow.config import WarmupTimeout, add_model_arguments, model_from_args
+from eagleflow.data.prepare import MAX_LISTED_ERRORS, SkipBadRows, check_messages, read_input_rows
 from eagleflow.data.verifier import text_config
-from eagleflow.engine.context import derived_context_length, max_new_tokens_left
-from eagleflow.engine.process import EngineGone, ServerInfo, wait_until_ready
+from eagleflow.engine import (
+    EngineClient, EngineGone, EngineRequestSettings, RowFailed, ServerGone, ServerInfo, derived_context_length,
+    max_new_tokens_left, wait_until_ready, with_retries,
+)
 from eagleflow.errors import UserError
-from eagleflow.extract.client import EngineClient, RowFailed, ServerGone
 from eagleflow.files import atomic_write_json, atomic_write_text
 from eagleflow.progress import Progress
 from eagleflow.results import emit_result
@@ -48,15 +49,13 @@ from sglang_patch.request_ids import regenerate_request_id
 CONVERSATIONS_FILE = "conversations.jsonl"
 SUMMARY_FILE = "regenerate.json"
 SKIPPED_FILE = "skipped_rows.jsonl"
-# Tries of a conversation after a 5xx answer, a timeout or a dropped connection.
-MAX_ATTEMPTS = 3
 
 
-class RegenerateConfig(BaseModel):
+class RegenerateConfig(EngineRequestSettings):
     """Flags of ``python -m eagleflow regenerate``."""
 
     input: Path = Field(description="chat conversations ({'messages': [...]}): .jsonl or .parquet")
-    tokenizer: Path = Field(description="the verifier model folder (its chat template builds the prompts)")
+    verifier: Path = Field(description="the verifier model folder (its chat template builds the prompts)")
     out: Path = Field(description="folder for rows/, conversations.jsonl and regenerate.json")
     server: str = Field(description="the running engine's base URL")
     server_pid: int | None = Field(None, description="the engine's process id on this machine (a dead engine stops the wait)")
@@ -65,12 +64,8 @@ class RegenerateConfig(BaseModel):
         512, ge=1, title="Max new tokens per answer", description="longest regenerated answer, in tokens (fewer where the engine's context leaves less after the prompt)"
     )
     regen_concurrency: int = Field(8, ge=1, le=256, title="Conversations at once", description="conversations regenerated at once")
-    skip_bad_rows: bool = Field(
-        False, description="leave out rows that are not usable chat rows, or whose first prompt does not fit the engine's "
-        "context, instead of failing (listed in skipped_rows.jsonl)",
-    )
-    warmup_timeout: float = Field(2700.0, gt=0, description="seconds to wait for the engine to become ready")
-    request_timeout: float = Field(600.0, gt=0, description="seconds to wait for one answer")
+    skip_bad_rows: SkipBadRows
+    warmup_timeout: WarmupTimeout
 
 
 class Regenerator:
@@ -84,13 +79,13 @@ class Regenerator:
 
         self.cfg = cfg
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(cfg.tokenizer))
+            self.tokenizer = AutoTokenizer.from_pretrained(str(cfg.verifier))
         except Exception as exc:
-            raise UserError(f"--tokenizer {cfg.tokenizer}: cannot load a tokenizer: {exc}") from exc
+            raise UserError(f"--verifier {cfg.verifier}: cannot load a tokenizer: {exc}") from exc
         if not self.tokenizer.chat_template:
-            raise UserError(f"--tokenizer {cfg.tokenizer} has no chat template to build prompts with")
+            raise UserError(f"--verifier {cfg.verifier} has no chat template to build prompts with")
         self.client = EngineClient(cfg.server, cfg.request_timeout)
-        self.context_length, self.context_source = engine_context_length(self.client, cfg.tokenizer)
+        self.context_length, self.context_source = engine_context_length(self.client, cfg.verifier)
 
     def prompt(self, messages: list[dict[str, Any]], turn: int) -> list[int]:
         """The token ids sent for the assistant turn at ``turn``: the messages before it and the generation prompt."""
@@ -228,25 +223,18 @@ def _regenerate_rows(regenerator: Regenerator, todo: list[tuple[int, list[dict[s
 
     def one(item: tuple[int, list[dict[str, Any]]]) -> None:
         row, messages = item
-        delay = 1.0
-        for attempt in range(1, MAX_ATTEMPTS + 1):
-            try:
-                record = regenerator.conversation(row, messages)
-                atomic_write_json(row_file(out, row), record)
-                if "shortened" in record:
-                    shortened.append(row)
-                break
-            except RowFailed as exc:
-                if exc.retryable and attempt < MAX_ATTEMPTS:
-                    print(f"row {row}: {exc}; retrying in {delay:.0f}s", flush=True)
-                    time.sleep(delay)
-                    delay *= 2
-                    continue
-                failed[row] = str(exc) + (f" (after {attempt} attempts)" if exc.retryable else "")
-            except ServerGone as exc:
-                failed[row] = str(exc)
+
+        def before_retry(exc: RowFailed, delay: float) -> None:
+            print(f"row {row}: {exc}; retrying in {delay:.0f}s", flush=True)
+
+        try:
+            record = with_retries(lambda: regenerator.conversation(row, messages), regenerator.cfg.max_retries, before_retry=before_retry)
+            atomic_write_json(row_file(out, row), record)
+            if "shortened" in record:
+                shortened.append(row)
+        except (RowFailed, ServerGone) as exc:
+            failed[row] = str(exc)
             print(f"row {row}: FAILED: {failed[row]}", flush=True)
-            break
         progress.advance(extra=f"failed {len(failed)}, shortened {len(shortened)}")
 
     with ThreadPoolExecutor(concurrency, thread_name_prefix="regenerate") as pool:
@@ -285,7 +273,7 @@ def _publish(cfg: RegenerateConfig, usable: list[tuple[int, Any]], bad: list[tup
         "context_length": next(iter(context_lengths)) if len(context_lengths) == 1 else sorted(context_lengths) or None,
         "temperature": cfg.regen_temperature,
         "max_new_tokens": cfg.regen_max_new_tokens,
-        "verifier": str(cfg.tokenizer),
+        "verifier": str(cfg.verifier),
         "seconds": round(time.monotonic() - started, 1),
     }
     atomic_write_json(cfg.out / SUMMARY_FILE, summary)

@@ -24,7 +24,7 @@ class StatsConfig(BaseModel):
     """Flags of ``python -m eagleflow dataset-stats``."""
 
     dataset: Path = Field(description="training dataset folder (prepare-dataset output)")
-    model: Path = Field(description="verifier model folder (its config.json gives the hidden size)")
+    verifier: Path = Field(description="verifier model folder (its config.json gives the hidden size)")
     aux_layer_ids: AuxLayerIds = Field(description="captured layer ids; one more slot holds the final state")
     hidden_states_dtype: StoredHiddenStatesDtype
 
@@ -61,8 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     cfg = model_from_args(StatsConfig, args)
-    aux_layer_ids = resolve_aux_layer_ids(cfg.model, cfg.aux_layer_ids)
-    stats = dataset_stats(cfg.dataset, len(aux_layer_ids) + 1, config_int(cfg.model, "hidden_size"), cfg.hidden_states_dtype)
+    aux_layer_ids = resolve_aux_layer_ids(cfg.verifier, cfg.aux_layer_ids)
+    stats = dataset_stats(cfg.dataset, len(aux_layer_ids) + 1, config_int(cfg.verifier, "hidden_size"), cfg.hidden_states_dtype)
     print(
         format_table(
             [

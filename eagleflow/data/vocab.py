@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, Field
 
-from eagleflow.config import add_model_arguments, model_from_args
+from eagleflow.config import DraftVocabSize, add_model_arguments, model_from_args
 from eagleflow.data.prepare import MARKER_FILE
 from eagleflow.errors import UserError
 from eagleflow.files import atomic_path
@@ -48,7 +48,7 @@ class VocabConfig(BaseModel):
     """Flags of ``python -m eagleflow build-vocab``."""
 
     dataset: Path = Field(description="training dataset folder (prepare-dataset output); the files are written here")
-    draft_vocab_size: int = Field(32000, ge=1, description="number of target token ids the drafter can propose")
+    draft_vocab_size: DraftVocabSize
     verifier: Path | None = Field(
         None, description="verifier model folder; its config.json gives the target vocabulary size"
     )

@@ -9,6 +9,14 @@ Params form's demo defaults and the tests do.
 - :mod:`~eagleflow.demo.synthetic_data`: structured synthetic conversations.
 """
 
-from eagleflow.demo.run import DEMO_PARAMS, DEMO_ROWS, DEMO_RUN_NAME, demo_params, demo_paths, make_demo_inputs, run_summary
+from eagleflow import lazy_exports
 
-__all__ = ["DEMO_PARAMS", "DEMO_ROWS", "DEMO_RUN_NAME", "demo_params", "demo_paths", "make_demo_inputs", "run_summary"]
+__all__, __getattr__ = lazy_exports(
+    __name__,
+    {
+        "run": [
+            "DEMO_PARAMS", "DEMO_ROWS", "DEMO_RUN_NAME", "demo_params", "demo_paths", "make_demo_inputs",
+            "run_summary"
+        ],
+    },
+)

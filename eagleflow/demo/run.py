@@ -29,7 +29,8 @@ DEMO_PARAMS: dict[str, Any] = {
     # machine ran ~25x slower than with one thread (OpenMP threads waiting on each other), which made
     # single-stream speedups meaningless (the 9x beside an accept length of 1.6 of issue 23).
     "server_extra_args": ["--warmup-seconds", "10", "--threads", "1"],
-    "warmup_timeout_minutes": 5.0,
+    "eval_server_extra_args": ["--warmup-seconds", "10", "--threads", "1"],
+    "warmup_timeout": 300.0,
     "epochs": 4,
     # The seed's lr 3e-5 suits 10K rows on GPUs; 120 rows need a larger step to show learning
     # (step-0 accuracy 0.09 -> 0.52 over 4 epochs here, vs 0.01 -> 0.02 at 3e-5).
@@ -72,7 +73,7 @@ def make_demo_inputs(demo_dir: str | Path) -> dict[str, str]:
     paths = demo_paths(demo_dir)
     make_tiny_model(TinyModelConfig(out=Path(paths["model_path"])))
     if not Path(paths["dataset_input"]).exists():
-        make_dataset(DatasetConfig(tokenizer=Path(paths["model_path"]), out=Path(paths["dataset_input"]), rows=DEMO_ROWS))
+        make_dataset(DatasetConfig(verifier=Path(paths["model_path"]), out=Path(paths["dataset_input"]), rows=DEMO_ROWS))
     return paths
 
 
@@ -81,11 +82,10 @@ def run_summary(
 ) -> dict[str, Any]:
     """What a finished run produced: the run report (capture check included), every row's file validated, tokens,
     step-0 accuracy."""
-    from eagleflow.data.prepare import MARKER_FILE
-    from eagleflow.data.verifier import config_int
-    from eagleflow.extract.sample_store import validate_dataset
+    from eagleflow.data import MARKER_FILE, config_int
+    from eagleflow.extract import validate_dataset
     from eagleflow.layout import RunLayout
-    from eagleflow.metrics.reader import read_metrics
+    from eagleflow.metrics import read_metrics
     from eagleflow.run_report import run_summary as report
 
     layout = RunLayout(Path(run_dir))

@@ -10,7 +10,7 @@ well over 256 tokens, so a small ``max_len`` truncates it.
 Row ``i`` depends only on ``(seed, i)``, so ``generate_conversations(100, s)[:50]`` equals
 ``generate_conversations(50, s)`` and a dataset can grow without changing its first rows.
 
-``python -m eagleflow make-dataset --tokenizer DIR --out FILE.jsonl --rows N`` writes them as
+``python -m eagleflow make-dataset --verifier DIR --out FILE.jsonl --rows N`` writes them as
 JSONL, one ``{"messages": [...]}`` per line, and prints their token lengths under the
 tokenizer's chat template.
 """
@@ -255,7 +255,7 @@ def corpus_text(rows: int, seed: int = 0) -> str:
 class DatasetConfig(BaseModel):
     """Flags of ``python -m eagleflow make-dataset``."""
 
-    tokenizer: Path = Field(description="folder of the verifier's tokenizer (its chat template measures lengths)")
+    verifier: Path = Field(description="the verifier model folder (its tokenizer's chat template measures lengths)")
     out: Path = Field(description="JSONL file to write, one {\"messages\": [...]} per line")
     rows: int = Field(ge=1, description="number of conversations")
     seed: int = Field(0, description="selects the conversations; the same seed gives the same file")
@@ -290,14 +290,14 @@ def make_dataset(config: DatasetConfig) -> dict[str, Any]:
     """Write ``config.rows`` conversations to ``config.out`` atomically; return the length summary."""
     from transformers import AutoTokenizer
 
-    if not (config.tokenizer / "tokenizer_config.json").is_file():
-        raise UserError(f"--tokenizer {config.tokenizer}: no tokenizer_config.json there (run make-tiny-model first)")
+    if not (config.verifier / "tokenizer_config.json").is_file():
+        raise UserError(f"--verifier {config.verifier}: no tokenizer_config.json there (run make-tiny-model first)")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer))
+        tokenizer = AutoTokenizer.from_pretrained(str(config.verifier))
     except (OSError, ValueError) as exc:
-        raise UserError(f"--tokenizer {config.tokenizer}: cannot load a tokenizer: {exc}") from exc
+        raise UserError(f"--verifier {config.verifier}: cannot load a tokenizer: {exc}") from exc
     if not tokenizer.chat_template:
-        raise UserError(f"--tokenizer {config.tokenizer}: the tokenizer has no chat template")
+        raise UserError(f"--verifier {config.verifier}: the tokenizer has no chat template")
     conversations = generate_conversations(config.rows, config.seed)
     summary = length_summary(token_lengths(tokenizer, conversations), config.long_tokens)
     with atomic_path(config.out) as tmp:

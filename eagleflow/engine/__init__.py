@@ -2,6 +2,8 @@
 
 - :mod:`~eagleflow.engine.process`: start, probe, and stop an engine process (shared by the
   Airflow operators and the extractor, so "ready", "dead" and "stopped" mean one thing);
+- :mod:`~eagleflow.engine.client`: SGLang's native API as every stage speaks it (extraction, the capture
+  check, regeneration, evaluation, online training), with the one retry policy of engine requests;
 - :mod:`~eagleflow.engine.pool`: a run's engines, and which one a shard uses;
 - :mod:`~eagleflow.engine.launch`: the command line a run launches;
 - :mod:`~eagleflow.engine.sglang_command`: SGLang's command line with the capture hook;
@@ -9,36 +11,22 @@
 - :mod:`~eagleflow.engine.capture`: hidden-state capture from a ``transformers`` model;
 - :mod:`~eagleflow.engine.context`: the context length as SGLang derives, reports and enforces it.
 
-The process helpers are exported here; they import no torch, so the Airflow processes that
-only start, probe and stop engines stay light.
+What other stages use is exported here and loads lazily: the Airflow processes that only
+start, probe and stop engines import no torch.
 """
 
-from eagleflow.engine.process import (
-    Readiness,
-    ReadinessCheck,
-    ServerInfo,
-    check_ready,
-    free_port,
-    last_start_offset,
-    log_tail,
-    pid_alive,
-    read_log_from,
-    running_server,
-    start_server,
-    stop_server,
-)
+from eagleflow import lazy_exports
 
-__all__ = [
-    "Readiness",
-    "ReadinessCheck",
-    "ServerInfo",
-    "check_ready",
-    "free_port",
-    "last_start_offset",
-    "log_tail",
-    "pid_alive",
-    "read_log_from",
-    "running_server",
-    "start_server",
-    "stop_server",
-]
+__all__, __getattr__ = lazy_exports(
+    __name__,
+    {
+        "process": [
+            "EngineGone", "Readiness", "ReadinessCheck", "ServerInfo", "check_ready", "die_with_parent",
+            "engine_label", "free_port", "interrupted_by_signals", "last_start_offset", "log_tail", "pid_alive",
+            "read_log_from", "running_server", "start_server", "stop_server", "wait_until_ready"
+        ],
+        "client": ["AnswerLost", "EngineClient", "EngineRequestSettings", "RowFailed", "ServerGone", "with_retries"],
+        "context": ["context_length_of_model_list", "derived_context_length", "max_new_tokens_left"],
+        "launch": ["EngineElsewhere", "check_server_extra_args", "launch_engine", "serving_engine_command", "stop_engine"],
+    },
+)

@@ -1,22 +1,100 @@
-"""The engines a run launches: their argv and environment, reference engine or SGLang.
+"""The engines a run launches: their argv and environment, reference engine or SGLang, and their life.
 
 The one place that turns a run's settings into an engine command line: the capture engine
 extraction reads from (:func:`engine_command`) and the serving engine evaluation measures
-(:func:`serving_engine_command`). The SGLang flags themselves are
+(:func:`serving_engine_command`). :func:`launch_engine` and :func:`stop_engine` start (or reuse)
+and stop one engine of a run, as the DAG's ``launch_server`` and ``stop_server`` tasks do and as
+``python -m eagleflow launch|stop --params run.json --engine engine-0`` does by hand. The SGLang flags themselves are
 :mod:`eagleflow.engine.sglang_command`'s (capture) and :mod:`eagleflow.engine.sglang_serving`'s
 (serving), the reference engine's :class:`~eagleflow.engine.reference.config.ReferenceEngineConfig`'s.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from eagleflow.config import model_to_argv
 from eagleflow.engine.extra_args import check_reference_extra_args
-from eagleflow.export.step import ServedDrafter
+from eagleflow.engine.process import (
+    ServerInfo, free_port, launch_lock, recorded_server, running_server, start_server, stop_server
+)
+from eagleflow.errors import UserError
+from eagleflow.export import ServedDrafter
 from eagleflow.pipeline import PipelineConfig, model_dir
+from eagleflow.results import emit_result
+
+STOP_GRACE_SECONDS = 30.0
+
+
+class EngineElsewhere(Exception):
+    """The engine to stop runs on another machine (``host``): only a worker there can stop it."""
+
+    def __init__(self, info: ServerInfo) -> None:
+        self.host = info.host
+        super().__init__(f"{info.describe()} (pid {info.pid}) runs on {info.host}, not here; cannot stop it from this worker")
+
+
+def planned_engine(cfg: PipelineConfig, name: str) -> dict[str, Any]:
+    """Engine ``name`` of the run's plan, ``{name, index, url, port}``."""
+    plan = cfg.engine_plan()
+    for engine in plan:
+        if engine["name"] == name:
+            return engine
+    raise UserError(f"the run has no engine {name!r}; its engines: {', '.join(e['name'] for e in plan)}")
+
+
+def launch_engine(cfg: PipelineConfig, name: str, say: Callable[[str], None] = print) -> ServerInfo:
+    """Start engine ``name`` of the run in its own session, or reuse it when it is already up; its address.
+
+    The engine outlives the caller, its output appended to ``<run>/server/<name>.log`` and its process
+    recorded in ``<run>/server/<name>.json``. One launch at a time per run folder (a lock): an SGLang
+    engine that shares its machine with engines of the same run already running takes the GPUs after
+    theirs (``--base-gpu-id``). In remote mode (``server_urls``) nothing starts: the remote engine's
+    address comes back.
+    """
+    engine = planned_engine(cfg, name)
+    layout = cfg.layout
+    if cfg.remote:
+        say(f"Remote mode: not launching anything; {name} is at {engine['url']}")
+        return ServerInfo(url=str(engine["url"]), pid=None, host="", log_path="", dump_dir=str(cfg.server_dump_dir), name=name)
+    with launch_lock(layout.server):
+        existing = running_server(layout.engine_state(name))
+        if existing is not None:
+            say(f"Reusing {existing.describe()}: pid {existing.pid} (log {existing.log_path})")
+            return existing
+        # Engines of this run already running on this machine hold the first GPUs.
+        neighbours = [e for e in cfg.engine_plan() if e["name"] != name and running_server(layout.engine_state(e["name"]))]
+        port = int(engine["port"]) or free_port()
+        argv, env = engine_command(cfg, port, gpu_offset=len(neighbours) * cfg.tp_size)
+        say(f"Starting {cfg.engine} engine {name}: {' '.join(argv)}")
+        info = start_server(argv, env, layout.engine_log(name), layout.engine_state(name), f"http://127.0.0.1:{port}", layout.dump_dir, name)
+    say(f"{info.describe()}: pid {info.pid}, log {info.log_path}")
+    return info
+
+
+def stop_engine(cfg: PipelineConfig, name: str, grace: float = STOP_GRACE_SECONDS) -> str:
+    """Stop engine ``name`` of the run and its whole process group (SIGTERM, SIGKILL after ``grace`` seconds).
+
+    Finds it in ``<run>/server/<name>.json`` (what :func:`launch_engine` recorded), so it works whatever the
+    launch returned or whether it failed; a remote engine is left running. Returns what was done.
+
+    :raises EngineElsewhere: the engine runs on another machine.
+    """
+    if cfg.remote:
+        return "remote engine left running"
+    state = cfg.layout.engine_state(name)
+    info = recorded_server(state)
+    if info is None or info.pid is None:
+        return "nothing to stop"
+    if not info.is_local:
+        raise EngineElsewhere(info)
+    message = stop_server(info.pid, grace)
+    state.unlink(missing_ok=True)
+    return message
 
 
 def engine_command(cfg: PipelineConfig, port: int, gpu_offset: int = 0) -> tuple[list[str], dict[str, str]]:
@@ -98,9 +176,10 @@ def serving_engine_command(
     )
 
 
-def check_server_extra_args(engine: str, extra: Sequence[str]) -> None:
-    """Refuse ``server_extra_args`` that set what the run sets for any engine it launches: the capture
-    engine and both evaluation engines get them (the policy is in :mod:`eagleflow.engine.extra_args`)."""
+def check_server_extra_args(engine: str, extra: Sequence[str], *, serving: bool = False) -> None:
+    """Refuse extra arguments that set what the run sets: the capture engines' (``server_extra_args``) or,
+    with ``serving``, the evaluation engines' (``eval_server_extra_args``). The policy is in
+    :mod:`eagleflow.engine.extra_args`."""
     if engine == "reference":
         check_reference_extra_args(extra)
         return
@@ -108,5 +187,40 @@ def check_server_extra_args(engine: str, extra: Sequence[str]) -> None:
     from eagleflow.engine.sglang_command import check_extra_args as check_capture_args
     from eagleflow.engine.sglang_serving import SERVING_OWNED
 
-    check_capture_args(list(extra))
-    check_extra_args(extra, SERVING_OWNED, who="the evaluation")
+    if serving:
+        check_extra_args(extra, SERVING_OWNED, who="the evaluation")
+    else:
+        check_capture_args(list(extra))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``python -m eagleflow launch`` and ``stop``."""
+    parser.add_argument("--params", type=Path, required=True, help="the run's Params (JSON or YAML), as the trigger form takes them")
+    parser.add_argument("--run-id", default="", help="names the run folder when the Params give no run_name")
+    parser.add_argument("--engine", default="engine-0", help="which of the run's engines (engine-0, engine-1, …)")
+    parser.add_argument(
+        "--grace-seconds", type=float, default=STOP_GRACE_SECONDS, help="stop: seconds SIGTERM gets before SIGKILL"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """``launch``: start (or reuse) the engine, print its address as the result line. ``stop``: stop it."""
+    import yaml
+
+    try:
+        params = yaml.safe_load(args.params.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise UserError(f"--params {args.params}: cannot read the run's Params: {exc}") from exc
+    if not isinstance(params, dict):
+        raise UserError(f"--params {args.params}: expected a mapping of Param names to values")
+    cfg = PipelineConfig.from_params(params, args.run_id)
+    if args.step == "launch":
+        emit_result(launch_engine(cfg.check_model(), args.engine).as_dict())
+        return 0
+    try:
+        message = stop_engine(cfg, args.engine, args.grace_seconds)
+    except EngineElsewhere as exc:
+        raise UserError(str(exc)) from exc
+    print(message, flush=True)
+    emit_result({"engine": args.engine, "stopped": message})
+    return 0

@@ -81,16 +81,13 @@ class ReadinessCheck:
 
 def pid_alive(pid: int) -> bool:
     """True while process ``pid`` exists and is not a zombie."""
+    import psutil
+
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
+    except psutil.AccessDenied:  # someone else's: it exists
         return True
 
 
@@ -218,13 +215,18 @@ def launch_lock(folder: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def recorded_server(state_path: Path) -> ServerInfo | None:
+    """The engine :func:`start_server` recorded in ``state_path`` (None: no record, or not a readable one)."""
+    try:
+        return ServerInfo.from_dict(json.loads(state_path.read_text()))
+    except (FileNotFoundError, ValueError, TypeError):
+        return None
+
+
 def running_server(state_path: Path) -> ServerInfo | None:
     """The engine recorded in ``state_path`` if it is still alive here and answering or warming up."""
-    try:
-        info = ServerInfo.from_dict(json.loads(state_path.read_text()))
-    except (FileNotFoundError, json.JSONDecodeError, TypeError):
-        return None
-    if not info.is_local or check_ready(info).state is Readiness.DEAD:
+    info = recorded_server(state_path)
+    if info is None or not info.is_local or check_ready(info).state is Readiness.DEAD:
         return None
     return info
 
@@ -270,36 +272,30 @@ def stop_server(pid: int, grace: float = 30.0) -> str:
     return f"engine process group {pgid} did not stop within {grace:.0f}s; killed it"
 
 
-def _live_processes() -> list[tuple[int, int, int]]:
-    """``(pid, parent pid, process group)`` of every live (non-zombie) process, read from /proc."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z":
-            found.append((int(stat.parent.name), int(fields[1]), int(fields[2])))
-    return found
-
-
 def group_members(pgid: int) -> list[int]:
     """Pids of the live (non-zombie) processes in process group ``pgid``."""
-    return [pid for pid, _, group in _live_processes() if group == pgid]
+    import psutil
+
+    members = []
+    for process in psutil.process_iter(["status"]):
+        try:
+            if process.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(process.pid) == pgid:
+                members.append(process.pid)
+        except (ProcessLookupError, psutil.Error):  # gone meanwhile
+            continue
+    return members
 
 
 def process_tree(root: int) -> list[int]:
     """``root`` (while alive) and every live process descended from it, whatever its session."""
-    children: dict[int, list[int]] = {}
-    for pid, parent, _ in _live_processes():
-        children.setdefault(parent, []).append(pid)
+    import psutil
+
+    try:
+        descendants = psutil.Process(root).children(recursive=True)
+    except psutil.Error:
+        return []
     tree = [root] if pid_alive(root) else []
-    todo = list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo.extend(children.get(pid, []))
-    return tree
+    return tree + [child.pid for child in descendants if pid_alive(child.pid)]
 
 
 def die_with_parent(signum: int, parent_pid: int | None = None) -> None:

@@ -25,7 +25,7 @@ from eagleflow.engine.sglang_command import (
 )
 from eagleflow.engine.extra_args import LISTEN, check_extra_args
 from eagleflow.errors import UserError
-from eagleflow.export.step import ServedDrafter
+from eagleflow.export import ServedDrafter
 from sglang_patch.hook_spec import parse_version
 
 

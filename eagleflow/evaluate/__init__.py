@@ -5,3 +5,8 @@
 - :mod:`~eagleflow.evaluate.engine_run`: one engine started, asked, stopped;
 - :mod:`~eagleflow.evaluate.report`: accept length, speedup, the offline estimate, the chart.
 """
+
+from eagleflow import lazy_exports
+
+# Nothing of evaluation is used by another stage.
+__all__, __getattr__ = lazy_exports(__name__, {})

@@ -5,7 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+
+from eagleflow.config import EngineKind, TpSize, WarmupTimeout
+from eagleflow.errors import UserError
 
 PromptSetName = Literal["heldout", "humaneval", "file"]
 
@@ -14,11 +17,11 @@ class EvaluateConfig(BaseModel):
     """Flags of ``python -m eagleflow evaluate``."""
 
     dataset: Path = Field(description="the prepared training dataset (held-out prompts come from its validation rows)")
-    model: Path = Field(description="the verifier model folder the engines serve (its chat template renders the prompt sets)")
+    verifier: Path = Field(description="the verifier model folder the engines serve (its chat template renders the prompt sets)")
     drafter: Path = Field(description="the drafter folder eagleflow export wrote (export.json, sglang/)")
     out: Path = Field(description="folder for report.json and the chart")
     train_dir: Path | None = Field(None, description="the training folder: its train/validation split and last validation metrics")
-    engine: Literal["reference", "sglang"] = Field("reference", description="which engine serves the drafter")
+    engine: EngineKind
     eval_rows: int = Field(16, ge=1, title="Held-out prompts", description="prompts decoded per prompt set (held-out rows: rows training never saw)")
     eval_max_new_tokens: int = Field(
         128, ge=2, title="New tokens per prompt", description="tokens generated per prompt (per turn for multi-turn prompts)"
@@ -51,14 +54,29 @@ class EvaluateConfig(BaseModel):
     train_data_ratio: float | None = Field(
         None, gt=0, lt=1, description="the training split; default: the training folder's setting"
     )
-    tp_size: int = Field(1, ge=1, description="SGLang --tp-size of the evaluation engines")
-    server_extra_args: list[str] = Field(default_factory=list, description="appended to every engine's command line")
-    warmup_timeout: float = Field(2700.0, gt=0, description="seconds an engine may take to become ready")
+    tp_size: TpSize
+    eval_server_extra_args: list[str] = Field(
+        default_factory=list, title="Extra evaluation engine arguments",
+        description="appended to the command line of every engine the evaluation starts (with and without the drafter), "
+        "as separate arguments, never through a shell; the capture engines take server_extra_args",
+    )
+    warmup_timeout: WarmupTimeout
 
     @field_validator("eval_prompts", mode="before")
     @classmethod
     def _blank_is_none(cls, value: object) -> object:
         return None if value == "" else value  # the Params form sends an empty field as ""
+
+    @field_validator("eval_server_extra_args")
+    @classmethod
+    def _extra_args_policy(cls, extra: list[str], info: ValidationInfo) -> list[str]:
+        from eagleflow.engine import check_server_extra_args
+
+        try:
+            check_server_extra_args(info.data.get("engine", "reference"), extra, serving=True)
+        except UserError as exc:
+            raise ValueError(str(exc)) from exc
+        return extra
 
     @field_validator("eval_configs")
     @classmethod

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagleflow.engine.process import EngineGone, ServerInfo, start_server, stop_server, wait_until_ready
+from eagleflow.engine import (
+    EngineClient, EngineGone, RowFailed, ServerGone, ServerInfo, start_server, stop_server, wait_until_ready
+)
 from eagleflow.errors import UserError
 from eagleflow.evaluate.prompts import ChatPrompts, Prompt
-from eagleflow.extract.client import EngineClient, RowFailed, ServerGone
 
 
 class EngineFailed(UserError):
@@ -82,6 +83,7 @@ def generate(client: EngineClient, prompt: Prompt, max_new_tokens: int, label: s
     began = time.monotonic()
     ids, messages = prompt.input_ids, list(prompt.messages)
     output: list[int] = []
+    answer_ids: list[int] = []  # the previous turn's answer, which a follow-up comes after
     totals: dict[str, int] = {}
     for turn in range(1 + len(prompt.followups)):
         if turn:

@@ -50,9 +50,9 @@ class ChatPrompts:
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(model))
         except Exception as exc:
-            raise UserError(f"--model {model}: cannot load its tokenizer for the prompt sets: {excerpt(exc)}") from exc
+            raise UserError(f"--verifier {model}: cannot load its tokenizer for the prompt sets: {excerpt(exc)}") from exc
         if not self.tokenizer.chat_template:
-            raise UserError(f"--model {model} has no chat template; the prompt sets other than heldout need one")
+            raise UserError(f"--verifier {model} has no chat template; the prompt sets other than heldout need one")
 
     def encode(self, messages: list[dict[str, Any]]) -> list[int]:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)

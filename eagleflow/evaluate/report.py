@@ -45,7 +45,7 @@ def offline_estimate(metrics_path: Path | None, num_steps: int) -> dict[str, Any
     """1 + Σₖ full_acc_k (k < ``num_steps``) of the last validation record, or None without one."""
     if metrics_path is None or not metrics_path.exists():
         return None
-    from eagleflow.metrics.records import read_records
+    from eagleflow.metrics import read_records
 
     val = [r for r in read_records(metrics_path) if r.get("kind") == "val"]
     if not val:

@@ -1,6 +1,6 @@
 """``evaluate``: serve the exported drafter under a sweep of serving configs, decode prompt sets, report.
 
-``python -m eagleflow evaluate --dataset RUN/dataset --model MODEL --drafter RUN/drafter --train-dir RUN/train --out RUN/eval``
+``python -m eagleflow evaluate --dataset RUN/dataset --verifier MODEL --drafter RUN/drafter --train-dir RUN/train --out RUN/eval``
 
 One engine per draft shape of ``--eval-configs`` (steps, topk, draft tokens; the baseline is the
 engine without a drafter), each warmed up (one untimed answer per prompt set) before it is timed.
@@ -27,8 +27,7 @@ import time
 from typing import Any
 
 from eagleflow.config import add_model_arguments, model_from_args
-from eagleflow.engine.launch import serving_engine_command
-from eagleflow.engine.process import free_port, interrupted_by_signals
+from eagleflow.engine import EngineClient, free_port, interrupted_by_signals, serving_engine_command
 from eagleflow.evaluate.config import EvaluateConfig
 from eagleflow.errors import UserError
 from eagleflow.evaluate.charts import write_chart, write_sweep_chart
@@ -36,8 +35,7 @@ from eagleflow.evaluate.engine_run import TimedPass, generate, running_engine, t
 from eagleflow.evaluate.prompts import ChatPrompts, Prompt, file_prompts, held_out_prompts, humaneval_prompts
 from eagleflow.evaluate.report import build_report, offline_estimate, summary_line, sweep_rows, sweep_table
 from eagleflow.evaluate.sweep import ServeConfig, parse_configs
-from eagleflow.extract.client import EngineClient
-from eagleflow.export.step import ServedDrafter
+from eagleflow.export import ServedDrafter
 from eagleflow.files import atomic_write_json
 from eagleflow.layout import TrainLayout
 from eagleflow.results import emit_result
@@ -68,7 +66,7 @@ def versions(engine: str) -> dict[str, str | None]:
 
 def prompt_sets(cfg: EvaluateConfig) -> tuple[dict[str, list[Prompt]], ChatPrompts | None]:
     """The prompt sets of ``--eval-sets``, ``--eval-rows`` each, and the chat template that renders them."""
-    chat = ChatPrompts(cfg.model) if set(cfg.eval_sets) - {"heldout"} else None
+    chat = ChatPrompts(cfg.verifier) if set(cfg.eval_sets) - {"heldout"} else None
     sets: dict[str, list[Prompt]] = {}
     for name in dict.fromkeys(cfg.eval_sets):
         if name == "heldout":
@@ -92,8 +90,8 @@ def measure_sweep(
         steps, topk, draft_tokens = shape
         served = dataclasses.replace(drafter, num_steps=steps) if steps else None
         port = free_port()
-        argv, env = serving_engine_command(cfg.engine, cfg.model, port, served, tp_size=cfg.tp_size,
-                                           extra_args=cfg.server_extra_args, topk=topk or 1, num_draft_tokens=draft_tokens or None)
+        argv, env = serving_engine_command(cfg.engine, cfg.verifier, port, served, tp_size=cfg.tp_size,
+                                           extra_args=cfg.eval_server_extra_args, topk=topk or 1, num_draft_tokens=draft_tokens or None)
         label = "baseline" if not steps else f"{steps}-{topk}-{draft_tokens}"
         return running_engine(argv, env, cfg.out / f"engine-{label}", port, cfg.warmup_timeout)
 

@@ -31,7 +31,7 @@ def check_rotary(layer: Mapping[str, Any], exported: Mapping[str, Any]) -> None:
     """Refuse (:class:`NotServable`) when SGLang's rotary for ``exported`` differs from the trained one of ``layer``."""
     import torch
 
-    from eagleflow.engine.reference.rope import UnsupportedRope, sglang_rotary
+    from eagleflow.engine.reference import UnsupportedRope, sglang_rotary
 
     settings = exported.get("rope_parameters")
     try:

@@ -34,10 +34,9 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from eagleflow.config import add_model_arguments, model_from_args
-from eagleflow.data.verifier import config_int, read_config
+from eagleflow.data import config_int, read_config
 from eagleflow.errors import UserError, excerpt
 from eagleflow.export.sglang_drafter import (
-    SINCE,
     NotServable,
     captured_layer_ids,
     draft_window_size,
@@ -47,48 +46,14 @@ from eagleflow.export.sglang_drafter import (
     sglang_weights,
     unserved_weights,
 )
+from eagleflow.export.manifest import EXPORT_MANIFEST
 from eagleflow.export.rotary import check_rotary
-from eagleflow.export.targets import ServeWith
+from eagleflow.export.targets import ServingEngine
 from eagleflow.files import atomic_folder, fsync_path
 from eagleflow.layout import TrainLayout
 from eagleflow.results import emit_result
 
-EXPORT_MANIFEST = "export.json"
 SPECULATORS_FILES = ("config.json", "config.py", "model.safetensors")
-
-
-@dataclass(frozen=True)
-class ServedDrafter:
-    """What an engine needs to serve an exported drafter: SGLang's folder, the draft length, the window."""
-
-    path: Path
-    num_steps: int
-    window: int | None = None
-    minimum_sglang: str = ".".join(str(n) for n in SINCE["base"])
-
-    @classmethod
-    def from_export(cls, drafter_dir: str | Path, num_steps: int | None = None) -> ServedDrafter:
-        """Read ``<drafter_dir>/export.json``; ``num_steps`` overrides the trained draft length.
-
-        The SGLang folder's path is taken relative to ``drafter_dir`` (an absolute one, as exports
-        before relocatable folders wrote, is used as written).
-        """
-        manifest_path = Path(drafter_dir) / EXPORT_MANIFEST
-        try:
-            sglang = json.loads(manifest_path.read_text(encoding="utf-8"))["sglang"]
-            if not isinstance(sglang, dict):
-                raise TypeError(f"'sglang' is a {type(sglang).__name__}, not an object")
-            if "path" not in sglang:
-                raise UserError(f"{manifest_path}: the drafter has no SGLang folder: {sglang.get('refused')}")
-            served = cls(
-                Path(drafter_dir).absolute() / sglang["path"], int(num_steps or sglang["num_steps"]),
-                sglang.get("draft_window_size"), str(sglang["minimum_sglang"]),
-            )
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise UserError(f"{manifest_path}: no export to serve ({excerpt(exc)}); run eagleflow export first") from exc
-        if not (served.path / "config.json").is_file():
-            raise UserError(f"{manifest_path}: its SGLang folder {served.path} has no config.json; run eagleflow export again")
-        return served
 
 
 class ExportConfig(BaseModel):
@@ -98,7 +63,7 @@ class ExportConfig(BaseModel):
     out: Path = Field(description="drafter folder: sglang/, speculators/, export.json")
     train_dir: Path | None = Field(None, description="training folder; its best checkpoint is exported (result.json)")
     checkpoint: Path | None = Field(None, description="a speculators checkpoint folder to export instead of --train-dir's best")
-    serve_with: ServeWith = Field("sglang", description="sglang: the SGLang folder is required; vllm: only the speculators one")
+    serve_with: ServingEngine
 
 
 def chosen_checkpoint(cfg: ExportConfig) -> Path:

@@ -22,9 +22,22 @@ from 0.5.17 (:data:`eagleflow.export.sglang_drafter.SINCE`), where ``llama_eagle
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
+
+from pydantic import Field
 
 ServeWith = Literal["sglang", "vllm"]
+# The serving engine as training and export both declare it: one Param sets both.
+ServingEngine = Annotated[
+    ServeWith,
+    Field(
+        "sglang",
+        title="Serving engine",
+        description="the engine that will serve the drafter: sglang trains with norm_before_residual off (what SGLang's "
+        "draft layer computes) and requires the SGLang export; vllm keeps speculators' default and needs only the "
+        "speculators folder",
+    ),
+]
 DraftVariant = Literal["eagle3", "eagle3.1"]
 # speculators train flags of each draft variant (speculators' EAGLE-3 defaults, said explicitly for eagle3).
 DRAFT_VARIANTS: dict[str, tuple[str, ...]] = {

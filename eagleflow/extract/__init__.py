@@ -2,15 +2,26 @@
 
 - :mod:`~eagleflow.extract.shard`: one shard's rows, resumable (``python -m eagleflow extract``),
   with its flags in :mod:`~eagleflow.extract.config`;
-- :mod:`~eagleflow.extract.client`: the engine's ``/generate`` and ``/abort_request`` as the extractor speaks them;
 - :mod:`~eagleflow.extract.dump_wait`: waiting for a request's dump (late, lost, writer behind, disk full);
 - :mod:`~eagleflow.extract.sample_store`: where a row's file lives, whether it is complete,
   and moving a server dump into place;
-- :mod:`~eagleflow.extract.manifest`: the per-shard manifest (light: the UI reads it).
+- :mod:`~eagleflow.extract.manifest`: the per-shard manifest (light: the UI reads it);
+- :mod:`~eagleflow.extract.completion`: whether a shard is already complete, and re-extracting one.
 
-Only the manifest is exported here, so the API server can read shards without torch.
+The engine's client it speaks through is :mod:`eagleflow.engine.client`. The names other stages use load
+lazily, so the API server reads shard manifests without torch.
 """
 
-from eagleflow.extract.manifest import ShardManifest
+from eagleflow import lazy_exports
 
-__all__ = ["ShardManifest"]
+__all__, __getattr__ = lazy_exports(
+    __name__,
+    {
+        "manifest": ["ShardManifest"],
+        "config": ["ExtractConfig"],
+        "dump_wait": ["DiskFull"],
+        "row_fetch": ["RowFetcher", "SampleShape"],
+        "sample_store": ["validate_dataset"],
+        "completion": ["already_complete_message", "complete_shard", "incomplete_shards"],
+    },
+)

@@ -29,12 +29,10 @@ from typing import Any
 
 import torch
 
-from eagleflow.engine.reference.draft_model import rms_norm
 from sglang_patch.sample_file import HIDDEN_STATES_KEY, SCALES_KEY
 
 POST_NORM_RMS_WITHIN = 0.01  # a norm's output has RMS 1 (per row, weight divided out) to bf16 precision
 SAME_SLOT_BELOW = 1e-3  # relative distance under which two slots hold the same tensor
-VOCAB_CHUNK = 16384  # lm_head rows converted to float32 at a time (Kimi's is 163840 x 7168)
 
 POST_NORM = "post-norm final state: the final slot holds the final norm's output, not its input (hook the norm's input)"
 PARTIAL_SUM = (
@@ -132,37 +130,6 @@ def engine_predictions(meta: dict[str, Any], input_ids: Sequence[int]) -> Engine
 
 
 # ---- the verifier's head on the host --------------------------------------------------------
-
-
-@dataclass
-class HostHead:
-    """The verifier's final norm and ``lm_head`` (plus its logit scaling, if any), applied in float32."""
-
-    norm_weight: torch.Tensor
-    lm_head: torch.Tensor
-    eps: float
-    logit_scale: float | None = None
-    softcap: float | None = None
-
-    def logits(self, states: torch.Tensor, apply_norm: bool = True) -> torch.Tensor:
-        """``[T, V]`` float32 logits of ``states`` ``[T, H]``, with or without the final norm."""
-        x = states.float()
-        if apply_norm:
-            x = rms_norm(x, self.norm_weight.float(), self.eps)
-        out = torch.empty(x.shape[0], self.lm_head.shape[0], dtype=torch.float32)
-        for start in range(0, self.lm_head.shape[0], VOCAB_CHUNK):
-            out[:, start : start + VOCAB_CHUNK] = x @ self.lm_head[start : start + VOCAB_CHUNK].float().T
-        if self.logit_scale is not None:
-            out *= self.logit_scale
-        if self.softcap:
-            out = self.softcap * torch.tanh(out / self.softcap)
-        return out
-
-    def normed_rms(self, states: torch.Tensor) -> torch.Tensor:
-        """Per-row RMS of ``states`` with the norm weight divided out: all 1 for the norm's output."""
-        weight = self.norm_weight.float()
-        usable = weight.abs() > 1e-6
-        return (states.float()[:, usable] / weight[usable]).pow(2).mean(-1).sqrt()
 
 
 @dataclass

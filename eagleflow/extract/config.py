@@ -4,28 +4,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import Field, field_validator
 
 from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype
+from eagleflow.engine import EngineRequestSettings
 from eagleflow.errors import excerpt_repr
 
 
-class ExtractConfig(BaseModel):
+class ExtractConfig(EngineRequestSettings):
     """Flags of ``python -m eagleflow extract``."""
 
     dataset: Path = Field(description="training dataset folder (prepare-dataset output)")
     server: str = Field(description="engine base URL, e.g. http://127.0.0.1:30000")
-    engine: str = Field("", description="the engine's name (engine-0, …), for the log and the manifest")
+    engine_name: str = Field("", description="the engine's name (engine-0, …), for the log and the manifest")
     dump_dir: Path = Field(description="folder where the engine writes <rid>.safetensors")
     rows: str = Field(description="START:END, end exclusive")
-    model: Path = Field(description="verifier model folder (hidden size)")
+    verifier: Path = Field(description="verifier model folder (hidden size)")
     aux_layer_ids: AuxLayerIds = Field(description="captured layer ids; the files hold one more slot, the final state")
     hidden_states_dtype: StoredHiddenStatesDtype
     manifest: Path | None = Field(None, description="shard manifest path; default: the run folder's shards/rows_S-E.json beside --dataset")
-    concurrency: int = Field(8, ge=1, le=256, description="requests kept in flight")
+    concurrency: int = Field(8, ge=1, le=256, title="Requests in flight", description="/generate requests kept in flight per shard")
     server_pid: int | None = Field(None, description="engine process id on this machine, watched so a dead engine stops the shard at once")
-    request_timeout: float = Field(600.0, gt=0, description="seconds to wait for one /generate answer")
-    max_retries: int = Field(3, ge=0, description="retries of a row after a 5xx answer or a timeout")
     dump_wait: float = Field(
         60.0, ge=0,
         description="seconds to wait for a dump after the answer when no live capture writer is in --dump-dir; "

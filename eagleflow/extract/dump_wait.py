@@ -29,8 +29,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from eagleflow.engine.process import pid_alive
-from eagleflow.extract.client import RowFailed
+from eagleflow.engine import RowFailed, pid_alive
 from eagleflow.progress import format_bytes
 from sglang_patch.handoff import (
     DISK_FULL,

@@ -11,9 +11,9 @@ ready folder and deletes each sample after use). For one row:
   holds it (:func:`~eagleflow.extract.dump_wait.wait_for_dump`);
 - check it (header, token ids, the writer's finiteness verdict) and rename it to ``target``.
 
-Retryable failures (5xx, timeouts, "writer behind") are tried again with backoff after
-``/abort_request`` of the old rid, so the engine never works on one row twice; a 4xx or a bad
-dump is final for the row; :class:`~eagleflow.extract.client.ServerGone` and
+Retryable failures (5xx, timeouts, "writer behind") are tried again under the engine client's one
+policy (:func:`~eagleflow.engine.client.with_retries`) after ``/abort_request`` of the old rid, so the engine never works on one row twice; a 4xx or a bad
+dump is final for the row; :class:`~eagleflow.engine.client.ServerGone` and
 :class:`~eagleflow.extract.dump_wait.DiskFull` are for the caller to act on (every row would
 fail the same way). Whatever happens, no dump or error file of the row's rids is left behind.
 """
@@ -29,7 +29,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagleflow.extract.client import AnswerLost, EngineClient, RowFailed
+from eagleflow.engine import AnswerLost, EngineClient, RowFailed, with_retries
 from eagleflow.extract.dump_wait import DiskFull, wait_for_dump
 from eagleflow.extract.sample_store import publish_dump, validate
 from sglang_patch.handoff import dump_path, error_path
@@ -37,7 +37,6 @@ from sglang_patch.request_ids import row_request_id
 from sglang_patch.sample_file import sample_file_bytes
 from sglang_patch.sample_format import HiddenStatesDtype
 
-RETRY_DELAY_MAX_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -96,29 +95,25 @@ class RowFetcher:
         :raises ServerGone: the engine went away or hangs.
         :raises DiskFull: the engine's writer or the target's folder is out of space.
         """
-        delay = 1.0
-        attempt = 0
-        while True:
+        rid = ""
+
+        def attempt() -> tuple[int, int]:
+            nonlocal rid
             if self.stop.is_set():
                 raise RowFailed("stopped")
             rid = row_request_id(row)
             if on_rid:
                 on_rid(rid)
-            try:
-                result = self.fetch_once(row, ids, rid, target)
-                if on_rid:
-                    on_rid(None)
-                return result
-            except RowFailed as exc:
-                attempt += int(exc.counts)
-                if not exc.retryable or attempt > self.max_retries:
-                    if exc.retryable:
-                        raise RowFailed(f"{exc.reason} (after {attempt} attempts)") from exc
-                    raise
-                self.client.abort(rid)
-                self.say(f"row {row}: {exc.reason}; retrying in {delay:.0f}s")
-                self.stop.wait(delay)
-                delay = min(delay * 2, RETRY_DELAY_MAX_S)
+            result = self.fetch_once(row, ids, rid, target)
+            if on_rid:
+                on_rid(None)
+            return result
+
+        def before_retry(exc: RowFailed, delay: float) -> None:
+            self.client.abort(rid)
+            self.say(f"row {row}: {exc.reason}; retrying in {delay:.0f}s")
+
+        return with_retries(attempt, self.max_retries, before_retry=before_retry, sleep=self.stop.wait)
 
     def fetch_once(self, row: int, ids: list[int], rid: str, target: Path) -> tuple[int, int]:
         """One attempt under ``rid``; the row's dump and error files are gone when it returns or raises."""

@@ -36,11 +36,10 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Callable
 
 from eagleflow.config import add_model_arguments, model_from_args
-from eagleflow.data.verifier import config_int, resolve_aux_layer_ids
-from eagleflow.engine.process import engine_label, pid_alive
+from eagleflow.data import config_int, resolve_aux_layer_ids
+from eagleflow.engine import EngineClient, RowFailed, ServerGone, engine_label, pid_alive
 from eagleflow.errors import UserError
 from eagleflow.extract.config import ExtractConfig, parse_rows
-from eagleflow.extract.client import EngineClient, RowFailed, ServerGone
 from eagleflow.extract.completion import drop_previous_files, previous_files_dir, set_aside_complete_shard
 from eagleflow.extract.dump_wait import DiskFull, remove_dead_writer_statuses
 from eagleflow.extract.manifest import FAILED, INTERRUPTED, SUCCESS, ShardManifest
@@ -68,11 +67,11 @@ class ShardExtractor:
         self.hidden_dir = hidden_states_dir(cfg.dataset)
         # --dataset is <run>/dataset in a run folder, so its manifests live beside it.
         self.manifest_path = cfg.manifest or RunLayout(cfg.dataset.parent).shard_manifest(self.name)
-        self.n_slots = len(resolve_aux_layer_ids(cfg.model, cfg.aux_layer_ids)) + 1
-        self.hidden_size = config_int(cfg.model, "hidden_size")
+        self.n_slots = len(resolve_aux_layer_ids(cfg.verifier, cfg.aux_layer_ids)) + 1
+        self.hidden_size = config_int(cfg.verifier, "hidden_size")
         self.client = client or EngineClient(cfg.server, cfg.request_timeout)
         self.sleep = sleep
-        self.engine = engine_label(cfg.engine, cfg.server)
+        self.engine = engine_label(cfg.engine_name, cfg.server)
         self.report = ShardManifest(self.name, self.start, self.end, engine=self.engine)
         self._stop = threading.Event()
         self._stopped: tuple[str, str] | None = None  # (state, reason) of a shard-wide stop

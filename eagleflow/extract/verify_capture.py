@@ -1,6 +1,6 @@
 """``verify-capture``: check the live engine's capture on a few rows before hours of extraction.
 
-``python -m eagleflow verify-capture --dataset RUN/dataset --server URL --dump-dir DIR --model MODEL --aux-layer-ids 2,4,5``
+``python -m eagleflow verify-capture --dataset RUN/dataset --server URL --dump-dir DIR --verifier MODEL --aux-layer-ids 2,4,5``
 
 Sends the dataset's first ``--verify-rows`` rows (cut to ``--max-tokens``) with SGLang's
 input-logprob fields (``return_logprob``, ``logprob_start_len`` 0, ``top_logprobs_num``; one new
@@ -21,13 +21,12 @@ import argparse
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from eagleflow.config import add_model_arguments, model_from_args
-from eagleflow.data.verifier import config_float, config_int, resolve_aux_layer_ids, text_config
+from eagleflow.data import VerifierHead, config_int, load_verifier_head, locate_weights, read_weight, resolve_aux_layer_ids
 from eagleflow.errors import UserError
 from eagleflow.extract.capture_checks import (
     OFF_BY_ONE,
@@ -37,7 +36,6 @@ from eagleflow.extract.capture_checks import (
     RADIX_CACHE,
     EnginePredictions,
     Finding,
-    HostHead,
     LogprobComparison,
     compare_logprobs,
     engine_predictions,
@@ -48,7 +46,7 @@ from eagleflow.extract.capture_checks import (
     slot_statistics,
     stored_slot_difference,
 )
-from eagleflow.extract.client import EngineClient, RowFailed, ServerGone
+from eagleflow.engine import EngineClient, RowFailed, ServerGone, with_retries
 from eagleflow.extract.dump_wait import DiskFull, wait_for_dump
 from eagleflow.extract.sample_store import load_sample, validate
 from eagleflow.extract.verify_config import VerifyCaptureConfig
@@ -56,11 +54,9 @@ from eagleflow.files import atomic_write_json
 from eagleflow.layout import CAPTURE_CHECK_REPORT, RunLayout, engine_name
 from eagleflow.results import emit_result
 from sglang_patch.handoff import dump_path, error_path
-from eagleflow.train.verifier_head import locate_weights, read_weight
 from sglang_patch.request_ids import verify_request_id
 from sglang_patch.sample_file import decode_hidden_states, sample_file_bytes
 
-WRITER_BEHIND_RESENDS = 5  # a request the engine's writer had no room for is sent again this often, 2s apart
 SAME_DUMP_WITHIN = 0.05  # the extraction request's dump vs the verify request's: relative, per slot
 
 
@@ -100,19 +96,6 @@ def load_rows(cfg: VerifyCaptureConfig) -> list[list[int]]:
     return [[int(t) for t in ids[: cfg.max_tokens]] for ids in rows]
 
 
-def load_host_head(model: Path) -> HostHead:
-    """The verifier's final norm and ``lm_head`` (the embedding when tied), read alone from its safetensors."""
-    weights = locate_weights(model)
-    config = text_config(model)
-    return HostHead(
-        norm_weight=read_weight(model, weights, weights.norm_key),
-        lm_head=read_weight(model, weights, weights.lm_head_key or weights.embed_key),
-        eps=config_float(model, "rms_norm_eps"),
-        logit_scale=config.get("logit_scale"),
-        softcap=config.get("final_logit_softcapping"),
-    )
-
-
 def take_dump(cfg: VerifyCaptureConfig, rid: str, ids: list[int], n_slots: int, hidden: int) -> tuple[Any, str]:
     """The dump of ``rid``, checked as extraction checks it, then removed from the hand-off folder:
     ``(tensors, "")``, or ``(None, reason)`` when its format is wrong; RowFailed if none came.
@@ -147,9 +130,9 @@ class CaptureCheck:
 
     def __init__(self, cfg: VerifyCaptureConfig, client: EngineClient | None = None) -> None:
         self.cfg = cfg
-        self.aux = resolve_aux_layer_ids(cfg.model, cfg.aux_layer_ids)
-        self.num_layers = config_int(cfg.model, "num_hidden_layers")
-        self.hidden = config_int(cfg.model, "hidden_size")
+        self.aux = resolve_aux_layer_ids(cfg.verifier, cfg.aux_layer_ids)
+        self.num_layers = config_int(cfg.verifier, "num_hidden_layers")
+        self.hidden = config_int(cfg.verifier, "hidden_size")
         self.layer_ids = [*self.aux, self.num_layers]
         self.client = client or EngineClient(cfg.server, cfg.request_timeout)
         self.findings: list[Finding] = []
@@ -165,7 +148,7 @@ class CaptureCheck:
             f"{engine.get('disable_radix_cache', '?')}); slots = layer ids {self.layer_ids}",
             flush=True,
         )
-        head = load_host_head(self.cfg.model)
+        head = load_verifier_head(self.cfg.verifier)
         checked: list[CheckedRow] = []
         extraction: dict[str, Any] = {}
         try:
@@ -196,20 +179,18 @@ class CaptureCheck:
 
     def _request(self, rid: str, ids: list[int], row: int, max_new_tokens: int, **fields: Any) -> tuple[dict[str, Any], Any, str]:
         """One greedy request and its dump: ``(meta_info, tensors, reason)`` as :func:`take_dump` says;
-        sent again (after SGLang's abort) when the engine's writer was behind, as the extractor does."""
-        for attempt in range(WRITER_BEHIND_RESENDS + 1):
+        retried under the engine client's one policy (after SGLang's abort), as the extractor's rows are."""
+
+        def attempt() -> tuple[dict[str, Any], Any, str]:
             meta = self.client.complete(rid, ids, max_new_tokens=max_new_tokens, temperature=0.0, row=row, **fields)
-            try:
-                tensors, reason = take_dump(self.cfg, rid, ids, len(self.layer_ids), self.hidden)
-            except RowFailed as exc:
-                if exc.counts or attempt == WRITER_BEHIND_RESENDS:
-                    raise
-                self.client.abort(rid)
-                print(f"row {row}: {exc.reason}; sending it again in 2s", flush=True)
-                time.sleep(2.0)
-                continue
+            tensors, reason = take_dump(self.cfg, rid, ids, len(self.layer_ids), self.hidden)
             return meta.get("meta_info", {}), tensors, reason
-        raise AssertionError("unreachable")
+
+        def before_retry(exc: RowFailed, delay: float) -> None:
+            self.client.abort(rid)
+            print(f"row {row}: {exc.reason}; sending it again in {delay:.0f}s", flush=True)
+
+        return with_retries(attempt, self.cfg.max_retries, before_retry=before_retry)
 
     def _send_row(self, row: int, ids: list[int]) -> CheckedRow | None:
         """One logprob request and its dump; None (with a finding recorded) when either is unusable."""
@@ -238,14 +219,14 @@ class CaptureCheck:
             ))
             return None
 
-    def _compare(self, head: HostHead, checked: list[CheckedRow], apply_norm: bool) -> LogprobComparison:
+    def _compare(self, head: VerifierHead, checked: list[CheckedRow], apply_norm: bool) -> LogprobComparison:
         result = LogprobComparison()
         for c in checked:
             logits = head.logits(c.final, apply_norm=apply_norm)
             result = result.merge(compare_logprobs(c.row, logits, c.engine, self.cfg.logprob_atol, self.cfg.rtol))
         return result
 
-    def _check_final_slot(self, head: HostHead, checked: list[CheckedRow], tp_size: int | None) -> dict[str, Any]:
+    def _check_final_slot(self, head: VerifierHead, checked: list[CheckedRow], tp_size: int | None) -> dict[str, Any]:
         """The final slot is pre-norm and reproduces the engine; a mismatch is explained by the hypotheses."""
         if not checked:
             return {"positions": 0}
@@ -279,12 +260,12 @@ class CaptureCheck:
         """Id 0's slot against the prompt's embedding rows: bit for bit."""
         if not checked:
             return None
-        weights = locate_weights(self.cfg.model)
+        weights = locate_weights(self.cfg.verifier)
         slot = self.aux.index(0)
         worst = {"max_abs_diff": -1.0}
         zero_or_equal = True  # every row either its embedding row or zeros: a vocab shard's partial sum
         for c in checked:
-            diff, zero = stored_slot_difference(c.stored, slot, read_weight(self.cfg.model, weights, weights.embed_key, rows=c.ids))
+            diff, zero = stored_slot_difference(c.stored, slot, read_weight(self.cfg.verifier, weights, weights.embed_key, rows=c.ids))
             zero_or_equal &= bool(((diff == 0) | zero).all())
             if float(diff.max()) > worst["max_abs_diff"]:
                 worst = {"max_abs_diff": float(diff.max()), "row": c.row, "position": int(diff.argmax())}

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype
+from eagleflow.engine import EngineRequestSettings
 
 # The log-probability tolerance per position is atol + rtol x that position's largest |logit|.
 # bf16 keeps 8 significant bits: the engine's logits and the captured state are each within 2^-9
@@ -18,13 +19,13 @@ from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype
 LOGPROB_RTOL = {"bf16": 2.0**-7, "fp8": 2.0**-4}
 
 
-class VerifyCaptureConfig(BaseModel):
+class VerifyCaptureConfig(EngineRequestSettings):
     """Flags of ``python -m eagleflow verify-capture``."""
 
     dataset: Path = Field(description="the prepared training dataset (rows are taken from its start)")
     server: str = Field(description="engine base URL, e.g. http://127.0.0.1:30000")
     dump_dir: Path = Field(description="folder where the engine writes <rid>.safetensors")
-    model: Path = Field(description="verifier model folder: its final norm and lm_head (and embedding rows) are read")
+    verifier: Path = Field(description="verifier model folder: its final norm and lm_head (and embedding rows) are read")
     aux_layer_ids: AuxLayerIds = Field(description="captured layer ids, as the engine captures them")
     verify_rows: int = Field(
         4, ge=1, le=64, title="Capture check rows",
@@ -36,11 +37,10 @@ class VerifyCaptureConfig(BaseModel):
     hidden_states_dtype: StoredHiddenStatesDtype
     logprob_atol: float = Field(0.02, gt=0, description="log-probability tolerance, absolute part (nats)")
     logprob_rtol: float | None = Field(
-        None, ge=0, description="log-probability tolerance per position, times that position's largest |logit|; "
+        None, ge=0, title="Capture check: relative log-prob tolerance", description="log-probability tolerance per position, times that position's largest |logit|; "
         f"default by --hidden-states-dtype: {LOGPROB_RTOL} (their rounding)",
     )
     out: Path | None = Field(None, description="folder for report.json; default: the run folder's verify/engine-0/ beside --dataset")
-    request_timeout: float = Field(600.0, gt=0, description="seconds to wait for one /generate answer")
     dump_wait: float = Field(60.0, ge=0, description="seconds to wait for a dump to appear after the answer")
 
     @property

@@ -6,6 +6,12 @@
 - :mod:`~eagleflow.metrics.plot`: loss and accuracy charts (``python -m eagleflow plot``).
 """
 
-from eagleflow.metrics.reader import latest_metrics, read_metrics, ttt_steps
+from eagleflow import lazy_exports
 
-__all__ = ["latest_metrics", "read_metrics", "ttt_steps"]
+__all__, __getattr__ = lazy_exports(
+    __name__,
+    {
+        "reader": ["latest_metrics", "read_metrics", "ttt_steps"],
+        "records": ["format_record", "read_records", "train_record", "val_record"],
+    },
+)

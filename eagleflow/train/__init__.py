@@ -12,6 +12,11 @@ The config is exported here (pydantic only), so the Params form and the operator
 without torch.
 """
 
-from eagleflow.train.config import TrainConfig
+from eagleflow import lazy_exports
 
-__all__ = ["TrainConfig"]
+__all__, __getattr__ = lazy_exports(
+    __name__,
+    {
+        "config": ["TrainConfig"],
+    },
+)

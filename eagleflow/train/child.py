@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from eagleflow.engine.process import die_with_parent
+from eagleflow.engine import die_with_parent
 from eagleflow.errors import UserError
-from eagleflow.export.targets import DRAFT_VARIANTS, serving_target
+from eagleflow.export import DRAFT_VARIANTS, serving_target
 from eagleflow.layout import TrainLayout
 from eagleflow.train.config import TrainConfig
 from eagleflow.train.lock import TrainFolderLock

@@ -7,9 +7,9 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype
-from eagleflow.export.targets import DraftVariant, ServeWith
-from eagleflow.extract.config import ExtractConfig
+from eagleflow.config import AuxLayerIds, DraftVocabSize, StoredHiddenStatesDtype
+from eagleflow.export import DraftVariant, ServingEngine
+from eagleflow.extract import ExtractConfig
 
 HiddenStatesSource = Literal["disk", "engine"]
 
@@ -52,7 +52,7 @@ class TrainConfig(BaseModel):
     scheduler_type: Literal["cosine", "linear", "none"] = Field("cosine", title="Learning-rate schedule", description="learning-rate schedule")
     scheduler_warmup_ratio: float = Field(0.01, ge=0, le=1, title="Warmup share of steps", description="warmup as a fraction of all steps")
     num_workers: int = Field(4, ge=0, title="Data-loader workers", description="data-loader worker processes")
-    draft_vocab_size: int = Field(32000, ge=1, title="Draft vocabulary size", description="draft vocabulary size (d2t/t2d built if missing)")
+    draft_vocab_size: DraftVocabSize
     optimizer: Literal["adamw", "muon"] = Field(
         "adamw", description="optimizer; with muon, --lr applies to the AdamW group only"
     )
@@ -61,11 +61,7 @@ class TrainConfig(BaseModel):
         None, title="Draft layer config (JSON)", description="decoder config JSON (LlamaConfig) fixing the draft layer shape, e.g. for Kimi-K2.5"
     )
     train_data_ratio: float = Field(0.9, gt=0, lt=1, title="Training share of rows", description="fraction of rows trained on; the rest validates")
-    serve_with: ServeWith = Field(
-        "sglang",
-        title="Serving engine", description="the engine that will serve the drafter: sglang trains with norm_before_residual off "
-        "(what SGLang's draft layer computes), vllm keeps speculators' default",
-    )
+    serve_with: ServingEngine
     draft_variant: DraftVariant = Field(
         "eagle3",
         title="Draft variant",

@@ -189,7 +189,7 @@ def torchrun_launcher(python: str, publication: Publication, rank: int, timeout:
 
 def new_publication(host: str, nodes: int, ranks_per_node: int, entry: list[str], nothing_to_train: bool) -> Publication:
     """A fresh rendezvous on ``host``: a new id, and a port free now (torch's store binds it once every node joined)."""
-    from eagleflow.engine.process import free_port
+    from eagleflow.engine import free_port
 
     port = free_port("" if host not in ("127.0.0.1", "localhost") else "127.0.0.1")
     return Publication(uuid.uuid4().hex, host, port, nodes, ranks_per_node, entry, nothing_to_train)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-from eagleflow.metrics.records import format_record, train_record, val_record
+from eagleflow.metrics import format_record, train_record, val_record
 from eagleflow.progress import format_duration
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from eagleflow.errors import UserError
 from eagleflow.files import atomic_write_text
 from eagleflow.layout import TrainLayout
-from eagleflow.metrics.records import read_records
+from eagleflow.metrics import read_records
 from eagleflow.train.child import TrainLog
 from eagleflow.train.config import RESUME_MUST_MATCH, TrainConfig
 

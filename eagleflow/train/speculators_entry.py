@@ -21,6 +21,11 @@ against (:mod:`eagleflow.train.speculators_support`). Then, before speculators'
   instead of speculators' Rich handler, whose 80-column wrapping shreds lines in a task log.
 * ``--noise-std`` (releases without speculators' own, 0.9.0 on): eagleflow's noise augmentation
   of the training split's aux hidden states (:mod:`eagleflow.train.noise`).
+* A stop signal is never lost in a log call: speculators' SIGTERM/SIGINT handler raises
+  ``TrainingInterruptedError`` wherever the trainer stands, and a signal landing inside a logging
+  handler's ``emit`` would be swallowed by ``Handler.handleError`` (every stdlib handler and our
+  recorder catch ``Exception`` there): the record lost and the trainer going on after it was told
+  to stop. :func:`let_interrupts_through_logging` lets that one exception through.
 * ``--online`` (``hidden_states_source=engine``): eagleflow's hidden-states backend is registered
   with hs-connectors before speculators reads the registry, and the feed's order and wait hooks
   are installed (:mod:`eagleflow.train.online.backend`).
@@ -38,7 +43,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from eagleflow.engine.process import die_with_parent
+from eagleflow.engine import die_with_parent
 from eagleflow.errors import UserError
 from eagleflow.files import atomic_write_json
 from eagleflow.train.recorder import MetricsRecorder
@@ -142,6 +147,29 @@ def _count_parameters(model: Any) -> dict[str, int]:
     return {"total_parameters": int(total), "trainable_parameters": int(trainable)}
 
 
+def let_interrupts_through_logging() -> Callable[[], None]:
+    """Make ``logging.Handler.handleError`` re-raise speculators' ``TrainingInterruptedError``.
+
+    Returns a function that undoes it.
+    """
+    from speculators.train.graceful_shutdown import TrainingInterruptedError
+
+    handle_error = logging.Handler.handleError
+
+    def handle_error_but_interrupts(self: logging.Handler, record: logging.LogRecord) -> None:
+        exc = sys.exc_info()[1]
+        if isinstance(exc, TrainingInterruptedError):
+            raise exc
+        handle_error(self, record)
+
+    logging.Handler.handleError = handle_error_but_interrupts  # type: ignore[method-assign]
+
+    def restore() -> None:
+        logging.Handler.handleError = handle_error  # type: ignore[method-assign]
+
+    return restore
+
+
 def install(metrics_path: Path, summary_path: Path | None = None, online: bool = False) -> Callable[[], None]:
     """Patch speculators' CLI module so that metrics, parameter counts and epochs reach us.
 
@@ -235,7 +263,7 @@ def run(
         raise UserError(f"speculators {release.version} adds the noise itself: pass --noise-std among its flags")
     if not torch.cuda.is_available():
         apply_cpu_shims()
-    undo = []
+    undo = [let_interrupts_through_logging()]
     if "LOCAL_RANK" in os.environ:  # under torchrun
         undo.append(distributed_setup_shim(not torch.cuda.is_available(), collective_timeout))
     if online:

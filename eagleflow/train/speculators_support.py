@@ -49,6 +49,7 @@ INTERNALS = (
     "speculators.train.cli:main",
     "speculators.train.config:TrainConfig.resolve",
     "speculators.train.logger:IsRank0Filter",
+    "speculators.train.graceful_shutdown:TrainingInterruptedError",  # must pass through logging handlers
 )
 NOISE_INTERNALS = (
     "speculators.train.dataloader:ArrowDataset",  # the train split gets eagleflow's noise

@@ -20,9 +20,9 @@ import time
 from typing import Any
 
 from eagleflow.config import add_model_arguments, model_from_args
-from eagleflow.data.verifier import resolve_aux_layer_ids, text_config
+from eagleflow.data import resolve_aux_layer_ids, text_config
 from eagleflow.errors import UserError
-from eagleflow.export.targets import serving_target
+from eagleflow.export import serving_target
 from eagleflow.files import atomic_write_json
 from eagleflow.layout import FeedLayout, TrainLayout, hidden_states_dir
 from eagleflow.progress import format_bytes
@@ -54,7 +54,7 @@ def check_dataset(cfg: TrainConfig, hidden_size: int) -> tuple[int, HiddenStates
     (``--hidden-states-source engine``) there are no files: the largest sample must fit in the
     online window. Returns the rows and the storage dtype.
     """
-    from eagleflow.data.dataset_files import dataset_column, dataset_shape, dataset_state
+    from eagleflow.data import dataset_column, dataset_shape, dataset_state
 
     format_type = dataset_state(cfg.dataset).get("_format_type")
     if format_type != "torch":
@@ -180,7 +180,7 @@ def ensure_vocab(cfg: TrainConfig, verifier_vocab: int, log: TrainLog) -> None:
     In the DAG the build_vocab task has made it already; run by hand, ``train`` needs no
     separate step.
     """
-    from eagleflow.data.vocab import VocabConfig, VocabFiles, build_vocab, load_mappings
+    from eagleflow.data import VocabConfig, VocabFiles, build_vocab, load_mappings
 
     files = VocabFiles(cfg.dataset, cfg.draft_vocab_size)
     if load_mappings(files, verifier_vocab) is not None and files.token_freq.exists():

@@ -19,97 +19,18 @@ with plain names and a plain config is used as it is.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from eagleflow.data.verifier import read_config, text_config_of
+from eagleflow.data import EMBED, LM_HEAD, NORM, VerifierWeights, locate_weights, read_config, read_weight, text_config_of
 from eagleflow.errors import UserError
 from eagleflow.files import atomic_folder
 
-if TYPE_CHECKING:
-    import torch
-
-EMBED = "model.embed_tokens.weight"
-LM_HEAD = "lm_head.weight"
-NORM = "model.norm.weight"
 HEAD_MANIFEST = "eagleflow-verifier-head.json"
 # Remote-code model types transformers maps onto a native config class.
 _NATIVE_MODEL_TYPES = {"kimi_k2": "deepseek_v3"}
 # Config keys that describe the full model, not the three tensors of the head folder.
 _DROPPED_KEYS = ("auto_map", "quantization_config", "_name_or_path")
-
-
-@dataclass(frozen=True)
-class VerifierWeights:
-    """Where the three tensors speculators needs live in a verifier folder."""
-
-    embed_key: str
-    lm_head_key: str | None  # None: tied to the embedding
-    norm_key: str
-    files: dict[str, str]  # key -> safetensors file name
-
-    @property
-    def plain(self) -> bool:
-        """True when speculators finds every tensor under its exact name."""
-        return self.embed_key == EMBED and self.lm_head_key in (LM_HEAD, None) and self.norm_key == NORM
-
-
-def weight_map(model_dir: Path) -> dict[str, str]:
-    """Tensor name -> safetensors file, from the index or the single ``model.safetensors``."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        return dict(json.loads(index.read_text())["weight_map"])
-    single = model_dir / "model.safetensors"
-    if single.exists():
-        from safetensors import safe_open
-
-        with safe_open(str(single), framework="pt") as handle:
-            return dict.fromkeys(handle.keys(), single.name)
-    raise UserError(f"--verifier {model_dir} has neither model.safetensors nor model.safetensors.index.json")
-
-
-def _shortest(keys: list[str]) -> str | None:
-    return min(keys, key=len) if keys else None
-
-
-def locate_weights(model_dir: Path) -> VerifierWeights:
-    """Find the language model's embedding, LM head and final norm, whatever their prefix.
-
-    The embedding is the shortest key ending in ``embed_tokens.weight`` outside the decoder
-    layers and any vision tower; the final norm sits beside it (``…embed_tokens`` ->
-    ``…norm``); the LM head is the shortest key ending in ``lm_head.weight`` (absent: tied).
-    """
-    names = weight_map(model_dir)
-
-    def is_text(key: str) -> bool:
-        return ".layers." not in key and not any(part in key for part in ("vision", "mm_projector", "visual"))
-
-    embed = _shortest([k for k in names if k.endswith("embed_tokens.weight") and is_text(k)])
-    if embed is None:
-        raise UserError(f"--verifier {model_dir}: no '*embed_tokens.weight' tensor among {len(names)} tensors")
-    norm = embed[: -len("embed_tokens.weight")] + "norm.weight"
-    if norm not in names:
-        raise UserError(f"--verifier {model_dir}: found {embed} but no final norm {norm} beside it")
-    lm_head = _shortest([k for k in names if k.endswith("lm_head.weight") and is_text(k)])
-    keys = [k for k in (embed, lm_head, norm) if k is not None]
-    return VerifierWeights(embed, lm_head, norm, {k: names[k] for k in keys})
-
-
-def read_weight(model_dir: Path, weights: VerifierWeights, key: str, rows: Sequence[int] | None = None) -> torch.Tensor:
-    """Tensor ``key`` of the verifier (one of ``weights``'), read alone from its safetensors file.
-
-    :param rows: only these rows (e.g. the embedding rows of a prompt's tokens), each read on its own.
-    """
-    import torch
-    from safetensors import safe_open
-
-    with safe_open(str(Path(model_dir) / weights.files[key]), framework="pt") as handle:
-        if rows is None:
-            return handle.get_tensor(key).contiguous()
-        piece = handle.get_slice(key)
-        return torch.cat([piece[row : row + 1] for row in rows]) if rows else piece[0:0]
 
 
 def head_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,9 @@ import pytest
 
 from eagleflow.deploy import NODE_ADDRESS_ENV
 from eagleflow.engine.process import free_port
+from eagleflow.engine.reference.faults import FAULTS_ENV, faults_env
+from eagleflow.files import atomic_write_text
+from metadata_db import migrated_sqlite_db
 
 REPO = Path(__file__).resolve().parents[2]
 DAG_ID = "eagleflow"
@@ -56,7 +59,8 @@ class RunInputs:
             "concurrency": 4,
             "server_port": 0,
             "server_extra_args": ["--warmup-seconds", "3", "--threads", "1"],
-            "warmup_timeout_minutes": 5.0,
+            "eval_server_extra_args": ["--warmup-seconds", "3", "--threads", "1"],
+            "warmup_timeout": 300.0,
             "epochs": 1,
             "total_seq_len": 512,
             "num_workers": 0,
@@ -100,7 +104,7 @@ def run_inputs(random_tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
         if rows not in made:
             out = tmp_path_factory.mktemp("inputs") / f"conversations-{rows}.jsonl"
             subprocess.run(
-                [sys.executable, "-m", "eagleflow", "make-dataset", "--tokenizer", str(random_tiny_model), "--out", str(out),
+                [sys.executable, "-m", "eagleflow", "make-dataset", "--verifier", str(random_tiny_model), "--out", str(out),
                  "--rows", str(rows)],
                 check=True, capture_output=True, text=True,
             )
@@ -152,6 +156,11 @@ class AirflowStack:
     @property
     def url(self) -> str:
         return self.processes.url
+
+    def inject_faults(self, **faults: Any) -> None:
+        """The test-only faults every engine a run of this stack launches from now on injects (the stack's
+        components carry ``EAGLEFLOW_TEST_FAULTS`` naming this file; the engines inherit it)."""
+        atomic_write_text(faults_file(self.home), faults_env(**faults)[FAULTS_ENV])
 
     def request(self, method: str, path: str, expect: int = 200, **kwargs: Any) -> Any:
         import requests
@@ -230,6 +239,11 @@ class AirflowStack:
         raise AssertionError(f"run {run_id} not finished within {timeout:.0f}s:\n{self.describe(run_id)}")
 
 
+def faults_file(home: Path) -> Path:
+    """Where a stack's test-only engine faults live (no file: none)."""
+    return home / "test-faults.json"
+
+
 @pytest.fixture(scope="module")
 def airflow_stack(tmp_path_factory: pytest.TempPathFactory, scripts: Callable[[str], ModuleType]) -> Iterator[AirflowStack]:
     """A real Airflow on a free 127.0.0.1 port, SQLite and LocalExecutor, in a temporary AIRFLOW_HOME.
@@ -240,10 +254,11 @@ def airflow_stack(tmp_path_factory: pytest.TempPathFactory, scripts: Callable[[s
     airflow_env = scripts("airflow_env")
     home = tmp_path_factory.mktemp("airflow-home")
     env = airflow_env.airflow_env(
-        home, port=free_port(), parallelism=3, all_admins=True, inherit_airflow_settings=False
+        home, port=free_port(), parallelism=3, all_admins=True, inherit_airflow_settings=False,
+        extra={FAULTS_ENV: str(faults_file(home))},
     )
     env.update(TEST_TIMEOUTS)
-    airflow_env.migrate_db(env)
+    migrated_sqlite_db(home)  # the SQLite file airflow_env points AIRFLOW_HOME's stack at
     processes = airflow_env.AirflowProcesses(env, home / "component-logs")
     stack = AirflowStack(home=home, processes=processes)
     try:
@@ -288,7 +303,7 @@ def celery_stack(tmp_path_factory: pytest.TempPathFactory, scripts: Callable[[st
         node_address = {NODE_ADDRESS_ENV: "127.0.0.1", "OMP_NUM_THREADS": "1"}
         env = airflow_env.airflow_env(
             home, port=api_port, parallelism=4, all_admins=True, inherit_airflow_settings=False, celery=backends,
-            extra=node_address,
+            extra={**node_address, FAULTS_ENV: str(faults_file(home))},
         )
         env.update(TEST_TIMEOUTS)
         airflow_env.migrate_db(env)

@@ -7,11 +7,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from eagleflow.config import model_to_argv
 from eagleflow.engine.reference.config import ReferenceEngineConfig
+from eagleflow.engine.reference.faults import faults_env
 from eagleflow.extract.sample_store import validate_dataset
 from eagleflow.engine.process import Readiness, ServerInfo, check_ready, free_port, pid_alive, start_server, stop_server
 
@@ -111,12 +113,12 @@ def test_parsing_the_dag_imports_no_heavy_library() -> None:
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
-def start_outside_engine(tmp_path: Path, model: Path, *extra: str) -> ServerInfo:
-    """A reference engine started by hand, outside Airflow (another team's server), with ``extra`` flags."""
+def start_outside_engine(tmp_path: Path, model: Path, **faults: Any) -> ServerInfo:
+    """A reference engine started by hand, outside Airflow (another team's server), injecting the test-only ``faults``."""
     port = free_port()
     engine = ReferenceEngineConfig(model=model, dump_dir=tmp_path / "remote-dumps", aux_layers=[2, 4, 5], port=port)
-    argv = [sys.executable, "-m", "eagleflow", "serve-reference", *model_to_argv(engine), "--threads", "1", *extra]
-    info = start_server(argv, {}, tmp_path / "remote.log", tmp_path / "remote.json", f"http://127.0.0.1:{port}", tmp_path / "remote-dumps")
+    argv = [sys.executable, "-m", "eagleflow", "serve-reference", *model_to_argv(engine), "--threads", "1"]
+    info = start_server(argv, faults_env(**faults), tmp_path / "remote.log", tmp_path / "remote.json", f"http://127.0.0.1:{port}", tmp_path / "remote-dumps")
     deadline = time.monotonic() + 120
     try:
         while check_ready(info).state is not Readiness.READY:
@@ -139,7 +141,7 @@ def remote_conf(tmp_path: Path, model: Path, engine: ServerInfo, run_name: str) 
     """The Params of a small run against ``engine``: 12 rows in 5-row shards."""
     from eagleflow.demo.synthetic_data import DatasetConfig, make_dataset
 
-    make_dataset(DatasetConfig(tokenizer=model, out=tmp_path / "conv.jsonl", rows=12))
+    make_dataset(DatasetConfig(verifier=model, out=tmp_path / "conv.jsonl", rows=12))
     return {
         "model_path": str(model), "dataset_input": str(tmp_path / "conv.jsonl"), "output_root": str(tmp_path / "runs"),
         "run_name": run_name, "shard_size": 5, "max_len": 256, "server_urls": [engine.url], "server_dump_dir": engine.dump_dir,
@@ -149,18 +151,20 @@ def remote_conf(tmp_path: Path, model: Path, engine: ServerInfo, run_name: str) 
 def test_remote_server_mode_launches_and_stops_nothing_and_extracts_everything(
     eagleflow_dag, outside_engine, tmp_path: Path, random_tiny_model: Path
 ) -> None:
-    conf = remote_conf(tmp_path, random_tiny_model, outside_engine, "remote")
-    # Training and export are covered elsewhere; here the point is the engine hand-off.
-    run = eagleflow_dag.test(run_conf=conf, mark_success_pattern="build_vocab|train_drafter|plot_metrics|export_drafter")
+    # Training and export are covered elsewhere; here the point is the engine hand-off, and the run
+    # stops after extraction: everything after it skipped, the run a success.
+    conf = {**remote_conf(tmp_path, random_tiny_model, outside_engine, "remote"), "stop_after_extraction": True}
+    run = eagleflow_dag.test(run_conf=conf)
     tis = {(ti.task_id, ti.map_index): ti for ti in run.get_task_instances()}
     assert str(run.state) == "success", {k: ti.state for k, ti in tis.items()}
+    after_extraction = ("build_vocab", "plan_train_nodes", "train_drafter", "plot_metrics", "export_drafter", "evaluate_drafter")
+    assert {task: tis[(task, -1)].state for task in after_extraction} == dict.fromkeys(after_extraction, "skipped")
     assert tis[("launch_server", 0)].xcom_pull(task_ids="launch_server", map_indexes=0) == {
         "url": outside_engine.url, "pid": None, "host": "", "log_path": "", "dump_dir": outside_engine.dump_dir,
         "name": "engine-0",
     }
     assert tis[("stop_server", 0)].xcom_pull(task_ids="stop_server", map_indexes=0) == "remote engine left running"
     assert pid_alive(outside_engine.pid)  # nobody stopped the remote engine
-    assert tis[("evaluate_drafter", -1)].state == "skipped"  # no engine of this run to relaunch with the drafter
     assert not list((tmp_path / "runs" / "remote").glob("server/engine-*"))  # nobody launched one
     assert sorted(ti.rendered_map_index for (task, _), ti in tis.items() if task == "extract_shard") == [
         "rows_0-5", "rows_10-12", "rows_5-10",
@@ -175,7 +179,7 @@ def test_remote_server_mode_launches_and_stops_nothing_and_extracts_everything(
 def test_a_wrong_capture_stops_the_run_before_any_shard(eagleflow_dag, tmp_path: Path, random_tiny_model: Path) -> None:
     """An engine that captures the post-norm final state (TEST-ONLY fault): verify_capture fails with the
     cause, no shard runs, no hidden-state file is written, and the report is left for the run page."""
-    engine = start_outside_engine(tmp_path, random_tiny_model, "--capture-fault", "post-norm-final")
+    engine = start_outside_engine(tmp_path, random_tiny_model, capture_fault="post-norm-final")
     try:
         conf = remote_conf(tmp_path, random_tiny_model, engine, "wrong-capture")
         run = eagleflow_dag.test(run_conf=conf, mark_success_pattern="build_vocab|train_drafter|plot_metrics|export_drafter")
@@ -200,7 +204,7 @@ def test_online_mode_skips_every_shard_trains_from_the_engine_and_stops_it_after
     from eagleflow.demo.synthetic_data import DatasetConfig, make_dataset
     from eagleflow.layout import RunLayout
 
-    make_dataset(DatasetConfig(tokenizer=random_tiny_model, out=tmp_path / "conv.jsonl", rows=12))
+    make_dataset(DatasetConfig(verifier=random_tiny_model, out=tmp_path / "conv.jsonl", rows=12))
     conf = {
         "model_path": str(random_tiny_model), "dataset_input": str(tmp_path / "conv.jsonl"), "output_root": str(tmp_path / "runs"),
         "run_name": "online", "shard_size": 5, "max_len": 256, "server_port": 0, "server_extra_args": ["--threads", "1"],

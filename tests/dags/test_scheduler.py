@@ -40,11 +40,8 @@ RUN_TIMEOUT = 600.0
 
 
 def _conf(inputs: Any, output_root: Path, run_name: str) -> dict[str, Any]:
-    """Params of the run: shards of 10 rows, row 13 refused once by the engine."""
-    return inputs.conf(
-        output_root, run_name, shard_size=SHARD_SIZE,
-        server_extra_args=["--warmup-seconds", "3", "--threads", "1", "--fail-row", str(FAIL_ROW)],
-    )
+    """Params of the run: shards of 10 rows (row 13 is refused once by the engine: ``inject_faults``)."""
+    return inputs.conf(output_root, run_name, shard_size=SHARD_SIZE, server_extra_args=["--warmup-seconds", "3", "--threads", "1"])
 
 
 def _file_identities(hidden_states: Path) -> dict[str, tuple[int, int]]:
@@ -64,6 +61,7 @@ def test_failed_shard_cleared_through_the_api_reruns_alone(airflow_stack: Any, r
     inputs = run_inputs(ROWS)
     run_id = run_name = "scheduler-clear-one-shard"
     layout = RunLayout.of(tmp_path / "runs", run_name)
+    airflow_stack.inject_faults(fail_row=[FAIL_ROW])
     airflow_stack.trigger(run_id, _conf(inputs, tmp_path / "runs", run_name))
 
     # --- first pass: only the shard holding the failing row fails -------------------------
@@ -179,8 +177,10 @@ def test_scheduler_killed_mid_extraction_and_restarted_finishes_the_run_without_
     # A disk slower than the engine (each dump waits 1.5 s) keeps a shard busy when the scheduler dies.
     conf = inputs.conf(
         tmp_path / "runs", run_name, shard_size=shard_size,
-        server_extra_args=["--warmup-seconds", "3", "--threads", "1", "--test-write-delay", "1.5"],
+        server_extra_args=["--warmup-seconds", "3", "--threads", "1"],
+        stop_after_extraction=True,  # what is checked is extraction's; training is the other test's
     )
+    airflow_stack.inject_faults(write_delay=1.5)
     airflow_stack.trigger(run_id, conf)
 
     deadline = time.monotonic() + RUN_TIMEOUT
@@ -215,6 +215,7 @@ def test_bad_aux_layer_ids_are_refused_at_trigger_or_by_the_first_tasks(
     airflow_stack: Any, run_inputs: Any, tmp_path: Path
 ) -> None:
     """[2, 2] never becomes a run; ids past the verifier's depth stop the run before any extraction."""
+    airflow_stack.inject_faults()  # none left over from the tests before
     airflow_stack.request("PATCH", f"/dags/{DAG_ID}", json={"is_paused": False})
     conf = _conf(run_inputs(ROWS), tmp_path / "runs", "bad-aux")
 

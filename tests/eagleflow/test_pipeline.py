@@ -10,6 +10,7 @@ import pytest
 from airflow.sdk import Param
 from airflow.sdk.definitions.param import ParamValidationError
 
+from eagleflow.engine.process import ServerInfo
 from eagleflow.errors import UserError
 from eagleflow.pipeline import PipelineConfig, param_schemas
 
@@ -100,26 +101,29 @@ def test_output_paths_must_be_absolute_outside_system_folders_and_inside_the_dep
 
 
 @pytest.mark.parametrize(
-    ("engine", "extra", "flag"),
+    ("engine", "extra", "flag", "param"),
     [
-        ("reference", ["--host", "0.0.0.0"], "--host"),
-        ("reference", ["--ho", "0.0.0.0"], "--host"),  # argparse reads a unique prefix as the whole flag
-        ("reference", ["--hos=0.0.0.0"], "--host"),
-        ("reference", ["--dump-d", "/tmp/elsewhere"], "--dump-dir"),
-        ("reference", ["--po", "8080"], "--port"),
-        ("reference", ["--speculative-algorithm", "EAGLE3"], "--speculative-algorithm"),
-        ("sglang", ["--host", "0.0.0.0"], "--host"),
-        ("sglang", ["--ho", "0.0.0.0"], "--host"),
-        ("sglang", ["--forward-ho", "[]"], "--forward-hooks"),
-        ("sglang", ["--enable-dp-att"], "--enable-dp-attention"),
-        ("sglang", ["--speculative-num-steps", "5"], "--speculative-num-steps"),  # the evaluation's, from export.json
+        ("reference", ["--host", "0.0.0.0"], "--host", "server_extra_args"),
+        ("reference", ["--ho", "0.0.0.0"], "--host", "server_extra_args"),  # argparse reads a unique prefix as the whole flag
+        ("reference", ["--hos=0.0.0.0"], "--host", "server_extra_args"),
+        ("reference", ["--dump-d", "/tmp/elsewhere"], "--dump-dir", "server_extra_args"),
+        ("reference", ["--po", "8080"], "--port", "server_extra_args"),
+        ("reference", ["--speculative-algorithm", "EAGLE3"], "--speculative-algorithm", "server_extra_args"),
+        ("reference", ["--po", "8080"], "--port", "eval_server_extra_args"),
+        ("sglang", ["--host", "0.0.0.0"], "--host", "server_extra_args"),
+        ("sglang", ["--ho", "0.0.0.0"], "--host", "server_extra_args"),
+        ("sglang", ["--forward-ho", "[]"], "--forward-hooks", "server_extra_args"),
+        ("sglang", ["--enable-dp-att"], "--enable-dp-attention", "server_extra_args"),
+        ("sglang", ["--ho", "0.0.0.0"], "--host", "eval_server_extra_args"),
+        # the evaluation's, from export.json
+        ("sglang", ["--speculative-num-steps", "5"], "--speculative-num-steps", "eval_server_extra_args"),
     ],
 )
 def test_server_extra_args_may_not_set_what_the_run_sets(
-    tmp_path: Path, random_tiny_model: Path, engine: str, extra: list[str], flag: str
+    tmp_path: Path, random_tiny_model: Path, engine: str, extra: list[str], flag: str, param: str
 ) -> None:
-    with pytest.raises(UserError, match="Param server_extra_args: ") as info:
-        PipelineConfig.from_params({**base(tmp_path, random_tiny_model), "engine": engine, "server_extra_args": extra})
+    with pytest.raises(UserError, match=f"Param {param}: ") as info:
+        PipelineConfig.from_params({**base(tmp_path, random_tiny_model), "engine": engine, param: extra})
     assert flag in str(info.value)
     if engine == "reference":  # the same rule where a step builds the command itself (evaluate --server-extra-args)
         from eagleflow.engine.launch import serving_engine_command
@@ -129,10 +133,13 @@ def test_server_extra_args_may_not_set_what_the_run_sets(
 
 
 def test_allowed_extra_args_pass(tmp_path: Path, random_tiny_model: Path) -> None:
-    for engine, extra in (("reference", ["--threads", "1", "--warmup-seconds", "3", "--th", "1", "--fail-row", "7"]),
+    for engine, extra in (("reference", ["--threads", "1", "--warmup-seconds", "3", "--th", "1", "--context-length", "64"]),
                           ("sglang", ["--trust-remote-code", "--mem-fraction-static", "0.8"])):
         cfg = PipelineConfig.from_params({**base(tmp_path, random_tiny_model), "engine": engine, "server_extra_args": extra})
         assert cfg.server_extra_args == extra
+        assert cfg.evaluate_config().eval_server_extra_args == []  # the capture engines' arguments only
+        cfg = PipelineConfig.from_params({**base(tmp_path, random_tiny_model), "engine": engine, "eval_server_extra_args": extra})
+        assert cfg.evaluate_config().eval_server_extra_args == extra and cfg.server_extra_args == []
 
 
 def test_the_reference_engines_refusals_match_its_own_argparse_exactly() -> None:
@@ -189,7 +196,8 @@ SECTIONS = {"Engine", "Data", "Extraction", "Training", "Evaluation", "Regenerat
 
 
 def test_the_form_has_sections_human_labels_and_requires_only_what_a_run_cannot_start_without() -> None:
-    from eagleflow.pipeline import PIPELINE_PARAMS, STEP_PARAMS
+    from eagleflow.pipeline import PIPELINE_PARAMS
+    from eagleflow.step_params import STEP_PARAMS
 
     schemas = param_schemas()
     owners = {**dict.fromkeys(PIPELINE_PARAMS, PipelineConfig), **STEP_PARAMS}
@@ -211,7 +219,16 @@ def test_the_form_has_sections_human_labels_and_requires_only_what_a_run_cannot_
 def test_a_param_left_empty_takes_its_default(tmp_path: Path, random_tiny_model: Path) -> None:
     empty = {name: None for name in ("shard_size", "concurrency", "server_urls", "epochs", "hidden_states_dtype")}
     cfg = PipelineConfig.from_params({**base(tmp_path, random_tiny_model), **empty, "run_name": "r"})
-    assert (cfg.shard_size, cfg.concurrency, cfg.server_urls) == (2000, 8, [])
+    assert (cfg.shard_size, cfg.server_urls) == (2000, [])
+    engine = ServerInfo(url="http://127.0.0.1:1", pid=None, host="", log_path="", dump_dir="/d", name="engine-0")
+    assert cfg.extract_config(engine, {"name": "rows_0-2", "start": 0, "end": 2}).concurrency == 8
     assert cfg.hidden_states_dtype == "bf16" and cfg.train_config().epochs == 5
     for name in empty:
         Param(**param_schemas()[name]).resolve(None)  # and Airflow's form takes the empty field
+
+
+def test_stopping_after_extraction_is_refused_for_online_training_which_extracts_nothing(tmp_path: Path, random_tiny_model: Path) -> None:
+    conf = {**base(tmp_path, random_tiny_model), "stop_after_extraction": True}
+    assert PipelineConfig.from_params(conf).stop_after_extraction
+    with pytest.raises(UserError, match="stop_after_extraction with hidden_states_source engine"):
+        PipelineConfig.from_params({**conf, "hidden_states_source": "engine"})

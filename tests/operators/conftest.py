@@ -1,4 +1,4 @@
-"""Fixtures for the operator tests: a run's Params (the settable health endpoint and the
+"""Fixtures for the operator tests (a run's Params, the settable health endpoint and the
 process-group cleanup are shared, in tests/conftest.py)."""
 
 from __future__ import annotations
@@ -7,25 +7,8 @@ import stat
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
-
-
-@pytest.fixture()
-def params(tmp_path: Path, random_tiny_model: Path) -> dict[str, Any]:
-    """A run's Params: the reference engine on the tiny model, any free port, one torch thread."""
-    return {
-        "engine": "reference",
-        "model_path": str(random_tiny_model),
-        "dataset_input": str(tmp_path / "unused.jsonl"),
-        "output_root": str(tmp_path / "out"),
-        "server_port": 0,
-        # One thread: the engine shares 2 cores with this test process.
-        "server_extra_args": ["--threads", "1"],
-    }
-
-
 
 
 @pytest.fixture()

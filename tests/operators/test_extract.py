@@ -8,6 +8,7 @@ HTTP endpoints.
 
 from __future__ import annotations
 
+import argparse
 import signal
 import socket
 from collections.abc import Callable
@@ -19,6 +20,7 @@ import torch
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from eagleflow.engine.process import ServerInfo, free_port
+from eagleflow.extract import shard
 from eagleflow.extract.manifest import SUCCESS, ShardManifest
 from eagleflow.extract.sample_store import write_sample
 from eagleflow.extract.shard import EXIT_ENGINE_GONE
@@ -66,9 +68,11 @@ def test_the_shard_takes_a_ready_engine_and_names_it(health, params) -> None:
     down = ServerInfo(url=f"http://127.0.0.1:{free_port()}", pid=None, host="", log_path="", dump_dir="/d1", name="engine-1")
     up = ServerInfo(url=health.url, pid=None, host="", log_path="", dump_dir="/d0", name="engine-0")
     argv = shard_operator([up, down]).step_argv(context(params, map_index=1))  # engine-1's shard; it is down
-    flags = dict(zip(argv[::2], argv[1::2]))
-    assert (flags["--server"], flags["--engine"], flags["--dump-dir"]) == (health.url, "engine-0", "/d0")
-    assert flags["--rows"] == "10:20" and "--server-pid" not in flags
+    parser = argparse.ArgumentParser()
+    shard.add_arguments(parser)  # the extract step's own flags read what the operator wrote
+    args = vars(parser.parse_args(argv))
+    assert (args["server"], args["engine_name"], str(args["dump_dir"])) == (health.url, "engine-0", "/d0")
+    assert args["rows"] == "10:20" and "server_pid" not in args
 
 
 def test_no_engine_ready_fails_the_try_so_that_it_is_retried(health, params) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from operators.links import RUN_NAME_XCOM_KEY, EagleflowRunLink, run_page_url
+from metadata_db import migrated_sqlite_db
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -94,9 +95,7 @@ def run_links_dag(tmp_path: Path, conf: dict[str, str], base_url: str = "") -> d
         "AIRFLOW__API__BASE_URL": base_url,
         "PYTHONPATH": str(REPO),
     }
-    migrate = subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], env=env, capture_output=True, text=True,
-                             timeout=300)
-    assert migrate.returncode == 0, migrate.stderr[-2000:]
+    migrated_sqlite_db(home)
     result = subprocess.run([sys.executable, "-c", RUNNER, str(dags), json.dumps(conf)], env=env, capture_output=True,
                             text=True, timeout=300, cwd=tmp_path)
     lines = [line for line in result.stdout.splitlines() if line.startswith("LINKS ")]

@@ -215,7 +215,7 @@ def write_log(path: Path, lines: int, first: int = 0) -> None:
 
 def test_sensor_defers_with_an_absolute_deadline_when_not_ready(health, params) -> None:
     health.status = 503
-    params["warmup_timeout_minutes"] = 2
+    params["warmup_timeout"] = 120
     server = server_dict(health.url, os.getpid())
     sensor = ServerReadySensor(task_id="wait_server_ready", server=server, poll_interval=0.25)
     before = time.time()
@@ -243,7 +243,7 @@ def test_sensor_returns_at_once_when_ready_and_fails_at_once_when_dead(health, p
 
 def test_an_explicit_sensor_timeout_wins_over_the_param(health, params) -> None:
     health.status = 503
-    params["warmup_timeout_minutes"] = 2
+    params["warmup_timeout"] = 120
     sensor = ServerReadySensor(task_id="w", server=server_dict(health.url, os.getpid()), timeout=30)
     with pytest.raises(TaskDeferred) as deferred:
         sensor.execute(make_context(params))

@@ -7,6 +7,17 @@ SGLang hook) is a small HTTP server backed by ``transformers``, in three parts:
 - :mod:`~eagleflow.engine.reference.protocol`: the subset of SGLang's native API it speaks,
   with SGLang's field names, status codes and error bodies;
 - :mod:`~eagleflow.engine.reference.runner`: the model, its forward passes and the capture;
-- :mod:`~eagleflow.engine.reference.faults`: TEST ONLY switches that inject faults for real;
+- :mod:`~eagleflow.engine.reference.faults`: TEST ONLY faults injected for real, read from the
+  ``EAGLEFLOW_TEST_FAULTS`` environment variable (never flags);
 - :mod:`~eagleflow.engine.reference.server`: the HTTP app, the warmup and the process's life.
 """
+
+from eagleflow import lazy_exports
+
+__all__, __getattr__ = lazy_exports(
+    __name__,
+    {
+        "config": ["ReferenceEngineConfig", "check_tree_flags"],
+        "rope": ["UnsupportedRope", "sglang_rotary"],
+    },
+)

@@ -1,4 +1,4 @@
-"""TEST ONLY: capture faults the reference engine can be told to make (``--capture-fault``).
+"""TEST ONLY: capture faults the reference engine can be told to make (the ``capture_fault`` test fault, :mod:`eagleflow.engine.reference.faults`).
 
 The ``verify-capture`` gate claims to catch the misalignments EAGLE-3 pipelines are known for;
 these faults make the engine commit each of them for real, so the tests can show the gate

@@ -1,14 +1,14 @@
-"""Flags of ``python -m eagleflow serve-reference``, declared once."""
+"""Flags of ``python -m eagleflow serve-reference``, declared once (test-only faults are not flags: see
+:mod:`eagleflow.engine.reference.faults`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype
-from eagleflow.engine.reference.capture_faults import CaptureFault
 
 
 def check_tree_flags(num_steps: int, topk: int, num_draft_tokens: int | None) -> None:
@@ -83,47 +83,12 @@ class ReferenceEngineConfig(BaseModel):
         description="bytes of captured, not yet written dumps the engine may hold; past that, for 2s, a request "
         "gets a 'writer behind' error record instead of waiting (default: 1/8 of this host's memory, at most 32 GiB)",
     )
-    min_request_seconds: float = Field(
-        0.0,
-        ge=0,
-        description="TEST ONLY: every captured /generate takes at least this long (a big model's prefill on a "
-        "small machine), so a test can act while a shard is in flight",
-    )
-    fail_row: list[int] = Field(
-        default_factory=list,
-        description="TEST ONLY: comma list of rows whose requests (rid row{N}-…) answer 500, once across restarts "
-        "(a marker <dump_dir>/.fail-row-N.injected records that the failure was injected)",
-    )
-    nan_row: list[int] = Field(
-        default_factory=list,
-        description="TEST ONLY: comma list of rows whose captured states get a NaN, once across restarts "
-        "(marker <dump_dir>/.nan-row-N.injected)",
-    )
-    test_write_delay: float = Field(
-        0.0, ge=0, description="TEST ONLY: each dump write first sleeps this many seconds (a disk slower than the engine)"
-    )
-    capture_fault: CaptureFault | None = Field(
-        None,
-        description="TEST ONLY: capture wrongly on purpose, so tests can show verify-capture catching it: post-norm-final "
-        "(the final slot after the norm), layer-shift (every slot one layer early), partial-sum (one of 2 tensor-parallel "
-        "ranks' share; /server_info says tp_size 2), radix-cache (reuse earlier prompts' prefixes); never in a real run",
-    )
 
     @model_validator(mode="after")
     def _consistent(self) -> ReferenceEngineConfig:
         if (self.dump_dir is None) != (self.aux_layers is None):
             raise ValueError("--dump-dir and --aux-layers go together: capture needs both")
-        if self.capture_fault and self.dump_dir is None:
-            raise ValueError("--capture-fault needs capture (--dump-dir and --aux-layers)")
         if self.speculative_algorithm and self.speculative_draft_model_path is None:
             raise ValueError("--speculative-algorithm EAGLE3 needs --speculative-draft-model-path")
         check_tree_flags(self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens)
         return self
-
-    @field_validator("fail_row", "nan_row")
-    @classmethod
-    def _rows_not_negative(cls, rows: list[int]) -> list[int]:
-        bad = [r for r in rows if r < 0]
-        if bad:
-            raise ValueError(f"row numbers must be >= 0, got {bad}")
-        return rows

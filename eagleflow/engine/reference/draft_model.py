@@ -32,19 +32,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from eagleflow.data import rms_norm
 from eagleflow.engine.reference.rope import UnsupportedRope, sglang_rotary
 from eagleflow.errors import UserError, excerpt
 
 # Names older EAGLE-3 exports use; SGLang maps them too (load_weights legacy_name_map).
 LEGACY_NAMES = {"midlayer.": "layers.0.", "aux_norm_low": "fc_norm.0", "aux_norm_mid": "fc_norm.1", "aux_norm_high": "fc_norm.2"}
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm, computed in float32 as SGLang's and transformers' kernels do."""
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.float() * x).to(dtype)
 
 
 @dataclass

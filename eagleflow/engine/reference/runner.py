@@ -27,7 +27,7 @@ from eagleflow.engine.capture import HiddenStateCapture
 from eagleflow.engine.context import derived_context_length
 from eagleflow.engine.reference.capture_faults import FaultyCapture, PrefixCache, server_info_overrides
 from eagleflow.engine.reference.config import ReferenceEngineConfig
-from eagleflow.engine.reference.faults import FaultSwitches
+from eagleflow.engine.reference.faults import FaultSwitches, faults_from_env
 from eagleflow.engine.reference.logprobs import logprob_meta_info
 from eagleflow.engine.reference.turns import ForwardTurns
 from eagleflow.engine.reference.protocol import (
@@ -85,9 +85,12 @@ class ReferenceEngine:
         self.eos_token_ids = _eos_token_ids(model)
         # Only the last position's logits are needed; older/remote modelling code may lack the knob.
         self._logits_kwargs = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+        # TEST ONLY faults, from the environment (EAGLEFLOW_TEST_FAULTS): rows still to fail in this process (a
+        # marker left by an earlier process means its one injected failure already happened), a slow disk, ….
+        self.faults = FaultSwitches(faults_from_env(), config.dump_dir)
         self.writer = (
             DumpWriter(
-                config.dump_dir, max_pending_bytes=config.dump_queue_bytes, write_delay=config.test_write_delay,
+                config.dump_dir, max_pending_bytes=config.dump_queue_bytes, write_delay=self.faults.settings.write_delay,
                 hidden_states_dtype=config.hidden_states_dtype,
             )
             if config.dump_dir is not None
@@ -103,10 +106,7 @@ class ReferenceEngine:
         self.shutting_down = False
         self.warmup_error: str | None = None
         self.turns = ForwardTurns()  # one forward at a time; /abort_request drops a request still waiting
-        # Rows still to fail in this process: a marker left by an earlier process means its one
-        # injected failure already happened.
-        self.faults = FaultSwitches(config)
-        self.prefix_cache = PrefixCache() if config.capture_fault == "radix-cache" else None  # TEST ONLY
+        self.prefix_cache = PrefixCache() if self.faults.settings.capture_fault == "radix-cache" else None  # TEST ONLY
         self._stats_lock = threading.Lock()
         self._requests = 0
         self._failed = 0
@@ -160,7 +160,7 @@ class ReferenceEngine:
         if is_captured(rid):
             self._count(len(request.input_ids), failed=False)
             # Off the forward lock: slowed requests still overlap, as a batching engine's do.
-            time.sleep(max(self.config.min_request_seconds - (time.time() - started), 0.0))
+            time.sleep(max(self.faults.settings.min_request_seconds - (time.time() - started), 0.0))
         return {
             "text": self._decode(output_ids),
             "output_ids": output_ids,
@@ -225,7 +225,7 @@ class ReferenceEngine:
             "disable_radix_cache": True,  # there is no prefix cache: every prompt token is computed
             "chunked_prefill_size": -1,
             "version": "eagleflow-reference",
-            **server_info_overrides(self.config.capture_fault),
+            **server_info_overrides(self.faults.settings.capture_fault),
         }
 
     def warmup(self) -> None:
@@ -290,7 +290,7 @@ class ReferenceEngine:
         prompt_logprobs_wanted = request.return_logprob and request.logprob_start_len < len(request.input_ids)
         logits_kwargs = {} if prompt_logprobs_wanted else self._logits_kwargs
         cached = 0
-        if self.prefix_cache is not None:  # TEST ONLY: --capture-fault radix-cache
+        if self.prefix_cache is not None:  # TEST ONLY: capture_fault radix-cache
             cached = self.prefix_cache.reuse(request.input_ids, request.return_logprob, request.logprob_start_len)
         output_ids: list[int] = []
         output_logprobs: list[torch.Tensor] = []
@@ -299,7 +299,7 @@ class ReferenceEngine:
             if aborted:
                 return [], {"type": "abort", "message": f"request {request.rid} aborted by /abort_request"}, {}
             if capture:
-                fault = self.config.capture_fault  # TEST ONLY when set
+                fault = self.faults.settings.capture_fault  # TEST ONLY when set
                 hooks = FaultyCapture(self.model, self.aux_layer_ids, fault) if fault else HiddenStateCapture(self.model, self.aux_layer_ids)
                 with hooks:
                     out = self.model(input_ids=ids, use_cache=max_new_tokens > 1, **logits_kwargs)

@@ -12,6 +12,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from eagleflow.config import add_model_arguments, model_from_args
@@ -49,26 +50,30 @@ def create_app(engine: ReferenceEngine) -> Any:
             chunks.append(chunk)
         return parse_json_body(b"".join(chunks))
 
-    async def generate(request: Request) -> Response:
-        try:
-            body = await read_json(request)
-        except ValueError as exc:
-            return JSONResponse(invalid_json_body(exc), status_code=400)
-        except RequestError as exc:
-            return JSONResponse(exc.body, status_code=exc.status)
-        try:
-            return JSONResponse(await run_in_threadpool(engine.generate, body))
-        except RequestError as exc:
-            return JSONResponse(exc.body, status_code=exc.status)
+    def json_route(handle: Callable[[Any], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        """A POST route that reads a JSON body; a bad or oversized body, or a refused request, is SGLang's error answer."""
 
-    async def abort_request(request: Request) -> Response:
+        async def route(request: Request) -> Response:
+            try:
+                body = await read_json(request)
+            except ValueError as exc:  # the body's JSON only: an engine's own ValueError stays a 500
+                return JSONResponse(invalid_json_body(exc), status_code=400)
+            except RequestError as exc:
+                return JSONResponse(exc.body, status_code=exc.status)
+            try:
+                return await handle(body)
+            except RequestError as exc:
+                return JSONResponse(exc.body, status_code=exc.status)
+
+        return route
+
+    @json_route
+    async def generate(body: Any) -> Response:
+        return JSONResponse(await run_in_threadpool(engine.generate, body))
+
+    @json_route
+    async def abort_request(body: Any) -> Response:
         # SGLang's /abort_request: {"rid"}; 200 whether or not the request was still there.
-        try:
-            body = await read_json(request)
-        except ValueError as exc:
-            return JSONResponse(invalid_json_body(exc), status_code=400)
-        except RequestError as exc:
-            return JSONResponse(exc.body, status_code=exc.status)
         if isinstance(body, dict) and isinstance(body.get("rid"), str):
             engine.abort(body["rid"])
         return Response(status_code=200)
@@ -157,12 +162,8 @@ def serve(config: ReferenceEngineConfig) -> int:
         + f"listening on http://{host}:{port}; warmup {config.warmup_seconds:g}s",
         flush=True,
     )
-    if engine.faults.fail_rows:
-        print(f"TEST fault injection: requests for rows {sorted(engine.faults.fail_rows)} will answer 500", flush=True)
-    if config.capture_fault:
-        print(f"TEST fault injection: capturing wrongly on purpose (--capture-fault {config.capture_fault})", flush=True)
-    if config.min_request_seconds:
-        print(f"TEST slowdown: every captured request takes at least {config.min_request_seconds:g}s", flush=True)
+    for line in engine.faults.settings.announce():
+        print(line, flush=True)
     if stop_signals:  # stopped while the model was loading
         engine.close()
         sock.close()

@@ -193,7 +193,7 @@ def load_speculative_decoder(
     """The EAGLE-3 decoder of the exported SGLang drafter ``folder`` for ``model`` (flags as SGLang's):
     a chain with ``topk`` 1, else a tree of ``num_draft_tokens`` (:mod:`eagleflow.engine.reference.tree`)."""
     from eagleflow.engine.capture import AuxStateCapture
-    from eagleflow.export.sglang_drafter import NotServable, captured_layer_ids
+    from eagleflow.export import NotServable, captured_layer_ids
 
     if folder is None or not (Path(folder) / "config.json").is_file():
         raise UserError(f"--speculative-draft-model-path: {folder} has no config.json (run eagleflow export first)")

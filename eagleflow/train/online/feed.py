@@ -31,10 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from eagleflow.engine.process import Readiness, ServerInfo, check_ready
-from eagleflow.extract.client import EngineClient, RowFailed, ServerGone
-from eagleflow.extract.dump_wait import DiskFull
-from eagleflow.extract.row_fetch import RowFetcher, SampleShape
+from eagleflow.engine import EngineClient, Readiness, RowFailed, ServerGone, ServerInfo, check_ready
+from eagleflow.extract import DiskFull, RowFetcher, SampleShape
 from eagleflow.files import atomic_write_json
 from eagleflow.progress import format_bytes
 from eagleflow.train.online.journal import settle_journal

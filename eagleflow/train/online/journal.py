@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from eagleflow.extract.client import EngineClient
+from eagleflow.engine import EngineClient
 from eagleflow.files import atomic_write_json
 from eagleflow.layout import FeedLayout
 from sglang_patch.handoff import read_writer_statuses

@@ -29,7 +29,7 @@ def test_chat_rows_get_assistant_loss_masks(tmp_path: Path, random_tiny_model: P
     from transformers import AutoTokenizer
 
     rows = [chat(("user", "count from 1 to 5"), ("assistant", "1 2 3 4 5")), chat(("user", "hi"), ("assistant", "hello there"))]
-    cfg = PrepareConfig(input=write_jsonl(tmp_path / "in.jsonl", rows), tokenizer=random_tiny_model, out=tmp_path / "ds")
+    cfg = PrepareConfig(input=write_jsonl(tmp_path / "in.jsonl", rows), verifier=random_tiny_model, out=tmp_path / "ds")
     summary = prepare_dataset(cfg)
     assert summary["rows"] == 2 and summary["truncated"] == 0
     table = load(tmp_path / "ds")
@@ -49,7 +49,7 @@ def test_pretokenized_rows_truncation_and_parquet(tmp_path: Path) -> None:
 
     records = [{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}, {"input_ids": list(range(1, 11))}]
     pq.write_table(pa.Table.from_pylist(records), tmp_path / "in.parquet")
-    cfg = PrepareConfig(input=tmp_path / "in.parquet", tokenizer=tmp_path, out=tmp_path / "ds", max_len=4, vocab_size=100)
+    cfg = PrepareConfig(input=tmp_path / "in.parquet", verifier=tmp_path, out=tmp_path / "ds", max_len=4, vocab_size=100)
     summary = prepare_dataset(cfg)
     assert summary["truncated"] == 1 and summary["tokens"] == 7
     table = load(tmp_path / "ds")
@@ -76,7 +76,7 @@ def test_pretokenized_rows_truncation_and_parquet(tmp_path: Path) -> None:
 def test_each_bad_row_case_fails_naming_the_row(tmp_path: Path, record: object, reason: str) -> None:
     good = {"input_ids": [1, 2, 3]}
     path = write_jsonl(tmp_path / "in.jsonl", [good, good, record])
-    cfg = PrepareConfig(input=path, tokenizer=tmp_path, out=tmp_path / "ds", vocab_size=100)
+    cfg = PrepareConfig(input=path, verifier=tmp_path, out=tmp_path / "ds", vocab_size=100)
     with pytest.raises(BadRows) as caught:
         prepare_dataset(cfg)
     assert caught.value.errors[0][0] == 2
@@ -87,7 +87,7 @@ def test_each_bad_row_case_fails_naming_the_row(tmp_path: Path, record: object, 
 
 def test_skip_bad_rows_keeps_order_and_writes_a_report(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "in.jsonl", [{"input_ids": [1]}, "{bad", {"input_ids": [2, 3]}])
-    cfg = PrepareConfig(input=path, tokenizer=tmp_path, out=tmp_path / "ds", vocab_size=100, skip_bad_rows=True)
+    cfg = PrepareConfig(input=path, verifier=tmp_path, out=tmp_path / "ds", vocab_size=100, skip_bad_rows=True)
     assert prepare_dataset(cfg)["skipped_bad_rows"] == 1
     assert load(tmp_path / "ds")["input_ids"] == [[1], [2, 3]]
     report = [json.loads(line) for line in (tmp_path / "ds" / "bad_rows.jsonl").read_text().splitlines()]
@@ -97,14 +97,14 @@ def test_skip_bad_rows_keeps_order_and_writes_a_report(tmp_path: Path) -> None:
 def test_the_error_lists_only_the_first_20_rows(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "in.jsonl", ["{bad"] * 25)
     with pytest.raises(BadRows) as caught:
-        prepare_dataset(PrepareConfig(input=path, tokenizer=tmp_path, out=tmp_path / "ds", vocab_size=100))
+        prepare_dataset(PrepareConfig(input=path, verifier=tmp_path, out=tmp_path / "ds", vocab_size=100))
     text = str(caught.value)
     assert "25 bad row(s)" in text and "row 19:" in text and "row 20:" not in text and "and 5 more" in text
 
 
 def test_rerun_with_same_input_is_a_no_op_and_keeps_hidden_states(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "in.jsonl", [{"input_ids": [1, 2]}])
-    cfg = PrepareConfig(input=path, tokenizer=tmp_path, out=tmp_path / "ds", vocab_size=100)
+    cfg = PrepareConfig(input=path, verifier=tmp_path, out=tmp_path / "ds", vocab_size=100)
     prepare_dataset(cfg)
     keep = tmp_path / "ds" / "hidden_states" / "hs_0.safetensors"
     keep.parent.mkdir()
@@ -120,10 +120,10 @@ def test_rerun_with_same_input_is_a_no_op_and_keeps_hidden_states(tmp_path: Path
 
 def test_cli_exit_code_2_for_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write_jsonl(tmp_path / "in.jsonl", ["{bad"])
-    code = cli(["prepare-dataset", "--input", str(path), "--tokenizer", str(tmp_path), "--out", str(tmp_path / "ds"), "--vocab-size", "10"])
+    code = cli(["prepare-dataset", "--input", str(path), "--verifier", str(tmp_path), "--out", str(tmp_path / "ds"), "--vocab-size", "10"])
     assert code == 2
     assert "row 0: unparsable JSON" in capsys.readouterr().err
-    assert cli(["prepare-dataset", "--input", str(tmp_path / "missing.jsonl"), "--tokenizer", str(tmp_path), "--out", str(tmp_path / "ds")]) == 2
+    assert cli(["prepare-dataset", "--input", str(tmp_path / "missing.jsonl"), "--verifier", str(tmp_path), "--out", str(tmp_path / "ds")]) == 2
 
 
 # ---- faults in the input file ---------------------------------------------------------------------
@@ -134,7 +134,7 @@ def test_a_byte_that_is_not_utf8_names_its_row_and_skip_bad_rows_leaves_it_out(t
     lines = [json.dumps({"input_ids": [1, 2]}).encode(), b'{"input_ids": [3], "note": "caf\xe9"}',  # latin-1, not UTF-8
              json.dumps({"input_ids": [4, 5]}).encode()]
     path.write_bytes(b"\n".join(lines) + b"\n")
-    args = ["prepare-dataset", "--input", str(path), "--tokenizer", str(tmp_path), "--out", str(tmp_path / "ds"), "--vocab-size", "10"]
+    args = ["prepare-dataset", "--input", str(path), "--verifier", str(tmp_path), "--out", str(tmp_path / "ds"), "--vocab-size", "10"]
     assert cli(args) == 2
     err = capsys.readouterr().err
     assert "row 1: not UTF-8: byte 0xe9 at byte 31 of the line" in err and "Traceback" not in err
@@ -149,7 +149,7 @@ def test_reasons_quote_a_bounded_excerpt_of_a_huge_row(tmp_path: Path) -> None:
     rows = [{"input_ids": [1, "x" * 3_000_000]}, {f"key{i}" * 50: i for i in range(2000)}, '{"input_ids": [' + "[" * 100_000]
     path = write_jsonl(tmp_path / "in.jsonl", rows)
     with pytest.raises(BadRows) as caught:
-        prepare_dataset(PrepareConfig(input=path, tokenizer=tmp_path, out=tmp_path / "ds", vocab_size=100))
+        prepare_dataset(PrepareConfig(input=path, verifier=tmp_path, out=tmp_path / "ds", vocab_size=100))
     assert [row for row, _ in caught.value.errors] == [0, 1, 2]
     assert len(str(caught.value)) < 1500, str(caught.value)[:3000]
     assert "input_ids[1] = 'xxxx" in str(caught.value) and "more characters" in str(caught.value)
@@ -191,12 +191,12 @@ def test_preparing_a_huge_row_takes_a_small_multiple_of_its_size(tmp_path: Path,
         def peak():
             return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
         write(folder / "small.jsonl", "short")
-        prepare_dataset(PrepareConfig(input=folder / "small.jsonl", tokenizer=model, out=folder / "warm", max_len=256))
+        prepare_dataset(PrepareConfig(input=folder / "small.jsonl", verifier=model, out=folder / "warm", max_len=256))
         words = "alpha beta gamma delta epsilon zeta theta ".split()
         write(folder / "big.jsonl", " ".join(words[i % 7] for i in range(8_000_000 // 6))[:4_000_000])
         Path("/proc/self/clear_refs").write_text("5")  # the peak starts again from what is resident now
         before = peak()
-        summary = prepare_dataset(PrepareConfig(input=folder / "big.jsonl", tokenizer=model, out=folder / "big", max_len=256))
+        summary = prepare_dataset(PrepareConfig(input=folder / "big.jsonl", verifier=model, out=folder / "big", max_len=256))
         print(json.dumps({{"growth": peak() - before, "row": (folder / "big.jsonl").stat().st_size // 2, "summary": summary}}))
         """
     )

@@ -41,7 +41,7 @@ from eagleflow.engine.process import (
     wait_until_ready,
 )
 from eagleflow.errors import UserError
-from eagleflow.extract.client import EngineClient
+from eagleflow.engine.client import EngineClient
 from eagleflow.extract.dump_wait import wait_for_dump
 from sglang_patch.handoff import STATUS_PREFIX, read_writer_statuses
 
@@ -95,7 +95,7 @@ def write_conversations(path: Path, rows: int, seed: int) -> list[dict]:
 
 
 def regenerate_argv(data: Path, model: Path, out: Path, server: ServerInfo, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "eagleflow", "regenerate", "--input", str(data), "--tokenizer", str(model), "--out", str(out),
+    return [sys.executable, "-m", "eagleflow", "regenerate", "--input", str(data), "--verifier", str(model), "--out", str(out),
             "--server", server.url, "--server-pid", str(server.pid), "--regen-max-new-tokens", str(MAX_NEW_TOKENS), *extra]
 
 
@@ -229,7 +229,7 @@ def test_rows_that_are_not_chat_rows_are_named_or_listed_when_skipped(tiny_model
     data = tmp_path / "mixed.jsonl"
     good = generate_conversations(1, seed=1)[0]
     data.write_text("\n".join([json.dumps(good), json.dumps({"input_ids": [1, 2, 3]}), "{not json", json.dumps(good)]) + "\n")
-    cfg = RegenerateConfig(input=data, tokenizer=tiny_model, out=tmp_path / "out", server="http://127.0.0.1:9")
+    cfg = RegenerateConfig(input=data, verifier=tiny_model, out=tmp_path / "out", server="http://127.0.0.1:9")
 
     with pytest.raises(UserError, match=r"2 row\(s\) of .*mixed\.jsonl cannot be regenerated \(row 1: no 'messages'.*row 2: "):
         regenerate(cfg)
@@ -258,7 +258,7 @@ def test_a_run_with_regeneration_prepares_the_regenerated_file_and_keeps_the_sou
     assert off.prepare_input == str(tmp_path / "chat.jsonl")
     assert on.prepare_input == str(on.layout.regenerated / CONVERSATIONS_FILE)
     cfg = on.regenerate_config("http://127.0.0.1:30000", 1234)
-    assert cfg.input == tmp_path / "chat.jsonl" and cfg.out == on.layout.regenerated and cfg.tokenizer == tiny_model
+    assert cfg.input == tmp_path / "chat.jsonl" and cfg.out == on.layout.regenerated and cfg.verifier == tiny_model
     assert (cfg.regen_temperature, cfg.regen_max_new_tokens, cfg.regen_concurrency, cfg.server_pid) == (0.7, 64, 2, 1234)
     with pytest.raises(UserError, match="regen_concurrency"):
         PipelineConfig.from_params({**params, "regenerate_responses": True, "regen_concurrency": 0}).regenerate_config("u", None)
@@ -268,7 +268,7 @@ def test_a_conversation_that_outgrows_the_context_ends_at_its_last_turn_that_fit
     small_engine: ServerInfo, tiny_model: Path, verifier, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     source = write_conversations(tmp_path / "chat.jsonl", rows=8, seed=9)
-    cfg = RegenerateConfig(input=tmp_path / "chat.jsonl", tokenizer=tiny_model, out=tmp_path / "out", server=small_engine.url,
+    cfg = RegenerateConfig(input=tmp_path / "chat.jsonl", verifier=tiny_model, out=tmp_path / "out", server=small_engine.url,
                            server_pid=small_engine.pid, regen_max_new_tokens=MAX_NEW_TOKENS, regen_concurrency=2)
 
     summary = regenerate(cfg)  # the engine refuses any request that does not fit: one would fail the step
@@ -322,7 +322,7 @@ def test_a_conversation_whose_first_prompt_does_not_fit_is_a_bad_row(
     assert first_prompt >= SMALL_CONTEXT - 1, "the long row fits: the test would pass without the check"
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in (good[0], too_long, good[1])))
-    cfg = RegenerateConfig(input=data, tokenizer=tiny_model, out=tmp_path / "out", server=small_engine.url,
+    cfg = RegenerateConfig(input=data, verifier=tiny_model, out=tmp_path / "out", server=small_engine.url,
                            server_pid=small_engine.pid, regen_max_new_tokens=MAX_NEW_TOKENS)
 
     reason = (f"its first prompt is {first_prompt} tokens, which leaves no room for an answer in the engine's context length "

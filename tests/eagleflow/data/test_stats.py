@@ -37,7 +37,7 @@ def test_estimate_is_the_files_bytes_without_their_headers(tmp_path: Path, dtype
 def test_cli_prints_the_storage_dtype_and_reports_the_estimate(tmp_path: Path, random_tiny_model: Path) -> None:
     write_training_dataset([[3, 4, 5, 6]], [[1, 1, 1, 1]], tmp_path / "dataset")
     argv = [sys.executable, "-m", "eagleflow", "dataset-stats", "--dataset", str(tmp_path / "dataset"),
-            "--model", str(random_tiny_model), "--aux-layer-ids", "2,4,6"]
+            "--verifier", str(random_tiny_model), "--aux-layer-ids", "2,4,6"]
     results = {}
     for dtype in ("bf16", "fp8"):
         done = subprocess.run([*argv, "--hidden-states-dtype", dtype], capture_output=True, text=True, timeout=300)

@@ -84,7 +84,7 @@ def test_make_dataset_writes_jsonl_deterministically_and_reports_lengths(
     tmp_path: Path, random_tiny_model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "data" / "train.jsonl"
-    argv = ["make-dataset", "--tokenizer", str(random_tiny_model), "--out", str(out), "--rows", "300"]
+    argv = ["make-dataset", "--verifier", str(random_tiny_model), "--out", str(out), "--rows", "300"]
     assert cli(argv) == 0
     summary = capsys.readouterr().out.strip().splitlines()[-1]
     rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
@@ -115,8 +115,8 @@ def test_make_dataset_writes_jsonl_deterministically_and_reports_lengths(
 
 def test_make_dataset_bad_input_is_a_clear_error(tmp_path: Path, random_tiny_model: Path, capsys) -> None:
     out = tmp_path / "x.jsonl"
-    assert cli(["make-dataset", "--tokenizer", str(tmp_path / "nope"), "--out", str(out), "--rows", "5"]) == 2
-    assert "--tokenizer" in capsys.readouterr().err
-    assert cli(["make-dataset", "--tokenizer", str(random_tiny_model), "--out", str(out), "--rows", "0"]) == 2
+    assert cli(["make-dataset", "--verifier", str(tmp_path / "nope"), "--out", str(out), "--rows", "5"]) == 2
+    assert "--verifier" in capsys.readouterr().err
+    assert cli(["make-dataset", "--verifier", str(random_tiny_model), "--out", str(out), "--rows", "0"]) == 2
     assert "--rows" in capsys.readouterr().err
     assert not out.exists()

@@ -1,6 +1,6 @@
 """The reference engine: SGLang's API subset over real HTTP, and dumps equal to independently computed states.
 
-One engine subprocess (short warmup, ``--fail-row 7``) serves the whole module; the tests run
+One engine subprocess (short warmup, row 7 failing once: ``fail_row`` in ``EAGLEFLOW_TEST_FAULTS``) serves the whole module; the tests run
 in file order, so the first one sees the warmup's 503s. The independent states come from plain
 ``transformers``: ``output_hidden_states`` for the state entering layer k (recorded from layer
 *outputs*, not the engine's pre-hooks) and, for the final pre-norm slot, the same model with its
@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -29,7 +30,7 @@ from eagleflow.engine.capture import HiddenStateCapture, capture_hidden_states
 from eagleflow.config import model_from_args
 from eagleflow.errors import UserError
 from eagleflow.engine.reference.config import ReferenceEngineConfig
-from eagleflow.engine.reference.faults import fault_marker
+from eagleflow.engine.reference.faults import fault_marker, faults_env
 from eagleflow.engine.reference.protocol import READY_LINE
 from eagleflow.engine.reference.server import serve
 from eagleflow.extract.sample_store import load_sample, validate
@@ -90,13 +91,13 @@ def model(model_dir: Path):
 class Engine:
     """A ``serve-reference`` subprocess whose output is collected line by line."""
 
-    def __init__(self, model_dir: Path, dump_dir: Path, *extra: str) -> None:
+    def __init__(self, model_dir: Path, dump_dir: Path, *extra: str, faults: dict[str, Any] | None = None) -> None:
         self.model_dir, self.dump_dir = model_dir, dump_dir
         argv = [sys.executable, "-m", "eagleflow", "serve-reference", "--model", str(model_dir),
                 "--dump-dir", str(dump_dir), "--aux-layers", ",".join(map(str, AUX)), "--port", "0", "--threads", "1", *extra]
         self.proc = subprocess.Popen(
             argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **faults_env(**faults or {})}, start_new_session=True,
         )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -160,8 +161,7 @@ class Engine:
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    server = Engine(model_dir, tmp_path_factory.mktemp("dumps"), "--warmup-seconds", str(WARMUP_S),
-                    "--fail-row", str(FAIL_ROW))
+    server = Engine(model_dir, tmp_path_factory.mktemp("dumps"), "--warmup-seconds", str(WARMUP_S), faults={"fail_row": [FAIL_ROW]})
     try:
         yield server
     finally:
@@ -328,7 +328,7 @@ def test_other_bad_requests_get_400(ready: Engine, body: object, fragment: str) 
 
 
 def test_the_context_length_is_reported_and_a_request_must_fit_in_it(ready: Engine, model_dir: Path) -> None:
-    from eagleflow.extract.client import EngineClient
+    from eagleflow.engine.client import EngineClient
     from sglang_patch.request_ids import regenerate_request_id
 
     # The tiny verifier's config names only max_position_embeddings: SGLang's context length is it.
@@ -449,13 +449,13 @@ def test_fail_row_fails_once_across_restarts_and_sigterm_exits_0(ready: Engine, 
     for attempt in ("a", "b"):  # while this engine lives, every attempt for the row fails
         answer = ready.post({**body, "rid": f"row{FAIL_ROW}-{attempt}"})
         assert answer.status_code == 500
-        assert answer.json()["message"] == f"injected failure for row {FAIL_ROW} (--fail-row)"
+        assert answer.json()["message"] == f"injected failure for row {FAIL_ROW} (fail_row)"
         assert not dump_path(ready.dump_dir, f"row{FAIL_ROW}-{attempt}").exists()
     assert marker.exists()
     assert ready.post({**body, "rid": "row70-a"}).status_code == 200  # only row 7, not rows starting with 7
 
     # A restarted engine finds the marker and serves row 7; row 8 (no marker) still fails once.
-    restarted = Engine(model_dir, ready.dump_dir, "--fail-row", f"{FAIL_ROW},8")
+    restarted = Engine(model_dir, ready.dump_dir, faults={"fail_row": [FAIL_ROW, 8]})
     try:
         restarted.wait_ready()
         answer = restarted.post({**body, "rid": f"row{FAIL_ROW}-c"})
@@ -522,14 +522,17 @@ def test_port_in_use_is_a_user_error() -> None:
         taken.close()
 
 
-def test_cli_help_lists_the_flags() -> None:
+def test_cli_help_lists_the_flags_and_no_test_fault() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "eagleflow", "serve-reference", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0
-    for flag in ("--model", "--dump-dir", "--aux-layers", "--host", "--port", "--warmup-seconds", "--device", "--fail-row"):
+    for flag in ("--model", "--dump-dir", "--aux-layers", "--host", "--port", "--warmup-seconds", "--device"):
         assert flag in result.stdout
     assert "127.0.0.1" in result.stdout
+    # Test-only faults come from EAGLEFLOW_TEST_FAULTS, never from the product's flags.
+    for flag in ("--fail-row", "--nan-row", "--test-write-delay", "--capture-fault", "--min-request-seconds", "TEST ONLY"):
+        assert flag not in result.stdout
 
 
 def test_a_failing_forward_is_a_500_and_the_engine_recovers(model, tmp_path: Path) -> None:
@@ -568,6 +571,6 @@ def test_config_round_trips_through_argv(tmp_path: Path) -> None:
     for config in (
         ReferenceEngineConfig(model=tmp_path, dump_dir=tmp_path / "d", aux_layers=AUX),
         ReferenceEngineConfig(model=tmp_path, dump_dir=tmp_path / "d", aux_layers=[1], port=0, warmup_seconds=2.5,
-                              fail_row=[3, 5], threads=1, trust_remote_code=True, context_length=64),
+                              threads=1, trust_remote_code=True, context_length=64),
     ):
         assert model_from_args(ReferenceEngineConfig, parser.parse_args(model_to_argv(config))) == config

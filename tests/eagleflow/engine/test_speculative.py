@@ -19,7 +19,7 @@ from eagleflow.engine.reference.config import ReferenceEngineConfig
 from eagleflow.engine.reference.protocol import RequestError
 from eagleflow.engine.reference.runner import ReferenceEngine
 from eagleflow.evaluate.prompts import Prompt, held_out_prompts
-from eagleflow.export.step import ServedDrafter
+from eagleflow.export.manifest import ServedDrafter
 from training_data import TrainedRun
 
 MAX_NEW_TOKENS = 48
@@ -63,13 +63,22 @@ def ask(engine: ReferenceEngine, prompt: Prompt, temperature: float = 0.0) -> di
     return engine.generate(body)
 
 
-def test_greedy_speculative_decoding_returns_exactly_greedy_decodings_tokens(target, exported_drafters, prompts, tmp_path: Path) -> None:
-    plain, speculative = engine(target, None, tmp_path), engine(target, served(exported_drafters["trained"]), tmp_path)
-    accepted = 0
+def lossless_answers(plain: ReferenceEngine, speculative: ReferenceEngine, prompts: list[Prompt]) -> list[dict[str, Any]]:
+    """The speculative engine's answers, each checked to be the plain engine's tokens and finish reason."""
+    answers = []
     for prompt in prompts:
         expected, got = ask(plain, prompt), ask(speculative, prompt)
         assert got["output_ids"] == expected["output_ids"], prompt.row
         assert got["meta_info"]["finish_reason"] == expected["meta_info"]["finish_reason"]
+        assert "spec_verify_ct" not in expected["meta_info"], "the plain engine does not speculate"
+        answers.append(got)
+    return answers
+
+
+def test_greedy_speculative_decoding_returns_exactly_greedy_decodings_tokens(target, exported_drafters, prompts, tmp_path: Path) -> None:
+    plain, speculative = engine(target, None, tmp_path), engine(target, served(exported_drafters["trained"]), tmp_path)
+    accepted = 0
+    for got in lossless_answers(plain, speculative, prompts):
         meta = got["meta_info"]
         # SGLang's fields, with SGLang's definitions.
         assert meta["completion_tokens"] == len(got["output_ids"])
@@ -77,7 +86,6 @@ def test_greedy_speculative_decoding_returns_exactly_greedy_decodings_tokens(tar
         assert meta["spec_num_proposed_drafts"] == STEPS * meta["spec_verify_ct"]
         assert meta["spec_accept_rate"] == pytest.approx(meta["spec_num_correct_drafts"] / meta["spec_num_proposed_drafts"])
         assert 1.0 <= meta["spec_accept_length"] <= STEPS + 1
-        assert "spec_verify_ct" not in expected["meta_info"]
         accepted += meta["spec_num_correct_drafts"]
     assert accepted > 0  # the drafts were really used, not only verified away
 
@@ -87,10 +95,7 @@ def test_tree_drafts_return_exactly_greedy_decodings_tokens(target, exported_dra
     plain = engine(target, None, tmp_path)
     tree = engine(target, served(exported_drafters["trained"]), tmp_path, topk=topk, draft_tokens=draft_tokens)
     accepted = 0
-    for prompt in prompts:
-        expected, got = ask(plain, prompt), ask(tree, prompt)
-        assert got["output_ids"] == expected["output_ids"], prompt.row
-        assert got["meta_info"]["finish_reason"] == expected["meta_info"]["finish_reason"]
+    for got in lossless_answers(plain, tree, prompts):
         meta = got["meta_info"]
         # SGLang's accept rate: correct drafts / (verify rounds x (draft tokens - 1)).
         assert meta["spec_num_proposed_drafts"] == (draft_tokens - 1) * meta["spec_verify_ct"]

@@ -21,7 +21,7 @@ from training_data import TrainedRun
 
 def evaluate_argv(trained_run: TrainedRun, tiny_model: Path, drafter: Path, out: Path, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "eagleflow", "evaluate", "--dataset", str(trained_run.dataset), "--model", str(tiny_model),
+        sys.executable, "-m", "eagleflow", "evaluate", "--dataset", str(trained_run.dataset), "--verifier", str(tiny_model),
         "--drafter", str(drafter), "--train-dir", str(trained_run.out), "--out", str(out), "--eval-rows", "4",
         "--eval-max-new-tokens", "24", "--eval-concurrency", "2", *extra,
     ]

@@ -44,7 +44,7 @@ def setup(random_tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 def evaluate_argv(setup: dict[str, Path], out: Path, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "eagleflow", "evaluate", "--dataset", str(setup["dataset"]), "--model", str(setup["model"]),
+        sys.executable, "-m", "eagleflow", "evaluate", "--dataset", str(setup["dataset"]), "--verifier", str(setup["model"]),
         "--drafter", str(setup["drafter"]), "--out", str(out), "--train-data-ratio", "0.5", "--eval-rows", "4",
         "--eval-concurrency", "2", "--eval-sets=heldout", "--eval-rounds", "1", "--server-extra-args=--threads,1", *extra,
     ]

@@ -64,4 +64,4 @@ def test_prompt_files_take_conversations_and_mt_bench_turns_and_name_a_bad_line(
     (first,) = file_prompts(chat, path, 1)
     assert first.row == 1 and first.input_ids == chat.encode([{"role": "user", "content": "Count to three."}])
     with pytest.raises(ValueError, match="'file' prompt set .* and eval_prompts go together"):
-        EvaluateConfig(dataset=tmp_path, model=tmp_path, drafter=tmp_path, out=tmp_path, eval_sets=["file"])
+        EvaluateConfig(dataset=tmp_path, verifier=tmp_path, drafter=tmp_path, out=tmp_path, eval_sets=["file"])

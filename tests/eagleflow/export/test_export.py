@@ -22,7 +22,8 @@ from eagleflow.engine.reference.draft_model import Eagle3Drafter
 from eagleflow.errors import UserError
 from eagleflow.export import sglang_drafter
 from eagleflow.export.sglang_drafter import NotServable, captured_layer_ids, sglang_aux_layer_ids, sglang_weights
-from eagleflow.export.step import ExportConfig, ServedDrafter, export, export_sglang
+from eagleflow.export.step import ExportConfig, export, export_sglang
+from eagleflow.export.manifest import ServedDrafter
 
 from training_data import random_speculators_checkpoint
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from eagleflow.errors import UserError
-from eagleflow.export.step import ExportConfig, ServedDrafter, export
+from eagleflow.export.step import ExportConfig, export
+from eagleflow.export.manifest import ServedDrafter
 
 from training_data import random_speculators_checkpoint
 

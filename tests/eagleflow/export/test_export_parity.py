@@ -115,7 +115,7 @@ def test_the_train_step_trains_eagle31_and_the_export_serves_it_as_trained(
 
     from eagleflow.engine.reference.config import ReferenceEngineConfig
     from eagleflow.engine.reference.runner import ReferenceEngine
-    from eagleflow.export.step import ServedDrafter
+    from eagleflow.export.manifest import ServedDrafter
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))

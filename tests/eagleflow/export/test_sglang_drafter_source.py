@@ -24,7 +24,8 @@ from eagleflow.engine.reference.config import ReferenceEngineConfig
 from eagleflow.engine.sglang_serving import build_serving_command, speculative_flags
 from eagleflow.errors import UserError
 from eagleflow.export.sglang_drafter import SINCE, TARGET_CAPTURE_RULES, captured_layer_ids, sglang_aux_layer_ids
-from eagleflow.export.step import ExportConfig, ServedDrafter, export
+from eagleflow.export.step import ExportConfig, export
+from eagleflow.export.manifest import ServedDrafter
 from sglang_exec import EAGLE3, load_into_sglang
 from sglang_patch.hook_spec import parse_version
 from sglang_wheels import Wheel, cli_flags, find_class, find_function, get_wheel, pinned_version

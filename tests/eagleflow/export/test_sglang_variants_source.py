@@ -23,7 +23,8 @@ from eagleflow.engine.reference.rope import rope_settings, sglang_rotary
 from eagleflow.engine.sglang_serving import build_serving_command
 from eagleflow.errors import UserError
 from eagleflow.export.sglang_drafter import SINCE
-from eagleflow.export.step import ExportConfig, ServedDrafter, export
+from eagleflow.export.step import ExportConfig, export
+from eagleflow.export.manifest import ServedDrafter
 from eagleflow.export.targets import DRAFT_VARIANTS
 from sglang_exec import EAGLE3, LLAMA, load_into_sglang, sglang_ropes
 from sglang_patch.hook_spec import parse_version

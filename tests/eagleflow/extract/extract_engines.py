@@ -25,7 +25,7 @@ def make_rows(n: int, seed: int = 0) -> list[list[int]]:
 
 def config(dataset: Path, server: ServerInfo, model: Path, rows: str, **overrides: Any) -> ExtractConfig:
     values: dict[str, Any] = dict(
-        dataset=dataset, server=server.url, dump_dir=Path(server.dump_dir), rows=rows, model=model,
+        dataset=dataset, server=server.url, dump_dir=Path(server.dump_dir), rows=rows, verifier=model,
         aux_layer_ids=AUX, concurrency=4, max_retries=1, progress_every=5,
     )
     values.update(overrides)

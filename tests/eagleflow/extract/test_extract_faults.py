@@ -24,7 +24,7 @@ import requests
 from eagleflow.config import model_to_argv
 from eagleflow.data.prepare import write_training_dataset
 from eagleflow.engine.process import ServerInfo, stop_server
-from eagleflow.extract.client import ServerGone
+from eagleflow.engine.client import ServerGone
 from eagleflow.extract.dump_wait import DiskFull
 from eagleflow.extract.manifest import ShardManifest
 from eagleflow.extract.sample_store import sample_path, validate
@@ -56,7 +56,7 @@ def slow_engine(random_tiny_model: Path, tmp_path_factory: pytest.TempPathFactor
     folder = tmp_path_factory.mktemp("slow-engine")
     info = launch_engine(
         random_tiny_model, folder / "dumps", folder / "server.log",
-        "--test-write-delay", str(WRITE_DELAY), "--dump-queue-bytes", str(budget), "--nan-row", str(NAN_ROW),
+        "--dump-queue-bytes", str(budget), faults={"write_delay": WRITE_DELAY, "nan_row": [NAN_ROW]},
     )
     yield info
     stop_server(info.pid, grace=10)

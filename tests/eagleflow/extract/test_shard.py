@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from eagleflow.config import model_to_argv
 from eagleflow.data.prepare import write_training_dataset
 from eagleflow.engine.process import ServerInfo, stop_server
-from eagleflow.extract.client import EngineClient
+from eagleflow.engine.client import EngineClient
 from eagleflow.extract.completion import already_complete_message, complete_shard, incomplete_shards
 from eagleflow.extract.sample_store import sample_path, validate, write_sample
 from eagleflow.extract.manifest import ShardManifest
@@ -46,7 +46,7 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[i
 @pytest.fixture(scope="module")
 def engine(random_tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerInfo]:
     folder = tmp_path_factory.mktemp("engine")
-    info = launch_engine(random_tiny_model, folder / "dumps", folder / "server.log", "--fail-row", "5")
+    info = launch_engine(random_tiny_model, folder / "dumps", folder / "server.log", faults={"fail_row": [5]})
     yield info
     stop_server(info.pid, grace=10)
 
@@ -167,7 +167,7 @@ def test_killing_the_engine_mid_shard_stops_within_seconds_and_the_next_attempt_
     dataset = tmp_path / "dataset"
     write_training_dataset(rows, [[1] * len(r) for r in rows], dataset)
     server = launch_engine(random_tiny_model, tmp_path / "dumps", tmp_path / "server.log")
-    cfg = config(dataset, server, random_tiny_model, "0:40", concurrency=2, progress_every=1, server_pid=server.pid, engine="engine-3")
+    cfg = config(dataset, server, random_tiny_model, "0:40", concurrency=2, progress_every=1, server_pid=server.pid, engine_name="engine-3")
     proc = subprocess.Popen(
         [sys.executable, "-m", "eagleflow", "extract", *model_to_argv(cfg)], stdout=subprocess.PIPE, text=True
     )
@@ -190,7 +190,7 @@ def test_killing_the_engine_mid_shard_stops_within_seconds_and_the_next_attempt_
 
     server = launch_engine(random_tiny_model, tmp_path / "dumps", tmp_path / "server2.log")
     try:
-        report = ShardExtractor(cfg.model_copy(update={"server": server.url, "server_pid": server.pid, "engine": "engine-0"})).run()
+        report = ShardExtractor(cfg.model_copy(update={"server": server.url, "server_pid": server.pid, "engine_name": "engine-0"})).run()
     finally:
         stop_server(server.pid, grace=10)
     assert report.skipped == len(done_before) and report.done == 40 - len(done_before) and not report.failed

@@ -1,5 +1,5 @@
 """The capture gate against a live reference engine: it passes on the real capture, and names the cause
-when the engine is made to capture wrongly (``--capture-fault``, TEST ONLY), one engine per fault.
+when the engine is made to capture wrongly (``capture_fault`` in ``EAGLEFLOW_TEST_FAULTS``, TEST ONLY), one engine per fault.
 
 The gate runs as the DAG runs it, ``python -m eagleflow verify-capture`` in a child process; its
 exit code, its log lines and ``report.json`` are what the tests read. The engine serves the trained
@@ -23,6 +23,7 @@ from eagleflow.config import model_to_argv
 from eagleflow.data.verifier import config_int
 from eagleflow.engine.process import Readiness, ServerInfo, check_ready, free_port, pid_alive, start_server, stop_server
 from eagleflow.engine.reference.config import ReferenceEngineConfig
+from eagleflow.engine.reference.faults import faults_env
 from eagleflow.extract.capture_checks import (
     OFF_BY_ONE,
     PARTIAL_SUM,
@@ -45,9 +46,9 @@ def run_layout(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ru
     from eagleflow.demo.synthetic_data import DatasetConfig, make_dataset
 
     root = tmp_path_factory.mktemp("gate")
-    make_dataset(DatasetConfig(tokenizer=tiny_model, out=root / "conversations.jsonl", rows=ROWS))
+    make_dataset(DatasetConfig(verifier=tiny_model, out=root / "conversations.jsonl", rows=ROWS))
     layout = RunLayout.of(root / "runs", "gate")
-    prepare_dataset(PrepareConfig(input=root / "conversations.jsonl", tokenizer=tiny_model, out=layout.dataset, max_len=256))
+    prepare_dataset(PrepareConfig(input=root / "conversations.jsonl", verifier=tiny_model, out=layout.dataset, max_len=256))
     return layout
 
 
@@ -66,16 +67,18 @@ class Gate:
 
 @pytest.fixture()
 def gate_against(tiny_model: Path, run_layout: RunLayout, tmp_path: Path) -> Iterator[Callable[..., Gate]]:
-    """Start an engine with ``aux`` and ``extra`` flags storing ``dtype``, run the gate against it, stop the engine."""
+    """Start an engine with ``aux`` storing ``dtype`` (``capture_fault``: the test-only fault it commits), run the gate
+    against it, stop the engine."""
     engines: list[ServerInfo] = []
 
-    def run(aux: list[int], *extra: str, dtype: str = "bf16") -> Gate:
+    def run(aux: list[int], capture_fault: str | None = None, dtype: str = "bf16") -> Gate:
         port, dumps = free_port(), tmp_path / "dumps"
         engine = ReferenceEngineConfig(
             model=tiny_model, dump_dir=dumps, aux_layers=aux, port=port, threads=1, hidden_states_dtype=dtype
         )
-        argv = [sys.executable, "-m", "eagleflow", "serve-reference", *model_to_argv(engine), *extra]
-        info = start_server(argv, {}, tmp_path / "server.log", tmp_path / "server.json", f"http://127.0.0.1:{port}", dumps)
+        argv = [sys.executable, "-m", "eagleflow", "serve-reference", *model_to_argv(engine)]
+        faults = faults_env(capture_fault=capture_fault) if capture_fault else {}
+        info = start_server(argv, faults, tmp_path / "server.log", tmp_path / "server.json", f"http://127.0.0.1:{port}", dumps)
         engines.append(info)
         deadline = time.monotonic() + 120
         while check_ready(info).state is not Readiness.READY:
@@ -84,7 +87,7 @@ def gate_against(tiny_model: Path, run_layout: RunLayout, tmp_path: Path) -> Ite
         out = tmp_path / "verify"
         done = subprocess.run(
             [sys.executable, "-m", "eagleflow", "verify-capture", "--dataset", str(run_layout.dataset), "--server", info.url,
-             "--dump-dir", str(dumps), "--model", str(tiny_model), "--aux-layer-ids", ",".join(map(str, aux)),
+             "--dump-dir", str(dumps), "--verifier", str(tiny_model), "--aux-layer-ids", ",".join(map(str, aux)),
              "--hidden-states-dtype", dtype, "--out", str(out)],
             capture_output=True, text=True, timeout=300, cwd=REPO,
         )
@@ -134,7 +137,7 @@ def test_the_gate_passes_on_an_fp8_capture(gate_against: Callable[..., Gate]) ->
 
 
 def test_a_post_norm_final_state_is_caught(gate_against: Callable[..., Gate]) -> None:
-    gate = gate_against([2, 4, 5], "--capture-fault", "post-norm-final")
+    gate = gate_against([2, 4, 5], capture_fault="post-norm-final")
     assert gate.returncode == 1 and not gate.report["passed"], gate.output
     (finding,) = gate.findings("final slot is pre-norm")
     assert (finding["slot"], finding["layer_id"], finding["basis"]) == (3, 8, "tested")
@@ -148,7 +151,7 @@ def test_a_post_norm_final_state_is_caught(gate_against: Callable[..., Gate]) ->
 def test_layer_ids_shifted_by_one_are_caught(gate_against: Callable[..., Gate], run_layout: RunLayout) -> None:
     """Every slot one layer early: the final slot no longer gives the engine's logits, id 0 is not the
     embedding, and ids 0 and 2 land on the same tensor. The run page's reader shows it."""
-    gate = gate_against([0, 2, 5], "--capture-fault", "layer-shift")
+    gate = gate_against([0, 2, 5], capture_fault="layer-shift")
     assert gate.returncode == 1, gate.output
     (final,) = gate.findings("final slot vs the engine's log-probabilities")
     assert (final["slot"], final["layer_id"], final["basis"]) == (3, 8, "inferred")
@@ -172,7 +175,7 @@ def test_layer_ids_shifted_by_one_are_caught(gate_against: Callable[..., Gate], 
 def test_a_tensor_parallel_partial_sum_is_caught(gate_against: Callable[..., Gate]) -> None:
     """One of 2 ranks' shares: the final slot's mismatch is put on the partial sum because the engine
     reports tp_size 2; id 0 holding only one vocabulary shard's rows is a tested partial sum."""
-    gate = gate_against([0, 4, 6], "--capture-fault", "partial-sum")
+    gate = gate_against([0, 4, 6], capture_fault="partial-sum")
     assert gate.returncode == 1, gate.output
     assert gate.report["engine"]["tp_size"] == 2
     (final,) = gate.findings("final slot vs the engine's log-probabilities")
@@ -185,7 +188,7 @@ def test_a_tensor_parallel_partial_sum_is_caught(gate_against: Callable[..., Gat
 def test_a_radix_cache_is_caught(gate_against: Callable[..., Gate]) -> None:
     """The logprob requests cannot hit the cache (SGLang caps reuse at logprob_start_len 0), the
     extractor's own request can: the gate sends one and sees the reused tokens."""
-    gate = gate_against([2, 4, 5], "--capture-fault", "radix-cache")
+    gate = gate_against([2, 4, 5], capture_fault="radix-cache")
     assert gate.returncode == 1, gate.output
     assert gate.report["final_slot"]["passed"] and gate.report["engine"]["disable_radix_cache"] is False
     (finding,) = gate.findings("extraction request")
@@ -196,7 +199,7 @@ def test_a_radix_cache_is_caught(gate_against: Callable[..., Gate]) -> None:
 
 def test_bad_flags_name_the_flag(tiny_model: Path, run_layout: RunLayout, tmp_path: Path) -> None:
     base = ["--dataset", str(run_layout.dataset), "--server", "http://127.0.0.1:9", "--dump-dir", str(tmp_path),
-            "--model", str(tiny_model)]
+            "--verifier", str(tiny_model)]
     for flags, fragment in (
         (["--aux-layer-ids", "2,9"], "aux layer ids [9] are outside 0..8"),
         (["--aux-layer-ids", "2,4", "--verify-rows", "0"], "--verify-rows"),

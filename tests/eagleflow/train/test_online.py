@@ -113,7 +113,7 @@ def test_engine_mode_learns_as_disk_mode_does_within_a_disk_window(
     disk = rows_only(trained_data, tmp_path / "disk" / "dataset")
     rows = len(datasets.load_from_disk(str(disk)))
     ShardExtractor(ExtractConfig(
-        dataset=disk, server=engine.url, dump_dir=dumps, rows=f"0:{rows}", model=tiny_model, aux_layer_ids=AUX,
+        dataset=disk, server=engine.url, dump_dir=dumps, rows=f"0:{rows}", verifier=tiny_model, aux_layer_ids=AUX,
         manifest=tmp_path / "disk" / "shard.json",
     )).run()
     stored = sum(p.stat().st_size for p in hidden_states_dir(disk).iterdir())
@@ -204,7 +204,7 @@ def test_an_engine_killed_mid_epoch_hands_its_rows_to_a_slow_one_that_is_waited_
 ) -> None:
     dataset = rows_only(trained_data, tmp_path / "dataset", FAULT_ROWS)
     dumps = tmp_path / "dumps"
-    slow = launch_engine(tiny_model, dumps, tmp_path / "slow.log", "--test-write-delay=0.05", aux=AUX, name="engine-0")
+    slow = launch_engine(tiny_model, dumps, tmp_path / "slow.log", aux=AUX, name="engine-0", faults={"write_delay": 0.05})
     doomed = launch_engine(tiny_model, dumps, tmp_path / "doomed.log", aux=AUX, name="engine-1")
     process_groups.extend([slow.pid, doomed.pid])
     out = tmp_path / "train"
@@ -258,7 +258,7 @@ def test_a_killed_trainer_leaves_no_request_running_and_no_dump_and_the_retry_re
     dataset = rows_only(trained_data, tmp_path / "dataset", FAULT_ROWS)
     dumps = tmp_path / "dumps"
     # A slow writer, so requests are in flight and dumps queued when the trainer is stopped.
-    engine = launch_engine(tiny_model, dumps, tmp_path / "engine.log", "--test-write-delay=0.1", aux=AUX)
+    engine = launch_engine(tiny_model, dumps, tmp_path / "engine.log", aux=AUX, faults={"write_delay": 0.1})
     process_groups.append(engine.pid)
     out = tmp_path / "train"
     argv = online_argv(dataset, tiny_model, out, [engine], "--epochs", "2")

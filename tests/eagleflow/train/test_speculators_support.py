@@ -9,8 +9,12 @@ first on PYTHONPATH, so the same environment runs either release.
 from __future__ import annotations
 
 import importlib.metadata
+import io
 import json
+import logging
+import os
 import pickle
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +24,7 @@ import pytest
 import torch
 
 from eagleflow.errors import UserError
+from eagleflow.metrics.records import read_records
 from eagleflow.train import speculators_support
 from eagleflow.train.noise import NoisyTrainSplit, install_noise
 from eagleflow.train.speculators_support import RELEASES, UnsupportedSpeculators, check_internals, installed_release
@@ -213,3 +218,44 @@ def test_release_table_names_the_pins() -> None:
     pyproject = (REPO / "pyproject.toml").read_text()
     newest = list(speculators_support.RELEASES)[-1]
     assert f'"speculators=={newest}"' in pyproject and f'"hs-connectors=={newest}"' in pyproject
+
+
+class SignalOnWrite(io.StringIO):
+    """A log stream that sends this process SIGTERM while a record is being printed: the stop signal
+    lands inside a logging handler's ``emit``, where an operator's kill can land."""
+
+    def write(self, text: str) -> int:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return super().write(text)
+
+
+@pytest.mark.parametrize("let_through", [True, False])
+def test_a_stop_signal_landing_in_a_metrics_record_stops_training(tmp_path: Path, let_through: bool) -> None:
+    from speculators.train.graceful_shutdown import GracefulShutdownHandler, TrainingInterruptedError
+
+    from eagleflow.train.recorder import MetricsRecorder
+    from eagleflow.train.speculators_entry import let_interrupts_through_logging
+
+    handle_error = logging.Handler.handleError
+    logger = logging.getLogger("eagleflow.test.interrupts")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    recorder = MetricsRecorder(tmp_path / "metrics.jsonl", stream=SignalOnWrite())
+    logger.addHandler(recorder)
+    undo = let_interrupts_through_logging() if let_through else (lambda: None)
+    handler = GracefulShutdownHandler()
+    handler.install()
+    step = {"train": {"loss": 1.0}, "epoch": 0, "lr": 1e-4, "global_step": 7}
+    try:
+        if let_through:
+            with pytest.raises(TrainingInterruptedError):
+                logger.info(step, extra={"step": 7})
+        else:  # speculators' handler alone: the interrupt is eaten by handleError and training would go on
+            logger.info(step, extra={"step": 7})
+    finally:
+        handler.restore()
+        undo()
+        logger.removeHandler(recorder)
+        recorder.close()
+    assert logging.Handler.handleError is handle_error, "undone after training"
+    assert [r["step"] for r in read_records(tmp_path / "metrics.jsonl")] == [7], "the record was written before the print"

@@ -1,4 +1,7 @@
-"""The extractor's side of SGLang's native API: one prefill-only ``/generate`` per row, and its dump.
+"""SGLang's native API as every stage speaks it, and the one retry policy of engine requests.
+
+Extraction sends one prefill-only ``/generate`` per row and takes its dump; the capture check,
+regeneration, evaluation and online training send theirs through the same :class:`EngineClient`.
 
 Request ids come from :func:`sglang_patch.request_ids.row_request_id` (``row{N}-…``), so the
 engine's dump is named after the row's attempt. Answers are sorted into what the shard does
@@ -8,13 +11,21 @@ engine still answers: the request may have run, so its dump may still come); a r
 :class:`ServerGone` (the engine refuses connections after it was ready, or it hangs: accepts
 connections but answers nothing). :meth:`EngineClient.abort` is SGLang's ``/abort_request``:
 the shard calls it before it sends a row again, so no request runs twice.
+
+:func:`with_retries` is the one retry policy (tenacity's ``Retrying``): a retryable
+:class:`RowFailed` is tried again after 1 s, doubling up to 30 s, at most ``max_retries`` times
+(:class:`EngineRequestSettings`, the knob every requesting step inherits); "writer behind" does
+not use one up.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, Field
 
 from eagleflow.engine.context import context_length_of_model_list
 from sglang_patch.request_ids import row_request_id
@@ -49,6 +60,67 @@ class AnswerLost(Exception):
 
 
 HUNG_PROBE_SECONDS = 10.0  # an engine that does not answer /health within this is hung
+RETRY_FIRST_DELAY_S = 1.0
+RETRY_DELAY_MAX_S = 30.0
+T = TypeVar("T")
+
+
+class EngineRequestSettings(BaseModel):
+    """The flags of every step that sends requests to an engine (extract, verify-capture, regenerate), declared once."""
+
+    request_timeout: float = Field(600.0, gt=0, description="seconds to wait for one engine answer")
+    max_retries: int = Field(
+        3, ge=0,
+        description=f"retries of a request after a 5xx answer or a timeout, {RETRY_FIRST_DELAY_S:g}s apart, doubling up to "
+        f"{RETRY_DELAY_MAX_S:g}s ('writer behind' does not use one up)",
+    )
+
+
+def with_retries(
+    attempt: Callable[[], T],
+    max_retries: int,
+    *,
+    before_retry: Callable[[RowFailed, float], None] = lambda exc, delay: None,
+    sleep: Callable[[float], Any] = time.sleep,
+) -> T:
+    """``attempt()``'s result, trying it again after a retryable :class:`RowFailed`: the one retry policy.
+
+    Back-off is exponential (1 s, doubling, at most 30 s). A failure with ``counts`` False (the engine's
+    writer was behind) is retried without using up one of the ``max_retries``. Any other exception
+    (:class:`ServerGone`, a final :class:`RowFailed`) ends it at once.
+
+    :param before_retry: told the failure and the delay before each retry (abort the request, log it).
+    :param sleep: waits out the delay (a stop event's ``wait`` cuts it short; the attempt then raises).
+    :raises RowFailed: the last failure, "(after N attempts)" appended when retries ran out.
+    """
+    from tenacity import RetryCallState, Retrying, retry_if_exception, wait_exponential
+
+    counted = 0
+
+    def out_of_retries(state: RetryCallState) -> bool:
+        nonlocal counted
+        counted += int(_failure(state).counts)
+        return counted > max_retries
+
+    def give_up(state: RetryCallState) -> T:
+        failure = _failure(state)
+        raise RowFailed(f"{failure.reason} (after {counted} attempts)") from failure
+
+    retrying = Retrying(
+        retry=retry_if_exception(lambda exc: isinstance(exc, RowFailed) and exc.retryable),
+        wait=wait_exponential(multiplier=RETRY_FIRST_DELAY_S, max=RETRY_DELAY_MAX_S),
+        stop=out_of_retries,
+        before_sleep=lambda state: before_retry(_failure(state), state.upcoming_sleep),
+        sleep=sleep,
+        retry_error_callback=give_up,
+    )
+    return retrying(attempt)
+
+
+def _failure(state: Any) -> RowFailed:
+    exc = state.outcome.exception()
+    assert isinstance(exc, RowFailed)
+    return exc
 
 
 class EngineClient:
