@@ -35,13 +35,14 @@ from operators.dataset import (
 )
 from operators.drafter import EvaluateOperator, ExportOperator
 from operators.extract import (
+    PLAN_SHARDS_TASK_ID,
     SHARD_MAP_INDEX_TEMPLATE,
     SHARD_RETRIES,
     SHARD_RETRY_DELAY,
     ShardExtractOperator,
     VerifyCaptureOperator,
 )
-from operators.params import GPU_POOL, GPU_QUEUE, form_defaults, pipeline_params
+from operators.params import DAG_ID, GPU_POOL, GPU_QUEUE, form_defaults, pipeline_params
 from operators.server import (
     ENGINE_MAP_INDEX_TEMPLATE,
     SERVER_MAP_INDEX_TEMPLATE,
@@ -61,7 +62,7 @@ from operators.train import (
 )
 
 with DAG(
-    dag_id="eagleflow",
+    dag_id=DAG_ID,
     description="Train an EAGLE-3 drafter from a base model served by SGLang",
     schedule=None,
     catchup=False,
@@ -89,7 +90,7 @@ with DAG(
     prepare_dataset = PrepareDatasetOperator(task_id="prepare_dataset")
     dataset_stats = DatasetStatsOperator(task_id="dataset_stats")
     check_disk = CheckDiskOperator(task_id="check_disk", stats=dataset_stats.output)
-    plan_shards = PlanShardsOperator(task_id="plan_shards", prepared=prepare_dataset.output)
+    plan_shards = PlanShardsOperator(task_id=PLAN_SHARDS_TASK_ID, prepared=prepare_dataset.output)
 
     # Each engine's capture checked live before hours of extraction (a setup: a restarted engine is re-checked).
     verify_capture = VerifyCaptureOperator.partial(

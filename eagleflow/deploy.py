@@ -26,6 +26,9 @@ OUTPUT_ROOT_ENV = "EAGLEFLOW_OUTPUT_ROOT"
 # transformers SGLang pins), not the worker's, whose transformers speculators needs.
 SGLANG_PYTHON_ENV = "EAGLEFLOW_SGLANG_PYTHON"
 
+# The DAG's id: the UI plugin finds the DAG runs of a run folder under it.
+DAG_ID = "eagleflow"
+
 # Where the UI plugin's pages live under the Airflow API server; the operators' "eagleflow run"
 # button links there.
 UI_PREFIX = "/eagleflow"

@@ -5,7 +5,8 @@
     <output_root>/<run_name>/
       regenerated/                 the verifier's answers, when regeneration is on: rows/, conversations.jsonl, regenerate.json
       dataset/                     training dataset (§3.3) with hidden_states/; prepare.json names its input
-      shards/rows_0-2000.json      per-shard manifest
+      shards/rows_0-2000.json      per-shard manifest; shards/previous/rows_0-2000/ holds a complete shard's former
+                                   files while it is re-extracted (reextract_complete_shards)
       server/engine-0.log          each engine's output (engine-0.json while it runs); server/dumps/
                                    the hooks' hand-off folder
       verify/engine-0/report.json  each engine's capture check before extraction (verify-capture)
@@ -21,8 +22,10 @@ names inside its folder belong to :class:`TrainLayout`, which :attr:`RunLayout.t
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from eagleflow.errors import UserError, excerpt_repr
 from sglang_patch.sample_format import sample_file_name
@@ -43,6 +46,18 @@ def check_run_name(run_name: str) -> str:
             "(one folder under the output root, never a path out of it)"
         )
     return run_name
+
+
+def run_name_of(params: Mapping[str, Any], run_id: str) -> str:
+    """The run folder's name of a DAG run: its ``run_name`` Param, else the name derived from its run id."""
+    name = str(params.get("run_name") or "").strip()
+    return name or run_name_from_run_id(run_id)
+
+
+def run_name_from_run_id(run_id: str) -> str:
+    """A folder name from a DAG run id (``manual__2026-11-30T16:00:00+00:00`` -> ``manual__2026-11-30T16-00-00-00-00``)."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", run_id).strip("-.") or "run"
+    return name[:128]
 
 
 # Folders a run's Params may never write into, whatever the output root (README, "Where a run may

@@ -19,7 +19,6 @@ time. What needs the model folder (aux ids beyond the verifier's depth) is check
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
@@ -37,7 +36,7 @@ from eagleflow.evaluate.config import EvaluateConfig
 from eagleflow.extract.config import ExtractConfig
 from eagleflow.extract.verify_config import VerifyCaptureConfig
 from eagleflow.errors import UserError, excerpt_repr
-from eagleflow.layout import RUN_NAME_PATTERN, RunLayout, check_output_path, check_run_name
+from eagleflow.layout import RUN_NAME_PATTERN, RunLayout, check_output_path, check_run_name, run_name_from_run_id
 from eagleflow.step_params import FORM_SECTIONS, STEP_PARAM_GROUPS, STEP_PARAMS, StepParams, param_feeds
 from eagleflow.train.config import TrainConfig
 
@@ -328,7 +327,11 @@ class PipelineConfig(BaseModel):
     @property
     def online(self) -> bool:
         """Online training: no shard is extracted; the engines stay up through training."""
-        return self.step_params.get("hidden_states_source", TrainConfig.model_fields["hidden_states_source"].default) == "engine"
+        return self.step_param("hidden_states_source") == "engine"
+
+    def step_param(self, name: str) -> Any:
+        """Step Param ``name`` as given, else its step's default."""
+        return self.step_params.get(name, STEP_PARAMS[name].model_fields[name].default)
 
     def plot_config(self) -> PlotConfig:
         """``plot``: charts of the run's training metrics (a :class:`~eagleflow.metrics.plot.PlotConfig`)."""
@@ -357,12 +360,6 @@ PIPELINE_PARAMS = tuple(name for name in PipelineConfig.model_fields if name != 
 def param_name(field: str) -> str:
     """How a run's user knows a setting: ``Param epochs``."""
     return f"Param {field}"
-
-
-def run_name_from_run_id(run_id: str) -> str:
-    """A folder name from a DAG run id (``manual__2026-11-30T16:00:00+00:00`` -> ``manual__2026-11-30T16-00-00-00-00``)."""
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", run_id).strip("-.") or "run"
-    return name[:128]
 
 
 def param_schemas() -> dict[str, dict[str, Any]]:

@@ -197,6 +197,34 @@ def online_summary(layout: RunLayout, result: dict[str, Any]) -> dict[str, Any] 
     return {key: figures.get(key) for key in keys}
 
 
+def shard_totals(shards: list[ShardSummary]) -> dict[str, Any]:
+    """The run's extraction over its shards: shards done, rows complete and failed, tokens, GB."""
+    return {
+        "shards": len(shards),
+        "shards_done": sum(1 for s in shards if s.state == "success"),
+        "rows": sum(s.rows for s in shards),
+        "rows_complete": sum(s.total_rows for s in shards),
+        "rows_failed": sum(len(s.failed) for s in shards),
+        "tokens": sum(s.total_tokens for s in shards),
+        "gb": sum(s.total_bytes for s in shards) / 1e9,
+    }
+
+
+def run_headline(layout: RunLayout, metrics: MetricsCache | None = None) -> dict[str, Any]:
+    """A run's figures at a glance, for the list of runs: extraction totals, the latest training and
+    validation loss, the drafter's accept length and single-stream speedup (None where a stage has not run)."""
+    latest = (metrics or MetricsCache()).latest(layout.train.metrics) or {}
+    evaluation = evaluation_summary(layout) or {}
+    single = ((evaluation.get("tokens_per_s") or {}).get("single_stream")) or {}
+    return {
+        **shard_totals(read_shards(layout)),
+        "train_loss": (latest.get("train") or {}).get("loss"),
+        "val_loss": (latest.get("val") or {}).get("loss"),
+        "accept_length": (evaluation.get("accept_length") or {}).get("mean"),
+        "speedup": None if single.get("disturbed") else single.get("speedup"),
+    }
+
+
 def run_summary(layout: RunLayout, metrics: MetricsCache | None = None) -> dict[str, Any]:
     """Everything a page or a summary shows about a run, as plain JSON (paths relative to the run)."""
     shards = read_shards(layout)
@@ -209,21 +237,12 @@ def run_summary(layout: RunLayout, metrics: MetricsCache | None = None) -> dict[
                 "svg": str(svg.relative_to(layout.root)) if svg.is_file() else None,
                 "mtime": int(png.stat().st_mtime),
             }
-    totals = {
-        "shards": len(shards),
-        "shards_done": sum(1 for s in shards if s.state == "success"),
-        "rows": sum(s.rows for s in shards),
-        "rows_complete": sum(s.total_rows for s in shards),
-        "rows_failed": sum(len(s.failed) for s in shards),
-        "tokens": sum(s.total_tokens for s in shards),
-        "gb": sum(s.total_bytes for s in shards) / 1e9,
-    }
     result = _json_or_empty(layout.train.result)
     checkpoint = result.get("best_checkpoint") or result.get("checkpoint_dir")
     return {
         "run": layout.root.name,
         "shards": [s.as_json() for s in shards],
-        "totals": totals,
+        "totals": shard_totals(shards),
         "metrics": (metrics or MetricsCache()).latest(layout.train.metrics),
         "charts": charts,
         "checkpoint": checkpoint if isinstance(checkpoint, str) else None,
@@ -235,8 +254,9 @@ def run_summary(layout: RunLayout, metrics: MetricsCache | None = None) -> dict[
     }
 
 
-def list_runs(root: Path) -> list[dict[str, Any]]:
-    """Folders under the output root that look like runs (they have shards/ or train/)."""
+def list_runs(root: Path, metrics: MetricsCache | None = None) -> list[dict[str, Any]]:
+    """Folders under the output root that look like runs (they have shards/ or train/), newest first,
+    each with its :func:`run_headline` figures."""
     runs = []
     if not root.is_dir():
         return runs
@@ -246,5 +266,5 @@ def list_runs(root: Path) -> list[dict[str, Any]]:
         except UserError:
             continue
         if child.is_dir() and (layout.shards.is_dir() or layout.train.root.is_dir()):
-            runs.append({"name": child.name, "modified": child.stat().st_mtime})
+            runs.append({"name": child.name, "modified": child.stat().st_mtime, "headline": run_headline(layout, metrics)})
     return sorted(runs, key=lambda r: -r["modified"])

@@ -57,12 +57,10 @@ def _run_name_from_context(ti: Any) -> str | None:
     get_context = getattr(ti, "get_template_context", None)
     if get_context is None:
         return None
-    from eagleflow.pipeline import run_name_from_run_id
+    from eagleflow.layout import run_name_of
 
     context = get_context()
-    params = context.get("params") or {}
-    name = str(params.get("run_name") or "").strip()
-    return name or run_name_from_run_id(str(context.get("run_id") or ti.run_id))
+    return run_name_of(context.get("params") or {}, str(context.get("run_id") or ti.run_id))
 
 
 class EagleflowRunLink(BaseOperatorLink):

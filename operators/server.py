@@ -23,6 +23,10 @@ LOG_REPORT_SECONDS = 60.0
 DEFERRAL_GRACE_SECONDS = 300.0
 
 
+# In launch_server's XCom: the engine was not launched, and why (every shard complete); the
+# readiness wait and the capture check pass such an engine on at once.
+NOT_LAUNCHED_KEY = "not_launched"
+
 # Names each mapped engine task after its engine in the UI (engine-0, …); give it to .partial().
 ENGINE_MAP_INDEX_TEMPLATE = "{{ task.engine['name'] }}"
 SERVER_MAP_INDEX_TEMPLATE = "{{ task.server['name'] }}"
@@ -58,7 +62,9 @@ class SGLangServerOperator(BaseOperator):
     With the ``server_urls`` Param set (remote mode) nothing is launched: the task
     short-circuits and returns that engine's address. It succeeds rather than skips because
     Airflow requires the tasks after a setup to run on ``all_success``: a skipped launch
-    would skip the readiness wait and every shard.
+    would skip the readiness wait and every shard. Likewise when every shard of the run is
+    complete (a finished shard cleared: :func:`operators.extract.nothing_to_extract`) no engine
+    is started: the XCom carries :data:`NOT_LAUNCHED_KEY` with the reason.
 
     :param engine: one entry of plan_engines' list, ``{name, index, url, port}`` (templated; mapped over).
 
@@ -72,9 +78,19 @@ class SGLangServerOperator(BaseOperator):
         self.engine = engine
 
     def execute(self, context: Context) -> dict[str, Any]:
-        from eagleflow.engine import launch_engine
+        from eagleflow.engine import ServerInfo, launch_engine
+        from operators.extract import nothing_to_extract
 
-        return launch_engine(pipeline_config(context), str(self.engine["name"]), say=self.log.info).as_dict()
+        cfg = pipeline_config(context)
+        name = str(self.engine["name"])
+        idle = None if cfg.remote else nothing_to_extract(cfg, context)
+        if idle:
+            self.log.info("Not launching %s: %s", name, idle)
+            unstarted = ServerInfo(
+                url=str(self.engine.get("url") or ""), pid=None, host="", log_path="", dump_dir=str(cfg.layout.dump_dir), name=name
+            )
+            return {**unstarted.as_dict(), NOT_LAUNCHED_KEY: idle}
+        return launch_engine(cfg, name, say=self.log.info).as_dict()
 
 
 class StopServerOperator(BaseOperator):
@@ -236,6 +252,9 @@ class ServerReadySensor(BaseSensorOperator):
         return PokeReturnValue(is_done=check.state is Readiness.READY, xcom_value=server)
 
     def execute(self, context: Context) -> Any:
+        if isinstance(self.server, dict) and self.server.get(NOT_LAUNCHED_KEY):
+            self.log.info("%s was not launched (%s): nothing to wait for", self.server.get("name"), self.server[NOT_LAUNCHED_KEY])
+            return dict(self.server)
         if self.timeout_from_params:
             self.timeout = pipeline_config(context, check_model=False).warmup_timeout
         if not self.deferrable:

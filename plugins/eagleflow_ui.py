@@ -2,10 +2,13 @@
 
 Routes (relative to the mount point):
 
-``/``                                  the runs under the output root
-``/runs/{run}``                        one run: shard table, charts, latest training metrics
+``/``                                  the runs under the output root: each one's DAG run state and headline figures
+``/runs/{run}``                        one run: its DAG run(s) in Airflow, shard table, charts, latest training metrics
 ``/runs/{run}/files/{path}``           a chart or log of that run (only inside the output root)
 ``/api/runs/{run}``                    the same facts as JSON
+
+A run folder is matched to the DAG runs that write it (:func:`dag_runs_by_folder`, read from
+Airflow's metadata database): each page links to its DAG run in Airflow's UI and shows its state.
 
 Every route needs a logged-in Airflow user: the request is authenticated by the API server's
 own ``get_user`` (the ``_token`` cookie the UI sets at login, or an ``Authorization: Bearer``
@@ -35,7 +38,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.templating import Jinja2Templates
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from eagleflow.deploy import OUTPUT_ROOT_ENV
+from eagleflow.deploy import DAG_ID, OUTPUT_ROOT_ENV
 from eagleflow.errors import UserError
 from eagleflow.layout import RunLayout
 from eagleflow.run_report import CHARTS, MetricsCache, list_runs, run_summary
@@ -46,6 +49,7 @@ SERVED_SUFFIXES = {".png": "image/png", ".svg": "image/svg+xml", ".json": "appli
                    ".jsonl": "text/plain; charset=utf-8", ".log": "text/plain; charset=utf-8",
                    ".txt": "text/plain; charset=utf-8", ".yaml": "text/plain; charset=utf-8"}
 REFRESH_SECONDS = 30
+UNFINISHED_DAG_RUN_STATES = ("queued", "running")  # the run page reloads while its DAG run is in one
 TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
 
 _bearer = HTTPBearer(auto_error=False)
@@ -87,6 +91,56 @@ async def require_airflow_user(
     from airflow.api_fastapi.core_api.security import get_user
 
     return await get_user(request, _oauth_token=None, bearer_credentials=bearer)
+
+
+# ---------------------------------------------------------------------------------------
+# the DAG runs behind each run folder, from Airflow's metadata database
+
+
+def dag_run_url(run_id: str) -> str:
+    """The DAG run's page in Airflow's UI (``/dags/<dag_id>/runs/<run_id>``, under ``[api] base_url``)."""
+    from airflow.utils.helpers import build_airflow_dagrun_url
+
+    return build_airflow_dagrun_url(DAG_ID, quote(run_id, safe=""))
+
+
+def dag_runs_by_folder(output_root: Path) -> dict[str, list[dict[str, Any]]] | None:
+    """The DAG's runs that write under ``output_root``, by run folder, newest first; None when Airflow's
+    metadata database cannot be read.
+
+    Each is ``{run_id, state, start_date, end_date, url}``. A DAG run writes the folder its
+    ``run_name`` Param names, else the one derived from its run id (:func:`eagleflow.layout.run_name_of`,
+    the rule the tasks follow); a run whose ``output_root`` Param is another folder is left out.
+    """
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from eagleflow.layout import run_name_of
+
+    query = (
+        select(DagRun.run_id, DagRun.state, DagRun.conf, DagRun.start_date, DagRun.end_date)
+        .where(DagRun.dag_id == DAG_ID)
+        .order_by(DagRun.run_after.desc())
+    )
+    try:
+        with create_session() as session:
+            rows = session.execute(query).all()
+    except SQLAlchemyError:
+        return None
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for run_id, state, conf, start_date, end_date in rows:
+        conf = conf if isinstance(conf, dict) else {}
+        if conf.get("output_root") and Path(str(conf["output_root"])).resolve() != output_root:
+            continue
+        runs.setdefault(run_name_of(conf, run_id), []).append({
+            "run_id": run_id, "state": str(state.value if hasattr(state, "value") else state),
+            "start_date": start_date.isoformat() if start_date else None,
+            "end_date": end_date.isoformat() if end_date else None,
+            "url": dag_run_url(run_id),
+        })
+    return runs
 
 
 # ---------------------------------------------------------------------------------------
@@ -133,11 +187,16 @@ def _age(timestamp: Any) -> str:
     return f"{seconds:.0f} s ago"
 
 
+def _when(iso: Any) -> str:
+    """``2026-12-02T02:05:16.34+00:00`` -> ``2026-12-02 02:05 UTC`` (Airflow stores UTC); '–' for none."""
+    return f"{iso[:10]} {iso[11:16]} UTC" if isinstance(iso, str) and len(iso) >= 16 else "–"
+
+
 def make_templates() -> Jinja2Templates:
     """The page templates (autoescaped HTML) with eagleflow's number filters."""
     templates = Jinja2Templates(directory=str(TEMPLATES_DIR))
     templates.env.filters.update(
-        num=_num, percent=_percent, age=_age, thousands=_thousands, scientific=_scientific,
+        num=_num, percent=_percent, age=_age, thousands=_thousands, scientific=_scientific, when=_when,
         urlquote=lambda s: quote(str(s)),
     )
     templates.env.globals.update(refresh_seconds=REFRESH_SECONDS, charts=CHARTS)
@@ -215,21 +274,34 @@ def create_app(output_root: str | os.PathLike[str] | None = None) -> FastAPI:
             raise PageError(404, f"no run {run_name!r} under the output root {root}")
         return layout
 
+    def summary_with_dag_runs(run_name: str) -> dict[str, Any]:
+        layout = run_layout(run_name)
+        dag_runs = dag_runs_by_folder(root)  # type: ignore[arg-type]  (run_layout checked it)
+        return {**run_summary(layout, metrics), "dag_runs": None if dag_runs is None else dag_runs.get(layout.root.name, [])}
+
     @app.get("/", response_class=HTMLResponse)
     def index(request: Request) -> Response:
-        context = {"title": "eagleflow runs", "root": root, "runs": list_runs(root) if root else []}
+        runs = list_runs(root, metrics) if root else []
+        dag_runs = dag_runs_by_folder(root) if root else {}
+        for run in runs:
+            run["dag_run"] = (dag_runs.get(run["name"]) or [None])[0] if dag_runs is not None else None
+        context = {"title": "eagleflow runs", "root": root, "runs": runs, "dag_runs_unreadable": dag_runs is None}
         return templates.TemplateResponse(request, "index.html", context)
 
     @app.get("/runs/{run_name}", response_class=HTMLResponse)
     def run_page(request: Request, run_name: str) -> Response:
-        summary = run_summary(run_layout(run_name), metrics)
-        running = any(s["state"] == "running" for s in summary["shards"]) or not summary["charts"]
+        summary = summary_with_dag_runs(run_name)
+        latest = (summary["dag_runs"] or [{}])[0]
+        running = (
+            any(s["state"] == "running" for s in summary["shards"]) or not summary["charts"]
+            or latest.get("state") in UNFINISHED_DAG_RUN_STATES
+        )
         context = {"title": f"eagleflow: {summary['run']}", "summary": summary, "refresh": running}
         return templates.TemplateResponse(request, "run.html", context)
 
     @app.get("/api/runs/{run_name}")
     def run_json(run_name: str) -> JSONResponse:
-        return JSONResponse(run_summary(run_layout(run_name), metrics))
+        return JSONResponse(summary_with_dag_runs(run_name))
 
     @app.get("/runs/{run_name}/files/{file_path:path}")
     def run_file(run_name: str, file_path: str) -> FileResponse:
@@ -261,4 +333,4 @@ def safe_file(run_root: Path, relative: str, output_root: Path) -> Path:
     return target
 
 
-__all__: list[str] = ["create_app", "error_response", "require_airflow_user", "safe_file"]
+__all__: list[str] = ["create_app", "dag_run_url", "dag_runs_by_folder", "error_response", "require_airflow_user", "safe_file"]

@@ -5,7 +5,8 @@
 - :mod:`~eagleflow.extract.dump_wait`: waiting for a request's dump (late, lost, writer behind, disk full);
 - :mod:`~eagleflow.extract.sample_store`: where a row's file lives, whether it is complete,
   and moving a server dump into place;
-- :mod:`~eagleflow.extract.manifest`: the per-shard manifest (light: the UI reads it).
+- :mod:`~eagleflow.extract.manifest`: the per-shard manifest (light: the UI reads it);
+- :mod:`~eagleflow.extract.completion`: whether a shard is already complete, and re-extracting one.
 
 The engine's client it speaks through is :mod:`eagleflow.engine.client`. The names other stages use load
 lazily, so the API server reads shard manifests without torch.
@@ -21,5 +22,6 @@ __all__, __getattr__ = lazy_exports(
         "dump_wait": ["DiskFull"],
         "row_fetch": ["RowFetcher", "SampleShape"],
         "sample_store": ["validate_dataset"],
+        "completion": ["already_complete_message", "complete_shard", "incomplete_shards"],
     },
 )

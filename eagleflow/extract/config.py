@@ -33,6 +33,12 @@ class ExtractConfig(EngineRequestSettings):
     lock_wait: float = Field(
         30.0, ge=0, description="seconds to wait for another extraction of this shard to exit before refusing (one at a time)"
     )
+    reextract_complete_shards: bool = Field(
+        False,
+        title="Re-extract complete shards",
+        description="Extract a shard again even when it is complete (a cleared, finished shard otherwise extracts nothing "
+        "and starts no engine). Its files are moved to shards/previous/<shard>/ first and deleted once the new ones are complete.",
+    )
     progress_every: int = Field(50, ge=1, description="print a progress line every this many rows")
     progress_interval: float = Field(30.0, gt=0, description="or every this many seconds")
 

@@ -19,7 +19,9 @@ refused after it was ready, its pid died) or hung (accepts, answers nothing), or
 stops the shard within seconds. The manifest says ``success`` only when every row is
 complete; otherwise ``failed`` or ``interrupted`` (SIGTERM, Ctrl-C), with the reason. One
 extraction of a shard runs at a time (a :class:`~eagleflow.files.FolderLock`); a second one
-waits ``--lock-wait`` seconds, then refuses naming the first.
+waits ``--lock-wait`` seconds, then refuses naming the first. ``--reextract-complete-shards`` redoes a
+complete shard, its former files kept aside until the new ones are complete
+(:mod:`~eagleflow.extract.completion`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from eagleflow.data import config_int, resolve_aux_layer_ids
 from eagleflow.engine import EngineClient, RowFailed, ServerGone, engine_label, pid_alive
 from eagleflow.errors import UserError
 from eagleflow.extract.config import ExtractConfig, parse_rows
+from eagleflow.extract.completion import drop_previous_files, previous_files_dir, set_aside_complete_shard
 from eagleflow.extract.dump_wait import DiskFull, remove_dead_writer_statuses
 from eagleflow.extract.manifest import FAILED, INTERRUPTED, SUCCESS, ShardManifest
 from eagleflow.extract.row_fetch import RowFetcher, SampleShape
@@ -119,6 +122,8 @@ class ShardExtractor:
         if self.end > len(table):
             raise UserError(f"--rows {self.cfg.rows} is past the end of the dataset ({len(table)} rows)")
         rows = table.select(range(self.start, self.end)).with_format(None)["input_ids"]
+        if self.cfg.reextract_complete_shards:
+            self._set_aside_complete_shard()
         self._write_manifest()  # "running" from the start: a stale state of an earlier attempt would mislead
         watchdog = threading.Thread(target=self._watch_pid, daemon=True) if self.cfg.server_pid else None
         try:
@@ -163,7 +168,22 @@ class ShardExtractor:
                     raise
                 # An error is in flight (e.g. the full disk that stopped the shard): it is the one to report.
                 print(f"shard {self.name}: cannot write {self.manifest_path}: {exc}", flush=True)
+        if self.report.state == SUCCESS:
+            dropped = drop_previous_files(self.manifest_path)
+            if dropped:
+                print(f"shard {self.name}: re-extracted; its former files in {dropped} are deleted", flush=True)
         return self.report
+
+    def _set_aside_complete_shard(self) -> None:
+        """``--reextract-complete-shards``: a complete shard's files go aside until the new ones are complete."""
+        moved = set_aside_complete_shard(self.manifest_path, self.hidden_dir, self.start, self.end)
+        aside = previous_files_dir(self.manifest_path)
+        if moved:
+            print(f"shard {self.name}: re-extracting a complete shard: its {moved[1]} files are set aside in {moved[0]} "
+                  "until the new ones are complete", flush=True)
+        elif aside.exists():
+            print(f"shard {self.name}: resuming its re-extraction; the former files stay in {aside} until it is complete",
+                  flush=True)
 
     def _final_state(self) -> tuple[str, str]:
         if self._stopped:

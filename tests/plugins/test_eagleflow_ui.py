@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from eagleflow.deploy import UI_PREFIX, run_page_path
+from eagleflow.deploy import DAG_ID, UI_PREFIX, run_page_path
 from plugins.eagleflow_ui import create_app
 
 REPO = Path(__file__).resolve().parents[2]
@@ -367,3 +368,80 @@ def test_airflow_loads_the_plugin_folder_and_mounts_the_app(
     assert browser.get(f"{UI_PREFIX}/runs/{src}").headers["content-type"] == "image/png"
     assert TestClient(server).get(run_page_path("demo")).status_code == 401
     assert json.loads(TestClient(server).get(f"{UI_PREFIX}/api/runs/demo").text)["status"] == 401
+
+
+# ---------------------------------------------------------------------------------------
+# the DAG runs behind a run folder (Airflow's metadata database)
+
+
+@pytest.fixture()
+def dag_runs(airflow_login, output_root: Path) -> Iterator[Callable[..., None]]:
+    """``add(run_id, state, conf, minutes_ago)``: a DAG run of the eagleflow DAG in the test's metadata DB (removed after)."""
+    import pendulum
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+    from airflow.utils.types import DagRunType
+    from sqlalchemy import delete
+
+    added: list[str] = []
+
+    def add(run_id: str, state: str, conf: dict[str, Any], minutes_ago: float) -> None:
+        began = pendulum.now("UTC").subtract(minutes=minutes_ago)
+        with create_session() as session:
+            session.add(DagRun(dag_id=DAG_ID, run_id=run_id, run_type=DagRunType.MANUAL, state=state, conf=conf,
+                               run_after=began, start_date=began))
+        added.append(run_id)
+
+    yield add
+    with create_session() as session:
+        session.execute(delete(DagRun).where(DagRun.dag_id == DAG_ID, DagRun.run_id.in_(added)))
+
+
+def test_the_run_page_links_its_dag_run_and_the_list_shows_states_and_headline_figures(
+    client: TestClient, output_root: Path, dag_runs: Callable[..., None]
+) -> None:
+    page = client.get("/runs/demo", headers=HTML).text
+    assert "No DAG run of this Airflow writes this folder" in page
+    here = {"run_name": "demo", "output_root": str(output_root)}
+    dag_runs("manual__first-try", "failed", here, minutes_ago=90)
+    dag_runs("manual__cleared+again:1", "running", {"run_name": "demo"}, minutes_ago=20)  # the form's default root
+    dag_runs("manual__same-name-elsewhere", "success", {"run_name": "demo", "output_root": "/srv/other-root"}, minutes_ago=5)
+
+    page = client.get("/runs/demo", headers=HTML).text
+    # The newest DAG run of this folder, linked where Airflow's UI shows it (out of the plugin's frame), with its state.
+    newest = re.search(r'DAG run <a href="([^"]+)" target="_top"[^>]*><code>([^<]+)</code></a>\s*<span class="state (\w+)">', page)
+    assert newest is not None, page
+    assert newest.groups() == ("/dags/eagleflow/runs/manual__cleared%2Bagain%3A1", "manual__cleared+again:1", "running")
+    assert "1 earlier DAG run wrote this folder" in page and 'href="/dags/eagleflow/runs/manual__first-try"' in page
+    assert "same-name-elsewhere" not in page  # its run folder is under another output root
+    assert '<meta http-equiv="refresh"' in page  # its DAG run is still running
+    summary = client.get("/api/runs/demo").json()
+    assert [(r["run_id"], r["state"]) for r in summary["dag_runs"]] == [("manual__cleared+again:1", "running"), ("manual__first-try", "failed")]
+
+    # The list: each run's newest DAG run and state, and its figures at a glance.
+    (evaluation := output_root / "demo" / "eval").mkdir()
+    (evaluation / "report.json").write_text(json.dumps({
+        "accept_length": {"mean": 1.74, "p50": 1.5, "p90": 2.5, "per_prompt": []},
+        "tokens_per_s": {"single_stream": {"drafter": 51.4, "baseline": 34.8, "speedup": 1.477}},
+    }))
+    index = client.get("/", headers=HTML).text
+    (row,) = [r for r in index.split("<tr>") if 'href="runs/demo"' in r]
+    train_loss, val_loss = summary["metrics"]["train"]["loss"], summary["metrics"]["val"]["loss"]
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", row, flags=re.S)
+    assert 'href="/dags/eagleflow/runs/manual__cleared%2Bagain%3A1" target="_top"' in cells[1]
+    assert 'class="state running">running' in cells[2]
+    assert cells[3:10] == ["1 / 3", "86 / 120", "19,621", f"{train_loss:.3f}", f"{val_loss:.3f}", "1.740", "1.477×"]
+
+
+def test_a_dag_run_url_is_airflows_own_route_under_its_base_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    from plugins.eagleflow_ui import dag_run_url
+
+    monkeypatch.setenv("AIRFLOW__API__BASE_URL", "https://airflow.example.com/team")
+    assert dag_run_url("manual__2026-12-02T02:05:16+00:00") == (
+        "https://airflow.example.com/team/dags/eagleflow/runs/manual__2026-12-02T02%3A05%3A16%2B00%3A00"
+    )
+    # The route of a DAG run's page in the Airflow UI this environment serves (its React router's table).
+    import airflow
+
+    bundle = Path(airflow.__file__).parent / "ui" / "dist" / "assets"
+    assert any("path:`dags/:dagId/runs/:runId`" in js.read_text(errors="replace") for js in bundle.glob("index-*.js"))

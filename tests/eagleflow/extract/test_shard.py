@@ -25,9 +25,11 @@ from eagleflow.config import model_to_argv
 from eagleflow.data.prepare import write_training_dataset
 from eagleflow.engine.process import ServerInfo, stop_server
 from eagleflow.engine.client import EngineClient
+from eagleflow.extract.completion import already_complete_message, complete_shard, incomplete_shards
 from eagleflow.extract.sample_store import sample_path, validate, write_sample
 from eagleflow.extract.manifest import ShardManifest
 from eagleflow.extract.shard import EXIT_ENGINE_GONE, ShardExtractor
+from eagleflow.layout import RunLayout
 from eagleflow.results import find_result
 from extract_engines import AUX, HIDDEN, ROWS, config, launch_engine, make_rows
 from sglang_patch.dump_writer import DumpWriter
@@ -301,3 +303,80 @@ def test_rows_past_the_dataset_end_is_a_user_error(dataset, random_tiny_model: P
         ShardExtractor(config(path, server, random_tiny_model, "20:30")).run()
     with pytest.raises(ValueError, match="START < END"):
         config(path, server, random_tiny_model, "30:20")
+
+
+# ---- a complete shard: told complete; re-extracted only when asked, its files kept until the new ones are ----------
+
+
+def test_a_complete_shard_is_known_complete_until_a_file_is_missing_or_changed(tmp_path: Path, engine, random_tiny_model) -> None:
+    rows = make_rows(5, seed=3)  # not row 5: this module's engine fails it
+    dataset = tmp_path / "run" / "dataset"
+    write_training_dataset(rows, [[1] * len(r) for r in rows], dataset)
+    manifest_path, hidden = tmp_path / "run" / "shards" / "rows_0-5.json", dataset / "hidden_states"
+    assert complete_shard(manifest_path, hidden, 0, 5) is None  # nothing extracted yet
+    ShardExtractor(config(dataset, engine, random_tiny_model, "0:5")).run()
+
+    done = complete_shard(manifest_path, hidden, 0, 5)
+    assert done is not None and (done.name, done.total_rows) == ("rows_0-5", 5)
+    assert complete_shard(manifest_path, hidden, 0, 4) is None  # another shard's rows
+    message = already_complete_message(done, manifest_path, hidden, "Param reextract_complete_shards")
+    assert message.startswith(f"shard rows_0-5 already complete (rows 0:5, files hs_0.safetensors … hs_4.safetensors in {hidden}, "
+                              f"manifest {manifest_path}); nothing to extract — set Param reextract_complete_shards")
+    layout = RunLayout(tmp_path / "run")
+    assert incomplete_shards(layout, [{"name": "rows_0-5", "start": 0, "end": 5}]) == []
+
+    # A file replaced by one of another size, or gone: the shard is to be extracted again (and the extractor redoes that row).
+    third = sample_path(hidden, 3)
+    third.write_bytes(third.read_bytes()[:-8])
+    assert complete_shard(manifest_path, hidden, 0, 5) is None
+    third.unlink()
+    assert incomplete_shards(layout, [{"name": "rows_0-5", "start": 0, "end": 5}]) == ["rows_0-5"]
+    redone = ShardExtractor(config(dataset, engine, random_tiny_model, "0:5")).run()
+    assert (redone.done, redone.skipped) == (1, 4) and complete_shard(manifest_path, hidden, 0, 5) is not None
+
+
+def test_a_forced_reextraction_keeps_the_old_files_aside_until_the_new_shard_is_complete(
+    tmp_path: Path, engine, random_tiny_model
+) -> None:
+    rows = make_rows(30, seed=4)  # the shard is rows 6:30: this module's engine fails row 5
+    dataset = tmp_path / "run" / "dataset"
+    write_training_dataset(rows, [[1] * len(r) for r in rows], dataset)
+    hidden, shards = dataset / "hidden_states", tmp_path / "run" / "shards"
+    cfg = config(dataset, engine, random_tiny_model, "6:30", concurrency=1, progress_every=1)
+    ShardExtractor(cfg).run()
+    old = {row: sample_path(hidden, row).stat().st_ino for row in range(6, 30)}
+
+    # Forced, and stopped (SIGTERM) a few rows in: the old files are all aside, untouched, the new ones in place.
+    forced = cfg.model_copy(update={"reextract_complete_shards": True})
+    proc = subprocess.Popen([sys.executable, "-m", "eagleflow", "extract", *model_to_argv(forced)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    said = []
+    for line in proc.stdout:
+        said.append(line)
+        if line.startswith("rows: 3/"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    said.append(proc.stdout.read())
+    proc.wait(timeout=60)
+    assert proc.returncode != 0
+    assert any(f"its 24 files are set aside in {shards / 'previous' / 'rows_6-30'}" in line for line in said), said
+    aside = shards / "previous" / "rows_6-30"
+    assert {p.name: p.stat().st_ino for p in aside.iterdir()} == {sample_path(hidden, r).name: ino for r, ino in old.items()}
+    new_rows = {int(p.stem.removeprefix("hs_")) for p in hidden.glob("hs_*.safetensors")}
+    assert 3 <= len(new_rows) < 24 and ShardManifest.read(shards / "rows_6-30.json").state == "interrupted"
+    assert complete_shard(shards / "rows_6-30.json", hidden, 6, 30) is None
+
+    # Run again (a retry, the Param still on): it resumes the re-extraction rather than setting the new rows aside.
+    report = ShardExtractor(forced).run()
+    assert (report.state, report.skipped, report.done) == ("success", len(new_rows), 24 - len(new_rows))
+    assert not (shards / "previous").exists()  # the old files went once the new shard was complete
+    for row in range(6, 30):
+        assert sample_path(hidden, row).stat().st_ino != old[row]  # every row extracted anew
+        assert validate(sample_path(hidden, row), rows[row], len(AUX) + 1, HIDDEN).ok
+    assert complete_shard(shards / "rows_6-30.json", hidden, 6, 30) is not None
+
+    # Forced again on the complete shard: set aside anew and redone whole; without the flag, nothing is touched.
+    again = ShardExtractor(forced).run()
+    assert (again.done, again.skipped) == (24, 0) and not (shards / "previous").exists()
+    untouched = ShardExtractor(cfg).run()
+    assert (untouched.done, untouched.skipped) == (0, 24)
