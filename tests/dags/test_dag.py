@@ -145,6 +145,7 @@ def remote_conf(tmp_path: Path, model: Path, engine: ServerInfo, run_name: str) 
     return {
         "model_path": str(model), "dataset_input": str(tmp_path / "conv.jsonl"), "output_root": str(tmp_path / "runs"),
         "run_name": run_name, "shard_size": 5, "max_len": 256, "server_urls": [engine.url], "server_dump_dir": engine.dump_dir,
+        "stop_after_extraction": False,  # said explicitly: dag.test() keeps an earlier test's run_conf
     }
 
 
@@ -211,7 +212,7 @@ def test_online_mode_skips_every_shard_trains_from_the_engine_and_stops_it_after
         "hidden_states_source": "engine", "dump_queue_gb": 0.001, "epochs": 1, "total_seq_len": 256, "num_workers": 0,
         "draft_vocab_size": 256, "device": "cpu",
         # Said explicitly: dag.test() keeps an earlier test's run_conf in the shared DAG's params.
-        "server_urls": [], "server_dump_dir": None,
+        "server_urls": [], "server_dump_dir": None, "stop_after_extraction": False,
     }
     run = eagleflow_dag.test(run_conf=conf, mark_success_pattern="plot_metrics|export_drafter|evaluate_drafter")
     tis = {(ti.task_id, ti.map_index): ti for ti in run.get_task_instances()}

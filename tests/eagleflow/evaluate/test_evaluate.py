@@ -35,7 +35,7 @@ def test_the_report_holds_the_sweep_per_prompt_set_with_trustworthy_speeds_and_t
     mt_bench.write_text(json.dumps({"turns": ["Count from one to five.", "Now count down again."]}) + "\n"
                         + json.dumps({"messages": [{"role": "user", "content": "Say hello."}]}) + "\n")
     proc = subprocess.run(
-        evaluate_argv(trained_run, tiny_model, exported_drafters["trained"], out, "--server-extra-args=--threads,1",
+        evaluate_argv(trained_run, tiny_model, exported_drafters["trained"], out, "--eval-server-extra-args=--threads,1",
                       "--eval-sets=heldout,humaneval,file", f"--eval-prompts={mt_bench}", "--eval-rounds", "2",
                       "--eval-configs", "1,3,1,4 2,3,1,4 1,3,4,8"),
         capture_output=True, text=True, timeout=900,
@@ -99,7 +99,7 @@ def test_an_engine_that_dies_fails_the_step_with_its_log(
     trained_run: TrainedRun, tiny_model: Path, exported_drafters: dict[str, Path], tmp_path: Path
 ) -> None:
     proc = subprocess.run(
-        evaluate_argv(trained_run, tiny_model, exported_drafters["trained"], tmp_path / "eval", "--server-extra-args=--no-such-flag"),
+        evaluate_argv(trained_run, tiny_model, exported_drafters["trained"], tmp_path / "eval", "--eval-server-extra-args=--no-such-flag"),
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 2

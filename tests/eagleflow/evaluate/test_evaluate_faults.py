@@ -46,7 +46,7 @@ def evaluate_argv(setup: dict[str, Path], out: Path, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "eagleflow", "evaluate", "--dataset", str(setup["dataset"]), "--verifier", str(setup["model"]),
         "--drafter", str(setup["drafter"]), "--out", str(out), "--train-data-ratio", "0.5", "--eval-rows", "4",
-        "--eval-concurrency", "2", "--eval-sets=heldout", "--eval-rounds", "1", "--server-extra-args=--threads,1", *extra,
+        "--eval-concurrency", "2", "--eval-sets=heldout", "--eval-rounds", "1", "--eval-server-extra-args=--threads,1", *extra,
     ]
 
 
