@@ -47,7 +47,7 @@ class EvaluateConfig(BaseModel):
         "is always added). Empty: 1 and eval_concurrency in flight, each with and without a chain of the drafter's steps",
     )
     eval_rounds: int = Field(
-        3, ge=1, title="Timed rounds per config",
+        5, ge=1, title="Timed rounds per config",
         description="timed rounds per config after a warm-up; speeds are the median over rounds, with their spread",
     )
     num_steps: int | None = Field(None, ge=1, description="draft tokens per verification; default: the drafter's TTT steps")

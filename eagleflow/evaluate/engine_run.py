@@ -54,6 +54,11 @@ class TimedPass:
     generations: list[Generation] = field(default_factory=list)
     seconds: float = 0.0
 
+    def add(self, part: TimedPass) -> None:
+        """Fold in one slice of the prompt set (its answers and its wall time): an interleaved pass is timed slice by slice."""
+        self.generations += part.generations
+        self.seconds += part.seconds
+
     @property
     def tokens_per_s(self) -> float:
         tokens = sum(g.completion_tokens for g in self.generations)

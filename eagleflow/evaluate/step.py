@@ -5,8 +5,11 @@
 One engine per draft shape of ``--eval-configs`` (steps, topk, draft tokens; the baseline is the
 engine without a drafter), each warmed up (one untimed answer per prompt set) before it is timed.
 Every config decodes every prompt set (``--eval-sets``) greedily with its batch size in flight,
-``--eval-rounds`` times. The reference engines all run at once and the rounds interleave them
-(round r starts at the r-th engine), so a slow spell of the machine lands on every config alike;
+``--eval-rounds`` times. The reference engines all run at once and take turns slice by slice:
+every config of one batch size answers the same ``batch size`` prompts before any goes on to the
+next slice, in an order reversed every slice (and rotated every round), so a slow spell of the
+machine lands on the configs alike and their ratio holds while the machine's own speed drifts
+(on a shared 2-core VM the same answer takes from 1x to 2x the time within a minute);
 SGLang engines, which each take the GPUs, run one after the other, each for all its rounds.
 ``OUT/report.json`` holds per config and prompt set the accept length (mean, p50, p90,
 aggregate), accept rate, tokens/s and speedup over the same batch size's baseline (median and
@@ -34,7 +37,7 @@ from eagleflow.evaluate.charts import write_chart, write_sweep_chart
 from eagleflow.evaluate.engine_run import TimedPass, generate, running_engine, timed_pass
 from eagleflow.evaluate.prompts import ChatPrompts, Prompt, file_prompts, held_out_prompts, humaneval_prompts
 from eagleflow.evaluate.report import build_report, offline_estimate, summary_line, sweep_rows, sweep_table
-from eagleflow.evaluate.sweep import ServeConfig, parse_configs
+from eagleflow.evaluate.sweep import ServeConfig, interleaved_turns, parse_configs
 from eagleflow.export import ServedDrafter
 from eagleflow.files import atomic_write_json
 from eagleflow.layout import TrainLayout
@@ -100,28 +103,38 @@ def measure_sweep(
         for prompts in sets.values():
             generate(client, prompts[0], cfg.eval_max_new_tokens, "warmup", chat)
 
-    def one_round(shape: tuple[int, int, int], url: str, round_: int) -> None:
-        for config in (c for c in configs if c.shape == shape):
-            for name, prompts in sets.items():
-                timed = timed_pass(url, prompts, cfg.eval_max_new_tokens, config.batch_size, config.label, chat)
-                results[config][name].append(timed)
-                print(f"evaluate: round {round_ + 1}/{cfg.eval_rounds} {config.label} {name}: "
-                      f"{timed.tokens_per_s:.1f} tokens/s", flush=True)
+    def record(config: ServeConfig, name: str, timed: TimedPass, round_: int) -> None:
+        results[config][name].append(timed)
+        print(f"evaluate: round {round_ + 1}/{cfg.eval_rounds} {config.label} {name}: {timed.tokens_per_s:.1f} tokens/s", flush=True)
 
-    if cfg.engine == "reference":  # all engines at once, rounds interleaved
+    def interleaved_round(group: list[ServeConfig], urls: dict[tuple[int, int, int], str], round_: int) -> None:
+        """One batch size's configs take turns a slice of ``batch_size`` prompts at a time (see the module docstring)."""
+        for name, prompts in sets.items():
+            passes = {config: TimedPass() for config in group}
+            for config, part in interleaved_turns(group, len(prompts), round_):
+                passes[config].add(timed_pass(urls[config.shape], prompts[part], cfg.eval_max_new_tokens,
+                                              config.batch_size, config.label, chat))
+            for config in group:
+                record(config, name, passes[config], round_)
+
+    if cfg.engine == "reference":  # all engines at once, configs interleaved
         with contextlib.ExitStack() as stack:
             urls = {shape: stack.enter_context(engine(shape)).url for shape in shapes}
             for shape in shapes:
                 warm_up(urls[shape])
+            groups = [[c for c in configs if c.batch_size == size] for size in sorted({c.batch_size for c in configs})]
             for round_ in range(cfg.eval_rounds):
-                for shape in shapes[round_ % len(shapes):] + shapes[: round_ % len(shapes)]:
-                    one_round(shape, urls[shape], round_)
+                for group in groups:
+                    interleaved_round(group, urls, round_)
     else:
         for shape in shapes:
             with engine(shape) as info:
                 warm_up(info.url)
                 for round_ in range(cfg.eval_rounds):
-                    one_round(shape, info.url, round_)
+                    for config in (c for c in configs if c.shape == shape):
+                        for name, prompts in sets.items():
+                            record(config, name, timed_pass(info.url, prompts, cfg.eval_max_new_tokens, config.batch_size,
+                                                            config.label, chat), round_)
     return results
 
 

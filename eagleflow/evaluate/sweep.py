@@ -89,6 +89,26 @@ def parse_configs(text: str, default_steps: int, default_concurrency: int) -> li
     return sorted(configs, key=lambda c: (c.batch_size, c.steps, c.topk, c.draft_tokens))
 
 
+def interleaved_turns(group: list[ServeConfig], n_prompts: int, round_: int) -> list[tuple[ServeConfig, slice]]:
+    """The order in which one batch size's configs answer a prompt set in round ``round_`` when their
+    engines run side by side: a slice of ``batch_size`` prompts at a time, every config on that slice
+    before any goes on, the order reversed every slice (A B, B A, ...) and rotated every round.
+
+    The machine's speed drifts within seconds on a shared VM; timing a whole set one config after
+    another put that drift into the ratio, turn by turn it falls on every config alike.
+    """
+    sizes = {c.batch_size for c in group}
+    if len(sizes) != 1:
+        raise ValueError(f"configs of one batch size take turns, got batch sizes {sorted(sizes)}")
+    size = sizes.pop()
+    order = group[round_ % len(group):] + group[: round_ % len(group)]
+    turns = []
+    for begin in range(0, n_prompts, size):
+        turns += [(config, slice(begin, min(begin + size, n_prompts))) for config in order]
+        order = order[::-1]
+    return turns
+
+
 def spread(values: list[float]) -> dict[str, Any]:
     """Median, min and max of a figure measured in several rounds (and the rounds themselves)."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": values}

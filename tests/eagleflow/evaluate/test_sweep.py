@@ -10,7 +10,7 @@ import pytest
 from eagleflow.errors import UserError
 from eagleflow.evaluate.config import EvaluateConfig
 from eagleflow.evaluate.prompts import ChatPrompts, conversation_turns, file_prompts
-from eagleflow.evaluate.sweep import ServeConfig, fastest_per_batch_size, parse_configs, verdict
+from eagleflow.evaluate.sweep import ServeConfig, fastest_per_batch_size, interleaved_turns, parse_configs, verdict
 from eagleflow.pipeline import PipelineConfig
 
 
@@ -49,6 +49,21 @@ def test_a_speedup_above_the_accept_length_is_disturbed_never_a_result() -> None
         {"config": "1,5,4,8", "batch_size": 1, "sglang_flags": ["y"], "sets": {"a": {"speedup": bad}}},
     ]
     assert fastest_per_batch_size(rows) == {"1": {"config": "1,3,1,4", "mean_speedup": 1.4, "sglang_flags": ["x"]}}
+
+
+def test_configs_of_one_batch_size_take_turns_slice_by_slice_in_alternating_order() -> None:
+    base, chain, tree = ServeConfig(1, 0, 0, 0), ServeConfig(1, 3, 1, 4), ServeConfig(1, 3, 4, 8)
+    turns = interleaved_turns([base, chain, tree], 4, round_=0)
+    # Every config answers a slice before any goes on; the order reverses each slice.
+    assert [(c.label, (s.start, s.stop)) for c, s in turns[:6]] == [
+        ("1,0,0,0", (0, 1)), ("1,3,1,4", (0, 1)), ("1,3,4,8", (0, 1)), ("1,3,4,8", (1, 2)), ("1,3,1,4", (1, 2)), ("1,0,0,0", (1, 2))]
+    for config in (base, chain, tree):  # each answers every prompt once
+        assert [p for c, s in turns if c == config for p in range(s.start, s.stop)] == [0, 1, 2, 3]
+    assert interleaved_turns([base, chain], 4, round_=1)[0][0] == chain  # rotated each round
+    batched = interleaved_turns([ServeConfig(2, 0, 0, 0), ServeConfig(2, 3, 1, 4)], 5, round_=0)
+    assert [(s.start, s.stop) for _, s in batched] == [(0, 2), (0, 2), (2, 4), (2, 4), (4, 5), (4, 5)]
+    with pytest.raises(ValueError, match=r"batch sizes \[1, 2\]"):
+        interleaved_turns([base, ServeConfig(2, 3, 1, 4)], 4, 0)
 
 
 def test_prompt_files_take_conversations_and_mt_bench_turns_and_name_a_bad_line(tiny_model: Path, tmp_path: Path) -> None:
