@@ -51,10 +51,12 @@ def weight_map(model_dir: Path) -> dict[str, str]:
         return dict(json.loads(index.read_text())["weight_map"])
     single = model_dir / "model.safetensors"
     if single.exists():
-        from safetensors import safe_open
+        from sglang_patch.sample_header import read_header  # the header alone: no torch in the training step
 
-        with safe_open(str(single), framework="pt") as handle:
-            return dict.fromkeys(handle.keys(), single.name)
+        try:
+            return dict.fromkeys(read_header(single).tensors, single.name)
+        except ValueError as exc:
+            raise UserError(f"--verifier {model_dir}: {exc}") from exc
     raise UserError(f"--verifier {model_dir} has neither model.safetensors nor model.safetensors.index.json")
 
 

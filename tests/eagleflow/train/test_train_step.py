@@ -419,21 +419,26 @@ def test_dataset_checks_name_the_problem(trained_data: Path, tmp_path: Path) -> 
         check_dataset(cfg, hidden_size=64)
 
 
-def test_the_dataset_checks_import_neither_torch_nor_datasets(trained_data: Path, tmp_path: Path) -> None:
-    """They run while the speculators child imports both on the other core: headers and Arrow files only."""
+def test_the_dataset_and_verifier_checks_import_neither_torch_nor_datasets(
+    trained_data: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    """They run while the speculators child imports both on the other core: headers and Arrow files only.
+    (torch in the step also cost 0.6 s at its exit, after training: its interpreter's teardown.)"""
     probe = (
         "import sys\n"
         "from pathlib import Path\n"
         "from eagleflow.train.config import TrainConfig\n"
         "from eagleflow.train.step import check_dataset\n"
+        "from eagleflow.train.verifier_head import prepare_verifier\n"
         f"cfg = TrainConfig(dataset=Path({str(trained_data)!r}), verifier=Path('.'), out=Path({str(tmp_path / 'o')!r}), "
         f"aux_layer_ids={AUX!r})\n"
         "print(check_dataset(cfg, 64))\n"
+        f"print(prepare_verifier(Path({str(tiny_model)!r}), Path({str(tmp_path / 'head')!r})))\n"
         "print(sorted(m for m in ('torch', 'datasets', 'safetensors', 'transformers') if m in sys.modules))\n"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.splitlines() == [f"({ROWS}, 'bf16')", "[]"]
+    assert done.stdout.splitlines() == [f"({ROWS}, 'bf16')", str(tiny_model.absolute()), "[]"]
 
 
 def test_the_trainer_started_before_the_checks_exits_untrained_when_they_refuse_the_dataset(
