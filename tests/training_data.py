@@ -28,16 +28,18 @@ DATA_CACHE = REPO / ".cache" / "test-data"
 AUX = [2, 4, 6]
 ROWS = 120
 DRAFT_VOCAB = 256
-DATA_RECIPE = 1  # bump when the dataset recipe below changes
+DATA_RECIPE = 2  # bump when the dataset recipe below changes (2: with its draft vocabulary)
 # Small and fast: the drafter learns the trained tiny verifier within two epochs at this lr.
 FAST = ["--total-seq-len", "256", "--num-workers", "0", "--draft-vocab-size", str(DRAFT_VOCAB), "--lr", "3e-3"]
 
 
 def build_dataset(model_dir: Path, out: Path, rows: int, seed: int) -> Path:
-    """Conversations -> chat-template masks -> §3.3 dataset -> captured hidden states."""
+    """Conversations -> chat-template masks -> §3.3 dataset -> captured hidden states -> the
+    ``DRAFT_VOCAB`` draft vocabulary (as the DAG's build_vocab task leaves it before training)."""
     from transformers import AutoModelForCausalLM
 
     from eagleflow.engine.capture import capture_hidden_states
+    from eagleflow.data import VocabConfig, build_vocab
     from eagleflow.data.chat_tokens import ChatTokenizer
     from eagleflow.data.prepare import write_training_dataset
     from eagleflow.extract.sample_store import write_sample
@@ -50,6 +52,7 @@ def build_dataset(model_dir: Path, out: Path, rows: int, seed: int) -> Path:
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     for row, row_ids in enumerate(ids):
         write_sample(out / "hidden_states", row, capture_hidden_states(model, row_ids, AUX), torch.tensor(row_ids))
+    build_vocab(VocabConfig(dataset=out, draft_vocab_size=DRAFT_VOCAB, verifier=model_dir))
     return out
 
 
