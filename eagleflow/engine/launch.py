@@ -38,9 +38,8 @@ class EngineElsewhere(Exception):
         super().__init__(f"{info.describe()} (pid {info.pid}) runs on {info.host}, not here; cannot stop it from this worker")
 
 
-def planned_engine(cfg: PipelineConfig, name: str) -> dict[str, Any]:
-    """Engine ``name`` of the run's plan, ``{name, index, url, port}``."""
-    plan = cfg.engine_plan()
+def planned_engine(plan: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """Engine ``name`` of the run's ``plan`` (``PipelineConfig.engine_plan``), ``{name, index, url, port}``."""
     for engine in plan:
         if engine["name"] == name:
             return engine
@@ -56,7 +55,8 @@ def launch_engine(cfg: PipelineConfig, name: str, say: Callable[[str], None] = p
     theirs (``--base-gpu-id``). In remote mode (``server_urls``) nothing starts: the remote engine's
     address comes back.
     """
-    engine = planned_engine(cfg, name)
+    plan = cfg.engine_plan()
+    engine = planned_engine(plan, name)
     layout = cfg.layout
     if cfg.remote:
         say(f"Remote mode: not launching anything; {name} is at {engine['url']}")
@@ -67,7 +67,7 @@ def launch_engine(cfg: PipelineConfig, name: str, say: Callable[[str], None] = p
             say(f"Reusing {existing.describe()}: pid {existing.pid} (log {existing.log_path})")
             return existing
         # Engines of this run already running on this machine hold the first GPUs.
-        neighbours = [e for e in cfg.engine_plan() if e["name"] != name and running_server(layout.engine_state(e["name"]))]
+        neighbours = [e for e in plan if e["name"] != name and running_server(layout.engine_state(e["name"]))]
         port = int(engine["port"]) or free_port()
         argv, env = engine_command(cfg, port, gpu_offset=len(neighbours) * cfg.tp_size)
         say(f"Starting {cfg.engine} engine {name}: {' '.join(argv)}")

@@ -113,10 +113,9 @@ def generate(client: EngineClient, prompt: Prompt, max_new_tokens: int, label: s
     return Generation(prompt.row, output, time.monotonic() - began, totals_meta)
 
 
-def timed_pass(url: str, prompts: Sequence[Prompt], max_new_tokens: int, batch_size: int, label: str,
+def timed_pass(client: EngineClient, prompts: Sequence[Prompt], max_new_tokens: int, batch_size: int, label: str,
                chat: ChatPrompts | None = None) -> TimedPass:
     """All ``prompts`` with ``batch_size`` requests in flight, timed from the first request to the last answer."""
-    client = EngineClient(url, request_timeout=3600.0)
     result = TimedPass()
     began = time.monotonic()
     pool = ThreadPoolExecutor(batch_size, thread_name_prefix=f"eval-{label}")

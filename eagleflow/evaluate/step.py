@@ -98,8 +98,7 @@ def measure_sweep(
         label = "baseline" if not steps else f"{steps}-{topk}-{draft_tokens}"
         return running_engine(argv, env, cfg.out / f"engine-{label}", port, cfg.warmup_timeout)
 
-    def warm_up(url: str) -> None:
-        client = EngineClient(url, request_timeout=3600.0)
+    def warm_up(client: EngineClient) -> None:
         for prompts in sets.values():
             generate(client, prompts[0], cfg.eval_max_new_tokens, "warmup", chat)
 
@@ -107,33 +106,34 @@ def measure_sweep(
         results[config][name].append(timed)
         print(f"evaluate: round {round_ + 1}/{cfg.eval_rounds} {config.label} {name}: {timed.tokens_per_s:.1f} tokens/s", flush=True)
 
-    def interleaved_round(group: list[ServeConfig], urls: dict[tuple[int, int, int], str], round_: int) -> None:
+    def interleaved_round(group: list[ServeConfig], clients: dict[tuple[int, int, int], EngineClient], round_: int) -> None:
         """One batch size's configs take turns a slice of ``batch_size`` prompts at a time (see the module docstring)."""
         for name, prompts in sets.items():
             passes = {config: TimedPass() for config in group}
             for config, part in interleaved_turns(group, len(prompts), round_):
-                passes[config].add(timed_pass(urls[config.shape], prompts[part], cfg.eval_max_new_tokens,
+                passes[config].add(timed_pass(clients[config.shape], prompts[part], cfg.eval_max_new_tokens,
                                               config.batch_size, config.label, chat))
             for config in group:
                 record(config, name, passes[config], round_)
 
     if cfg.engine == "reference":  # all engines at once, configs interleaved
         with contextlib.ExitStack() as stack:
-            urls = {shape: stack.enter_context(engine(shape)).url for shape in shapes}
-            for shape in shapes:
-                warm_up(urls[shape])
+            clients = {shape: EngineClient(stack.enter_context(engine(shape)).url, request_timeout=3600.0) for shape in shapes}
+            for client in clients.values():
+                warm_up(client)
             groups = [[c for c in configs if c.batch_size == size] for size in sorted({c.batch_size for c in configs})]
             for round_ in range(cfg.eval_rounds):
                 for group in groups:
-                    interleaved_round(group, urls, round_)
+                    interleaved_round(group, clients, round_)
     else:
         for shape in shapes:
             with engine(shape) as info:
-                warm_up(info.url)
+                client = EngineClient(info.url, request_timeout=3600.0)
+                warm_up(client)
                 for round_ in range(cfg.eval_rounds):
                     for config in (c for c in configs if c.shape == shape):
                         for name, prompts in sets.items():
-                            record(config, name, timed_pass(info.url, prompts, cfg.eval_max_new_tokens, config.batch_size,
+                            record(config, name, timed_pass(client, prompts, cfg.eval_max_new_tokens, config.batch_size,
                                                             config.label, chat), round_)
     return results
 
