@@ -25,7 +25,9 @@ __all__, __getattr__ = lazy_exports(
             "engine_label", "free_port", "interrupted_by_signals", "last_start_offset", "log_tail", "pid_alive",
             "read_log_from", "running_server", "start_server", "stop_server", "wait_until_ready"
         ],
-        "client": ["AnswerLost", "EngineClient", "EngineRequestSettings", "RowFailed", "ServerGone", "with_retries"],
+        "client": [
+            "HUNG_PROBE_SECONDS", "AnswerLost", "EngineClient", "EngineRequestSettings", "RowFailed", "ServerGone", "with_retries"
+        ],
         "context": ["context_length_of_model_list", "derived_context_length", "max_new_tokens_left"],
         "launch": ["EngineElsewhere", "check_server_extra_args", "launch_engine", "serving_engine_command", "stop_engine"],
     },

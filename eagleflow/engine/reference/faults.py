@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,10 @@ class EngineFaults(BaseModel):
     write_delay: float = Field(0.0, ge=0, description="each dump write first sleeps this many seconds (a slow disk)")
     min_request_seconds: float = Field(
         0.0, ge=0, description="every captured /generate takes at least this long (a big model's prefill), so a test can act meanwhile"
+    )
+    forward_seconds: float = Field(
+        0.0, ge=0, description="every captured forward holds the engine at least this long before its dump goes to the "
+        "writer (a big model's prefill under way), so a test can abort a request mid-forward"
     )
     capture_fault: CaptureFault | None = Field(
         None, description="capture wrongly on purpose (capture_faults), so verify-capture can be shown catching it"
@@ -91,6 +96,11 @@ class FaultSwitches:
             raise UserError(f"{FAULTS_ENV}: capture_fault needs capture (--dump-dir and --aux-layers)")
         self.fail_rows = {r for r in faults.fail_row if not self._injected("fail", r)}
         self.nan_rows = {r for r in faults.nan_row if not self._injected("nan", r)}
+
+    def forward_capture_fault(self) -> CaptureFault | None:
+        """At a captured forward's start: hold it ``forward_seconds``; the capture fault to apply, if any."""
+        time.sleep(self.settings.forward_seconds)
+        return self.settings.capture_fault
 
     def fail_request(self, rid: str) -> None:
         """Raise the injected 500 for a request of a ``fail_row`` row."""

@@ -299,7 +299,7 @@ class ReferenceEngine:
             if aborted:
                 return [], {"type": "abort", "message": f"request {request.rid} aborted by /abort_request"}, {}
             if capture:
-                fault = self.faults.settings.capture_fault  # TEST ONLY when set
+                fault = self.faults.forward_capture_fault()  # TEST ONLY when set (and forward_seconds)
                 hooks = FaultyCapture(self.model, self.aux_layer_ids, fault) if fault else HiddenStateCapture(self.model, self.aux_layer_ids)
                 with hooks:
                     out = self.model(input_ids=ids, use_cache=max_new_tokens > 1, **logits_kwargs)

@@ -20,16 +20,20 @@ import pytest
 from reference_engines import launch_engine
 from training_data import AUX, assert_records, train_argv
 
+from eagleflow.engine.client import EngineClient
 from eagleflow.engine.process import ServerInfo, pid_alive
 from eagleflow.errors import UserError
 from eagleflow.extract.config import ExtractConfig
 from eagleflow.extract.shard import ShardExtractor
+from eagleflow.files import atomic_write_json
 from eagleflow.layout import FeedLayout, TrainLayout, hidden_states_dir
 from eagleflow.metrics.records import read_records
 from eagleflow.results import find_result
+from eagleflow.train.online.journal import settle_journal
 from eagleflow.train.online.settings import held_bytes
 from eagleflow.train.speculators_support import RELEASES, check_online
 from sglang_patch.handoff import read_writer_statuses
+from sglang_patch.request_ids import row_request_id
 from sglang_patch.sample_file import sample_file_bytes
 
 HIDDEN = 64
@@ -281,3 +285,26 @@ def test_a_killed_trainer_leaves_no_request_running_and_no_dump_and_the_retry_re
     retry = run(argv)
     assert retry.returncode == 0, retry.stdout[-3000:] + retry.stderr[-3000:]
     assert_records(out / "metrics.jsonl", 2, online=True)
+
+
+def test_a_request_aborted_mid_forward_has_its_late_dump_removed_by_the_settle(
+    tiny_model: Path, tmp_path: Path, process_groups: list[int]
+) -> None:
+    """An abort cannot stop a forward under way: its dump reaches the writer after the abort (a killed
+    trainer's request did this once in CI and left an orphan dump). The settle waits the forward out
+    and removes the dump once written."""
+    dumps = tmp_path / "dumps"
+    engine = launch_engine(tiny_model, dumps, tmp_path / "engine.log", aux=AUX, faults={"forward_seconds": 3.0})
+    process_groups.append(engine.pid)
+    rid = row_request_id(3)
+    request = threading.Thread(target=lambda: EngineClient(engine.url, request_timeout=60).generate(3, list(range(5, 37)), rid=rid))
+    request.start()
+    time.sleep(1.0)  # the request is in its forward (3 s)
+    layout = FeedLayout(tmp_path / "online")
+    layout.root.mkdir()
+    atomic_write_json(layout.journal, {"3": {"rid": rid, "url": engine.url, "dump_dir": str(dumps)}})
+    assert settle_journal(layout, say=lambda _: None) == 1
+    request.join(timeout=60)
+    wait_for(lambda: all(s.updated > time.time() - 0.5 and not s.pending for s in read_writer_statuses(dumps)), "the writer idle")
+    assert row_files(dumps) == [], "the aborted request's dump came after the abort and was removed"
+    assert json.loads(layout.journal.read_text()) == {}
