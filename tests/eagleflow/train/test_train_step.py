@@ -441,6 +441,38 @@ def test_the_dataset_and_verifier_checks_import_neither_torch_nor_datasets(
     assert done.stdout.splitlines() == [f"({ROWS}, 'bf16')", str(tiny_model.absolute()), "[]"]
 
 
+def test_device_auto_on_a_machine_without_a_gpu_driver_is_cpu_without_importing_torch(tmp_path: Path) -> None:
+    """No GPU driver node: cpu, and torch (seconds of the step's start) is not imported to learn it. With a
+    driver node, torch is asked, and its answer is what the step uses."""
+    node = tmp_path / "nvidiactl"
+    node.touch()
+    probe = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from eagleflow.errors import UserError\n"
+        "from eagleflow.train import child\n"
+        "from eagleflow.train.config import TrainConfig\n"
+        "def cfg(**kw): return TrainConfig(dataset=Path('d'), verifier=Path('v'), out=Path('o'), aux_layer_ids=[2, 4, 6], **kw)\n"
+        f"child.GPU_DRIVER_NODES = ({str(tmp_path / 'absent')!r},)\n"
+        "print(child.resolve_device(cfg(device='auto')), 'torch' in sys.modules)\n"
+        "try:\n"
+        "    child.resolve_device(cfg(device='auto', gpus=1))\n"
+        "except UserError as exc:\n"
+        "    print(exc, 'torch' in sys.modules)\n"
+        f"child.GPU_DRIVER_NODES = ({str(node)!r},)\n"
+        "import torch\n"
+        "seen = torch.cuda.device_count() if torch.cuda.is_available() else 0\n"
+        "print(child.resolve_device(cfg(device='auto')) == child.Device('cuda' if seen else 'cpu', seen))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        "Device(kind='cpu', gpus=0) False",
+        "--gpus 1: torch sees no GPU (use --device cpu without --gpus to train on CPU) False",
+        "True",
+    ]
+
+
 def test_the_trainer_started_before_the_checks_exits_untrained_when_they_refuse_the_dataset(
     trained_data: Path, tiny_model: Path, tmp_path: Path
 ) -> None:
