@@ -18,19 +18,23 @@ fi
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip "$@"; }
 
-echo "[bootstrap] installing torch 2.13.0 (CPU) first so nothing pulls a CUDA build"
-# pip, not uv, for torch: the machine's pip configuration says where its CPU wheel lies.
-pip install --quiet "torch==2.13.0"
-# uv installs the ~190 other packages in parallel (a third of pip's time on 2 cores); it keeps the
-# torch above, which satisfies the pin. Bytecode is compiled now: with PYTHONDONTWRITEBYTECODE set,
-# every process would otherwise compile what it imports. Without uv (no index serves it), pip does it all.
+# uv installs in parallel and compiles bytecode on both cores (a third of pip's time here); the
+# bytecode matters: with PYTHONDONTWRITEBYTECODE set, every process would compile what it imports.
+# Without uv (no index serves it), pip does it all.
 export UV_CACHE_DIR=${UV_CACHE_DIR:-$PWD/.cache/uv}
 if pip install --quiet "uv==0.13.9" 2>/dev/null; then
   install() { "$VENV/bin/uv" pip install --quiet --python "$VENV/bin/python" --compile-bytecode "$@"; }
+  # uv does not read pip's configuration; the folders of wheels it names (a CPU torch's) are passed on.
+  links=()
+  while read -r folder; do links+=(--find-links "$folder"); done < <(
+    pip config list | sed -n "s/^[^=]*find-links='\(.*\)'$/\1/p" | tr ' ' '\n' | sort -u)
 else
   echo "[bootstrap] uv is not installable here; pip installs everything"
   install() { pip install --quiet "$@"; }
+  links=()
 fi
+echo "[bootstrap] installing torch 2.13.0 (CPU) first so nothing pulls a CUDA build"
+install "${links[@]}" "torch==2.13.0"
 echo "[bootstrap] installing eagleflow and its pinned dependencies"
 install -e ".[dev]"
 # speculators' metadata requires torchvision/torchaudio; PyPI's are CUDA builds that break
