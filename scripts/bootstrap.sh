@@ -22,16 +22,15 @@ pip() { "$VENV/bin/python" -m pip "$@"; }
 # bytecode matters: with PYTHONDONTWRITEBYTECODE set, every process would compile what it imports.
 # Without uv (no index serves it), pip does it all.
 export UV_CACHE_DIR=${UV_CACHE_DIR:-$PWD/.cache/uv}
+links=()
 if pip install --quiet "uv==0.13.9" 2>/dev/null; then
   install() { "$VENV/bin/uv" pip install --quiet --python "$VENV/bin/python" --compile-bytecode "$@"; }
   # uv does not read pip's configuration; the folders of wheels it names (a CPU torch's) are passed on.
-  links=()
   while read -r folder; do links+=(--find-links "$folder"); done < <(
     pip config list | sed -n "s/^[^=]*find-links='\(.*\)'$/\1/p" | tr ' ' '\n' | sort -u)
 else
   echo "[bootstrap] uv is not installable here; pip installs everything"
   install() { pip install --quiet "$@"; }
-  links=()
 fi
 echo "[bootstrap] installing torch 2.13.0 (CPU) first so nothing pulls a CUDA build"
 install "${links[@]}" "torch==2.13.0"
