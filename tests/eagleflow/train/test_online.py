@@ -88,8 +88,10 @@ def wait_for(predicate, what: str, timeout: float = 300.0) -> None:  # noqa: ANN
 
 
 def epoch_done(out: Path) -> bool:
-    """Epoch 0 checkpointed: speculators saves the checkpoint before it validates, and the record follows."""
-    return any(r["kind"] == "val" for r in read_records(TrainLayout(out).metrics))
+    """Epoch 0 finished: speculators saves the checkpoint, validates (the ``val`` record), then writes the
+    epoch's ``val_metrics.json`` and points ``checkpoint_best`` at it, its last act of the epoch. (Waiting
+    for the record alone once snapshotted the folder before ``val_metrics.json`` came.)"""
+    return (TrainLayout(out).checkpoints / "checkpoint_best").exists()
 
 
 def fetched(out: Path) -> int:
