@@ -20,11 +20,15 @@ pip() { "$VENV/bin/python" -m pip "$@"; }
 
 # uv installs in parallel and compiles bytecode on both cores (a third of pip's time here); the
 # bytecode matters: with PYTHONDONTWRITEBYTECODE set, every process would compile what it imports.
-# Without uv (no index serves it), pip does it all.
+# Without uv (no index serves it), pip does it all; uv reads only PyPI, so where it cannot reach
+# it (pip's configured mirrors can) pip takes over the step uv failed.
 export UV_CACHE_DIR=${UV_CACHE_DIR:-$PWD/.cache/uv}
 links=()
 if pip install --quiet "uv==0.13.9" 2>/dev/null; then
-  install() { "$VENV/bin/uv" pip install --quiet --python "$VENV/bin/python" --compile-bytecode "$@"; }
+  install() {
+    "$VENV/bin/uv" pip install --quiet --python "$VENV/bin/python" --compile-bytecode "$@" \
+      || { echo "[bootstrap] uv could not install this step; pip tries it"; pip install --quiet "$@"; }
+  }
   # uv does not read pip's configuration; the folders of wheels it names (a CPU torch's) are passed on.
   while read -r folder; do links+=(--find-links "$folder"); done < <(
     pip config list | sed -n "s/^[^=]*find-links='\(.*\)'$/\1/p" | tr ' ' '\n' | sort -u)
