@@ -29,12 +29,16 @@ DAG_ID = "eagleflow"
 TERMINAL_RUN_STATES = ("success", "failed")
 # Test-only Airflow timeouts, shorter than a deployment's (docker/airflow.env, Airflow's defaults) so
 # the fault tests wait less for what they provoke: a scheduler presumed dead (its orphaned tasks
-# reset by the next one) and a task whose worker vanished (no heartbeat).
+# reset by the next one) and a task whose worker vanished (no heartbeat). And one that is longer:
+# the DAG file never changes under a test, so the dag-processor parses it once or twice per stack instead of
+# every 30 s (a parse is a process of ~1.7 CPU-seconds; Airflow's default cost ~60 per suite).
 SCHEDULER_HEALTH_CHECK_THRESHOLD = 15
 TASK_HEARTBEAT_TIMEOUT = 30
+DAG_FILE_REPARSE_INTERVAL = 600
 TEST_TIMEOUTS = {
     "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_THRESHOLD": str(SCHEDULER_HEALTH_CHECK_THRESHOLD),
     "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(TASK_HEARTBEAT_TIMEOUT),
+    "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": str(DAG_FILE_REPARSE_INTERVAL),
 }
 
 
