@@ -14,6 +14,8 @@ export PIP_CACHE_DIR := $(CURDIR)/.cache/pip
 export MPLCONFIGDIR := $(CURDIR)/.cache/matplotlib
 export HF_HUB_OFFLINE := 1
 export PYTHONUNBUFFERED := 1
+# The venv has no bytecode until first import (scripts/bootstrap.sh): let that import write it.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: venv test test-fast demo airflow bench gpu-check clean
 
