@@ -111,9 +111,10 @@ def test_the_gate_passes_on_the_real_capture(gate_against: Callable[..., Gate], 
     # Every compared position of every row: the final slot reproduces the engine's top-1 and log-probabilities.
     assert final["positions"] == report["tokens"] and final["top1_agreement"] == 1.0
     assert final["worst"]["error"] <= final["worst"]["tolerance"] and final["worst_ratio"] <= 1.0
-    # A pre-norm final state is far from a norm's output (RMS 1 with the weight divided out).
+    # A pre-norm final state is far from a norm's output (RMS 1 with the weight divided out): every
+    # position on one side of 1, ten times the gate's own margin away.
     low, high = report["slots"][-1]["normed_rms_range"]
-    assert high < 0.9, (low, high)
+    assert high < 0.9 or low > 1.1, (low, high)
     assert report["embedding"]["equal"] and report["embedding"]["max_abs_diff"] == 0.0
     assert report["extraction_request"]["cached_tokens"] == 0
     assert report["extraction_request"]["max_relative_difference"] == 0.0  # the extractor's request captures the same
