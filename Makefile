@@ -26,9 +26,9 @@ venv:
 test: venv
 	$(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
-## the suite without the real-scheduler and Celery tests
+## the suite without the real-scheduler, Celery and end-to-end (mostly fault) tests
 test-fast: venv
-	$(PY) -m pytest $(PYTEST_PARALLEL) -m "not scheduler and not celery" $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_PARALLEL) -m "not scheduler and not celery and not e2e" $(PYTEST_ARGS)
 
 ## the main job on CPU: tiny verifier, synthetic data, the whole DAG through Airflow
 demo: venv

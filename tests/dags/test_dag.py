@@ -17,6 +17,8 @@ from eagleflow.engine.reference.faults import faults_env
 from eagleflow.extract.sample_store import validate_dataset
 from eagleflow.engine.process import Readiness, ServerInfo, check_ready, free_port, pid_alive, start_server, stop_server
 
+pytestmark = pytest.mark.e2e
+
 REPO = Path(__file__).resolve().parents[2]
 
 

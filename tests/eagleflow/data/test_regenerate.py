@@ -162,6 +162,7 @@ def test_answers_are_the_verifiers_greedy_continuations_and_leave_no_dump(engine
         (Path(engine.dump_dir) / name).unlink()
 
 
+@pytest.mark.e2e
 def test_killed_run_resumes_without_redoing_finished_rows(engine: ServerInfo, tiny_model: Path, tmp_path: Path) -> None:
     source = write_conversations(tmp_path / "chat.jsonl", rows=24, seed=9)
     out = tmp_path / "regenerated"
@@ -190,6 +191,7 @@ def test_killed_run_resumes_without_redoing_finished_rows(engine: ServerInfo, ti
     assert not list(out.rglob("*.tmp*")), "a half-written file was left behind"
 
 
+@pytest.mark.e2e
 def test_engine_lost_mid_run_names_the_rows_and_a_rerun_after_restart_finishes(tiny_model: Path, tmp_path: Path) -> None:
     write_conversations(tmp_path / "chat.jsonl", rows=16, seed=3)
     out = tmp_path / "regenerated"

@@ -27,6 +27,7 @@ def evaluate_argv(trained_run: TrainedRun, tiny_model: Path, drafter: Path, out:
     ]
 
 
+@pytest.mark.e2e
 def test_the_report_holds_the_sweep_per_prompt_set_with_trustworthy_speeds_and_the_estimate(
     trained_run: TrainedRun, tiny_model: Path, exported_drafters: dict[str, Path], tmp_path: Path
 ) -> None:

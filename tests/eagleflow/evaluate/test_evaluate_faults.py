@@ -28,7 +28,7 @@ from eagleflow.export.step import ExportConfig, export
 
 from training_data import random_speculators_checkpoint
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_torch_thread")]
 
 
 @pytest.fixture(scope="module")

@@ -97,6 +97,7 @@ def test_eagle31_fc_norm_and_norm_output_are_served_as_trained(random_tiny_model
     assert_parity(ckpt, tmp_path / "drafter")
 
 
+@pytest.mark.e2e
 def test_the_train_step_trains_eagle31_and_the_export_serves_it_as_trained(
     trained_data: Path, tiny_model: Path, tmp_path: Path
 ) -> None:

@@ -34,6 +34,8 @@ from sglang_patch.dump_writer import RECORD_RESERVE_BYTES
 from sglang_patch.handoff import read_writer_statuses
 from sglang_patch.sample_file import sample_file_bytes
 
+pytestmark = pytest.mark.e2e
+
 SLOTS = len(AUX) + 1
 WRITE_DELAY = 2.5  # seconds the slow engine's writer sleeps before each dump: longer than a pass may wait (2 s)
 NAN_ROW = 14

@@ -28,7 +28,7 @@ from eagleflow.train.nodes import read_publication
 
 from training_data import assert_records, cached_dataset, copy_dataset, train_argv
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 EPOCHS = 3
 NODE_FLAGS = ["--device", "cpu", "--train-nodes", "2", "--node-address", "127.0.0.1"]

@@ -36,6 +36,8 @@ from sglang_patch.handoff import read_writer_statuses
 from sglang_patch.request_ids import row_request_id
 from sglang_patch.sample_file import sample_file_bytes
 
+pytestmark = pytest.mark.e2e
+
 HIDDEN = 64
 FAULT_ROWS = 40
 

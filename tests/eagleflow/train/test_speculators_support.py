@@ -183,6 +183,7 @@ def old_release_env(overlay: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(overlay)}
 
 
+@pytest.mark.e2e
 def test_speculators_0_8_1_trains_with_its_own_noise_flag(old_release: Path, trained_data: Path, tiny_model: Path, tmp_path: Path) -> None:
     env = old_release_env(old_release)
     probe = subprocess.run([sys.executable, "-c", "import importlib.metadata as m, speculators.train.noise_transforms as n; "

@@ -19,6 +19,8 @@ from eagleflow.train.resume import checkpoint_complete
 
 from training_data import assert_records, copy_dataset, train_argv
 
+pytestmark = pytest.mark.e2e
+
 
 def identity(folder: Path) -> dict[str, tuple[int, int, str]]:
     return {

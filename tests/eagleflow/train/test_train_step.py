@@ -132,6 +132,7 @@ def assert_gone(pid: int, within: float) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.e2e
 def test_killed_twice_mid_epoch_leaves_no_trainer_behind_refuses_a_second_trainer_and_the_third_run_resumes(
     trained_data: Path, tiny_model: Path, tmp_path: Path
 ) -> None:
