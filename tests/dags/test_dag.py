@@ -17,8 +17,6 @@ from eagleflow.engine.reference.faults import faults_env
 from eagleflow.extract.sample_store import validate_dataset
 from eagleflow.engine.process import Readiness, ServerInfo, check_ready, free_port, pid_alive, start_server, stop_server
 
-pytestmark = pytest.mark.e2e
-
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -151,6 +149,7 @@ def remote_conf(tmp_path: Path, model: Path, engine: ServerInfo, run_name: str) 
     }
 
 
+@pytest.mark.e2e
 def test_remote_server_mode_launches_and_stops_nothing_and_extracts_everything(
     eagleflow_dag, outside_engine, tmp_path: Path, random_tiny_model: Path
 ) -> None:
@@ -179,6 +178,7 @@ def test_remote_server_mode_launches_and_stops_nothing_and_extracts_everything(
     assert validate_dataset(dataset, 4, 64) == []
 
 
+@pytest.mark.e2e
 def test_a_wrong_capture_stops_the_run_before_any_shard(eagleflow_dag, tmp_path: Path, random_tiny_model: Path) -> None:
     """An engine that captures the post-norm final state (TEST-ONLY fault): verify_capture fails with the
     cause, no shard runs, no hidden-state file is written, and the report is left for the run page."""
@@ -198,6 +198,7 @@ def test_a_wrong_capture_stops_the_run_before_any_shard(eagleflow_dag, tmp_path:
     assert report["findings"][0]["cause"].startswith("post-norm final state")
 
 
+@pytest.mark.e2e
 def test_online_mode_skips_every_shard_trains_from_the_engine_and_stops_it_after_training(
     eagleflow_dag, tmp_path: Path, random_tiny_model: Path
 ) -> None:

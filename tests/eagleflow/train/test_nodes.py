@@ -28,7 +28,7 @@ from eagleflow.train.nodes import read_publication
 
 from training_data import assert_records, cached_dataset, copy_dataset, train_argv
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.timeout(900)
 
 EPOCHS = 3
 NODE_FLAGS = ["--device", "cpu", "--train-nodes", "2", "--node-address", "127.0.0.1"]
@@ -85,6 +85,7 @@ def _two_nodes(procs: list, dataset: Path, verifier: Path, out: Path, *extra: st
     return [_finish(node) for node in reversed(nodes)]
 
 
+@pytest.mark.e2e
 def test_two_nodes_train_exactly_what_one_node_with_two_ranks_trains(
     dataset: Path, random_tiny_model: Path, tmp_path: Path, started: list
 ) -> None:
@@ -123,6 +124,7 @@ def test_two_nodes_train_exactly_what_one_node_with_two_ranks_trains(
     assert worst == 0.0 and weight_diff == 0.0
 
 
+@pytest.mark.e2e
 def test_a_killed_node_stops_its_peer_and_the_retry_resumes_from_the_last_checkpoint(
     dataset: Path, random_tiny_model: Path, tmp_path: Path, started: list
 ) -> None:

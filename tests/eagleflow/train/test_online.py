@@ -36,8 +36,6 @@ from sglang_patch.handoff import read_writer_statuses
 from sglang_patch.request_ids import row_request_id
 from sglang_patch.sample_file import sample_file_bytes
 
-pytestmark = pytest.mark.e2e
-
 HIDDEN = 64
 FAULT_ROWS = 40
 
@@ -106,6 +104,7 @@ def fetched(out: Path) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_engine_mode_learns_as_disk_mode_does_within_a_disk_window(
     trained_data: Path, tiny_model: Path, tmp_path: Path, process_groups: list[int]
 ) -> None:
@@ -174,6 +173,7 @@ def test_engine_mode_learns_as_disk_mode_does_within_a_disk_window(
     assert json.loads(feed.journal.read_text()) == {}
 
 
+@pytest.mark.e2e
 def test_a_cache_keeps_what_fits_for_later_epochs(
     trained_data: Path, tiny_model: Path, tmp_path: Path, process_groups: list[int]
 ) -> None:
@@ -207,6 +207,7 @@ def test_a_release_without_transfer_backends_is_refused_by_name() -> None:
     check_online(RELEASES["0.9.0"])
 
 
+@pytest.mark.e2e
 def test_an_engine_killed_mid_epoch_hands_its_rows_to_a_slow_one_that_is_waited_for(
     trained_data: Path, tiny_model: Path, tmp_path: Path, process_groups: list[int]
 ) -> None:
@@ -231,6 +232,7 @@ def test_an_engine_killed_mid_epoch_hands_its_rows_to_a_slow_one_that_is_waited_
     assert row_files(dumps) == []
 
 
+@pytest.mark.e2e
 def test_the_only_engine_gone_past_engine_wait_stops_training_naming_it_and_the_retry_resumes(
     trained_data: Path, tiny_model: Path, tmp_path: Path, process_groups: list[int]
 ) -> None:
@@ -260,6 +262,7 @@ def test_the_only_engine_gone_past_engine_wait_stops_training_naming_it_and_the_
     assert row_files(dumps) == []
 
 
+@pytest.mark.e2e
 def test_a_killed_trainer_leaves_no_request_running_and_no_dump_and_the_retry_resumes(
     trained_data: Path, tiny_model: Path, tmp_path: Path, process_groups: list[int]
 ) -> None:
@@ -291,6 +294,7 @@ def test_a_killed_trainer_leaves_no_request_running_and_no_dump_and_the_retry_re
     assert_records(out / "metrics.jsonl", 2, online=True)
 
 
+@pytest.mark.e2e
 def test_a_request_aborted_mid_forward_has_its_late_dump_removed_by_the_settle(
     tiny_model: Path, tmp_path: Path, process_groups: list[int]
 ) -> None:
