@@ -65,7 +65,7 @@ EVAL_SEED_OFFSET = 2_000_000
 # a fixed count makes the weights byte-identical run to run and machine to machine (same CPU
 # kind); and on a shared 2-core machine two spinning OpenMP threads ran 6x slower than one.
 TRAIN_THREADS = 1
-# About 80 s on one free core; held-out greedy next-token accuracy ~70% (64% on assistant
+# About 95 s on one free core; held-out greedy next-token accuracy ~70% (64% on assistant
 # tokens), up from ~0% untrained. Recipe 3 took twice the batch at lr 3e-3 for 3 points more:
 # the build is the suite's largest single cost, so 8 sequences a step at a higher peak lr.
 DEFAULT_TRAIN_STEPS = 200
