@@ -14,6 +14,7 @@ import os
 import sys
 
 from eagleflow.errors import UserError
+from eagleflow.startup import collector_paused
 
 # Set by the operator that starts a step: the step then gets SIGTERM when the Airflow task
 # process dies, even by SIGKILL (it runs in its own session, out of the task's process group).
@@ -70,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         from eagleflow.engine.process import die_with_parent
 
         die_with_parent(signal.SIGTERM, int(parent))
-    module = importlib.import_module(STEPS[name][0])
+    with collector_paused():  # several steps import torch and datasets at the top (eagleflow.startup)
+        module = importlib.import_module(STEPS[name][0])
     parser = argparse.ArgumentParser(prog=f"python -m eagleflow {name}", description=STEPS[name][1])
     module.add_arguments(parser)
     args = parser.parse_args(rest)

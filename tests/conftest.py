@@ -15,6 +15,12 @@ from typing import Any
 
 import pytest
 
+from eagleflow.startup import pause_collector, resume_collector
+
+# Collection imports torch, datasets and Airflow into every worker: without the cyclic collector
+# walking them as they load, then frozen out of the collections of the tests that follow.
+_COLLECTOR_PAUSED = pause_collector()
+
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".cache"
 
@@ -252,6 +258,21 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return nodeid if path in SPLIT_MODULES else path
 
     return ModuleScheduling(config, log)
+
+
+def _collection_done() -> None:
+    global _COLLECTOR_PAUSED
+    resume_collector(_COLLECTOR_PAUSED)
+    _COLLECTOR_PAUSED = False
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    _collection_done()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session: pytest.Session) -> None:
+    _collection_done()  # xdist's controller collects nothing: its collector restarts here
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -44,6 +44,7 @@ from eagleflow.errors import UserError
 from eagleflow.files import atomic_write_json, atomic_write_text
 from eagleflow.progress import Progress
 from eagleflow.results import emit_result
+from eagleflow.startup import collector_paused
 from sglang_patch.request_ids import regenerate_request_id
 
 CONVERSATIONS_FILE = "conversations.jsonl"
@@ -75,11 +76,12 @@ class Regenerator:
     """
 
     def __init__(self, cfg: RegenerateConfig) -> None:
-        from transformers import AutoTokenizer
-
         self.cfg = cfg
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(cfg.verifier))
+            with collector_paused():  # transformers' import and the tokenizer: start-up (eagleflow.startup)
+                from transformers import AutoTokenizer
+
+                self.tokenizer = AutoTokenizer.from_pretrained(str(cfg.verifier))
         except Exception as exc:
             raise UserError(f"--verifier {cfg.verifier}: cannot load a tokenizer: {exc}") from exc
         if not self.tokenizer.chat_template:

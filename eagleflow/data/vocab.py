@@ -30,6 +30,7 @@ from eagleflow.errors import UserError
 from eagleflow.files import atomic_path
 from eagleflow.progress import Progress
 from eagleflow.results import emit_result
+from eagleflow.startup import collector_paused
 
 TOKEN_FREQ_FILE = "token_freq.pt"
 
@@ -165,7 +166,8 @@ def frequencies_to_dict(counts: np.ndarray) -> dict[int, int]:
 
 def build_mappings(token_freq: dict[int, int], draft_vocab_size: int, target_vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     """``(d2t, t2d)`` as numpy arrays, from speculators' own mapping function."""
-    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+    with collector_paused():  # importing speculators: seconds of start-up (eagleflow.startup)
+        from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
     d2t, t2d = build_vocab_mappings_from_distribution(
         token_freq_dict=token_freq, draft_vocab_size=draft_vocab_size, target_vocab_size=target_vocab_size

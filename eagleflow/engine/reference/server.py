@@ -21,6 +21,7 @@ from eagleflow.engine.reference.config import ReferenceEngineConfig
 from eagleflow.engine.reference.protocol import RequestError, body_limit, invalid_json_body, parse_json_body
 from eagleflow.engine.reference.runner import ReferenceEngine
 from eagleflow.errors import UserError
+from eagleflow.startup import collector_paused
 
 
 def create_app(engine: ReferenceEngine) -> Any:
@@ -140,7 +141,8 @@ def serve(config: ReferenceEngineConfig) -> int:
         signal.signal(signum, on_signal)
 
     load_started = time.monotonic()
-    engine = ReferenceEngine.load(config)
+    with collector_paused():  # torch, transformers and the model: the engine's start-up (eagleflow.startup)
+        engine = ReferenceEngine.load(config)
     sock = bind_socket(config.host, config.port)
     host, port = sock.getsockname()[:2]
     print(
