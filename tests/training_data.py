@@ -114,6 +114,22 @@ def train_once(dataset: Path, verifier: Path, folder: Path, epochs: int = 2, *ex
     return TrainedRun(copy, out, proc.returncode, proc.stdout, proc.stderr)
 
 
+def train_once_per_run(dataset: Path, verifier: Path, folder: Path) -> TrainedRun:
+    """:func:`train_once` with the defaults into ``folder``, unless a worker of this test run did it already.
+
+    ``folder``: one that this run's xdist workers share and no later run sees; never a cache
+    across runs, since what it holds checks the code under test.
+    """
+    printed = folder / "printed.json"  # written last: the run is complete
+    with build_lock(folder):
+        if not printed.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            run = train_once(dataset, verifier, folder)
+            printed.write_text(json.dumps([run.returncode, run.stdout, run.stderr]))
+    returncode, stdout, stderr = json.loads(printed.read_text())
+    return TrainedRun(folder / "dataset", folder / "train", returncode, stdout, stderr)
+
+
 def random_speculators_checkpoint(
     verifier: Path,
     out: Path,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import numpy as np
 import torch
 
 from eagleflow.export.step import ExportConfig, export
-from training_data import AUX, DRAFT_VOCAB, TrainedRun, cached_dataset, random_speculators_checkpoint, train_once
+from training_data import AUX, DRAFT_VOCAB, TrainedRun, cached_dataset, random_speculators_checkpoint, train_once_per_run
 
 
 @pytest.fixture(scope="session")
@@ -21,8 +22,11 @@ def trained_data(tiny_model: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def trained_run(trained_data: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> TrainedRun:
-    """Two epochs of ``python -m eagleflow train`` with the defaults (served with SGLang), run once per session."""
-    return train_once(trained_data, tiny_model, tmp_path_factory.mktemp("trained-run"))
+    """Two epochs of ``python -m eagleflow train`` with the defaults (served with SGLang), run once per test run."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this run's, shared by its workers (each has its own basetemp below it)
+    return train_once_per_run(trained_data, tiny_model, root / "trained-run")
 
 
 @pytest.fixture(scope="session")
