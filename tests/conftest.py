@@ -216,8 +216,10 @@ def process_groups() -> Iterator[list[int]]:
 # so no worker is left with a long test at the end (durations measured on 2 cores).
 SLOW_FIRST = (  # each module's wall time in a whole run on 2 cores, longest first (measured 2026-12-03)
     "tests/dags/test_celery.py",  # 523 s
-    "tests/eagleflow/train/test_online.py",  # 417 s; its first test builds the tiny verifier the others wait for
     "tests/dags/test_scheduler.py",  # 348 s
+    # 417 s, after the two Airflow modules: its first test builds the trained tiny verifier, and a worker
+    # handed a second one of its tests at the start would only wait for that build (131 s idle, measured)
+    "tests/eagleflow/train/test_online.py",
     "tests/dags/test_dag.py",  # 158 s
     "tests/eagleflow/extract/test_extract_faults.py",  # 138 s
     "tests/eagleflow/evaluate/test_evaluate_faults.py",  # 96 s
