@@ -63,11 +63,18 @@ def ask(engine: ReferenceEngine, prompt: Prompt, temperature: float = 0.0) -> di
     return engine.generate(body)
 
 
-def lossless_answers(plain: ReferenceEngine, speculative: ReferenceEngine, prompts: list[Prompt]) -> list[dict[str, Any]]:
+@pytest.fixture(scope="module")
+def greedy(target: tuple[Any, Any], prompts: list[Prompt], tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The plain engine's answer to each prompt (greedy decoding): what every speculative engine here must give."""
+    plain = engine(target, None, tmp_path_factory.mktemp("plain"))
+    return [ask(plain, prompt) for prompt in prompts]
+
+
+def lossless_answers(greedy: list[dict[str, Any]], speculative: ReferenceEngine, prompts: list[Prompt]) -> list[dict[str, Any]]:
     """The speculative engine's answers, each checked to be the plain engine's tokens and finish reason."""
     answers = []
-    for prompt in prompts:
-        expected, got = ask(plain, prompt), ask(speculative, prompt)
+    for prompt, expected in zip(prompts, greedy, strict=True):
+        got = ask(speculative, prompt)
         assert got["output_ids"] == expected["output_ids"], prompt.row
         assert got["meta_info"]["finish_reason"] == expected["meta_info"]["finish_reason"]
         assert "spec_verify_ct" not in expected["meta_info"], "the plain engine does not speculate"
@@ -75,10 +82,10 @@ def lossless_answers(plain: ReferenceEngine, speculative: ReferenceEngine, promp
     return answers
 
 
-def test_greedy_speculative_decoding_returns_exactly_greedy_decodings_tokens(target, exported_drafters, prompts, tmp_path: Path) -> None:
-    plain, speculative = engine(target, None, tmp_path), engine(target, served(exported_drafters["trained"]), tmp_path)
+def test_greedy_speculative_decoding_returns_exactly_greedy_decodings_tokens(target, exported_drafters, prompts, greedy, tmp_path: Path) -> None:
+    speculative = engine(target, served(exported_drafters["trained"]), tmp_path)
     accepted = 0
-    for got in lossless_answers(plain, speculative, prompts):
+    for got in lossless_answers(greedy, speculative, prompts):
         meta = got["meta_info"]
         # SGLang's fields, with SGLang's definitions.
         assert meta["completion_tokens"] == len(got["output_ids"])
@@ -91,11 +98,10 @@ def test_greedy_speculative_decoding_returns_exactly_greedy_decodings_tokens(tar
 
 
 @pytest.mark.parametrize(("topk", "draft_tokens"), [(4, 8), (2, 6)])
-def test_tree_drafts_return_exactly_greedy_decodings_tokens(target, exported_drafters, prompts, tmp_path: Path, topk, draft_tokens) -> None:
-    plain = engine(target, None, tmp_path)
+def test_tree_drafts_return_exactly_greedy_decodings_tokens(target, exported_drafters, prompts, greedy, tmp_path: Path, topk, draft_tokens) -> None:
     tree = engine(target, served(exported_drafters["trained"]), tmp_path, topk=topk, draft_tokens=draft_tokens)
     accepted = 0
-    for got in lossless_answers(plain, tree, prompts):
+    for got in lossless_answers(greedy, tree, prompts):
         meta = got["meta_info"]
         # SGLang's accept rate: correct drafts / (verify rounds x (draft tokens - 1)).
         assert meta["spec_num_proposed_drafts"] == (draft_tokens - 1) * meta["spec_verify_ct"]
