@@ -12,6 +12,12 @@ from eagleflow.engine.process import Readiness, ServerInfo, check_ready, free_po
 from eagleflow.engine.reference.config import ReferenceEngineConfig
 from eagleflow.engine.reference.faults import faults_env
 
+# How the tests' engines compute, where a test is not about the engine's own numerics (those keep the
+# checkpoint's bf16: test_reference_engine, test_verify_capture, test_reference_logprobs). float32:
+# CPUs without AVX-512 BF16 emulate bf16 matmuls, and a bf16 prefill costs 3x a float32 one here;
+# the dumps are stored in bf16 (or fp8) either way. One torch thread: the engine shares 2 cores.
+ENGINE_COMPUTE_FLAGS = ["--threads", "1", "--dtype", "float32"]
+
 
 def launch_engine(
     model: Path, dump_dir: Path, log: Path, *extra: str, aux: list[int], port: int | None = None, name: str = "engine-0",
@@ -21,7 +27,7 @@ def launch_engine(
     ``faults``: the test-only faults it injects, :class:`~eagleflow.engine.reference.faults.EngineFaults`' fields)."""
     port = port or free_port()
     engine = ReferenceEngineConfig(model=model, dump_dir=dump_dir, aux_layers=aux, port=port, warmup_seconds=0)
-    argv = [sys.executable, "-m", "eagleflow", "serve-reference", *model_to_argv(engine), *extra]
+    argv = [sys.executable, "-m", "eagleflow", "serve-reference", *model_to_argv(engine), *ENGINE_COMPUTE_FLAGS, *extra]
     info = start_server(argv, faults_env(**faults or {}), log, log.with_suffix(".json"), f"http://127.0.0.1:{port}", dump_dir, name)
     deadline = time.monotonic() + 120
     while check_ready(info).state is not Readiness.READY:

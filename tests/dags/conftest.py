@@ -23,6 +23,7 @@ from eagleflow.engine.process import free_port
 from eagleflow.engine.reference.faults import FAULTS_ENV, faults_env
 from eagleflow.files import atomic_write_text
 from metadata_db import migrated_sqlite_db
+from reference_engines import ENGINE_COMPUTE_FLAGS
 
 REPO = Path(__file__).resolve().parents[2]
 DAG_ID = "eagleflow"
@@ -52,7 +53,7 @@ class RunInputs:
     max_len: int = 256
 
     def conf(self, output_root: Path, run_name: str, **overrides: Any) -> dict[str, Any]:
-        """Params of a run of the reference engine (short warmup, one torch thread), a 1-epoch drafter, a 2-prompt evaluation."""
+        """Params of a run of the reference engine (short warmup, float32 on one thread), a 1-epoch drafter, a 2-prompt evaluation."""
         return {
             "engine": "reference",
             "model_path": str(self.model),
@@ -62,7 +63,7 @@ class RunInputs:
             "max_len": self.max_len,
             "concurrency": 4,
             "server_port": 0,
-            "server_extra_args": ["--warmup-seconds", "3", "--threads", "1"],
+            "server_extra_args": ["--warmup-seconds", "3", *ENGINE_COMPUTE_FLAGS],
             "eval_server_extra_args": ["--warmup-seconds", "3", "--threads", "1"],
             "warmup_timeout": 300.0,
             "epochs": 1,

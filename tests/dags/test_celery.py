@@ -73,7 +73,7 @@ def _slow_run(stack: Any, run_inputs: Any, tmp_path: Path, run_id: str, **params
 
     inputs = run_inputs(ROWS)
     stack.inject_faults(min_request_seconds=1.5)
-    conf = inputs.conf(tmp_path / "runs", run_id, concurrency=2, server_extra_args=["--warmup-seconds", "3", "--threads", "1"], **params)
+    conf = inputs.conf(tmp_path / "runs", run_id, concurrency=2, **params)
     return inputs, RunLayout.of(tmp_path / "runs", run_id), conf
 
 

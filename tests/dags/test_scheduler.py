@@ -41,7 +41,7 @@ RUN_TIMEOUT = 600.0
 
 def _conf(inputs: Any, output_root: Path, run_name: str) -> dict[str, Any]:
     """Params of the run: shards of 10 rows (row 13 is refused once by the engine: ``inject_faults``)."""
-    return inputs.conf(output_root, run_name, shard_size=SHARD_SIZE, server_extra_args=["--warmup-seconds", "3", "--threads", "1"])
+    return inputs.conf(output_root, run_name, shard_size=SHARD_SIZE)
 
 
 def _file_identities(hidden_states: Path) -> dict[str, tuple[int, int]]:
@@ -177,7 +177,6 @@ def test_scheduler_killed_mid_extraction_and_restarted_finishes_the_run_without_
     # A disk slower than the engine (each dump waits 1.5 s) keeps a shard busy when the scheduler dies.
     conf = inputs.conf(
         tmp_path / "runs", run_name, shard_size=shard_size,
-        server_extra_args=["--warmup-seconds", "3", "--threads", "1"],
         stop_after_extraction=True,  # what is checked is extraction's; training is the other test's
     )
     airflow_stack.inject_faults(write_delay=1.5)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference_engines import ENGINE_COMPUTE_FLAGS
 from training_data import AUX
 
 from eagleflow.data.regenerate import (
@@ -57,8 +58,7 @@ def launch_engine(model: Path, folder: Path, port: int | None = None, *extra: st
     """The reference engine as the launch step starts it (own session, log file), float32, ready."""
     port = port or free_port()
     argv = [sys.executable, "-m", "eagleflow", "serve-reference", "--model", str(model), "--dump-dir", str(folder / "dumps"),
-            "--aux-layers", ",".join(map(str, AUX)), "--port", str(port), "--threads", "1", "--dtype", "float32",
-            "--warmup-seconds", "0", *extra]
+            "--aux-layers", ",".join(map(str, AUX)), "--port", str(port), *ENGINE_COMPUTE_FLAGS, "--warmup-seconds", "0", *extra]
     info = start_server(argv, {"PYTHONUNBUFFERED": "1"}, folder / "server.log", folder / "server.json",
                         f"http://127.0.0.1:{port}", folder / "dumps")
     wait_until_ready(info, timeout=120, poll=0.2)
