@@ -5,7 +5,7 @@
   states will be, and whether the disk holds them;
 - :mod:`~eagleflow.data.vocab`: the draft vocabulary (d2t/t2d);
 - :mod:`~eagleflow.data.verifier`: facts about the verifier read from its ``config.json``,
-  and the aux layer ids a run captures;
+  the aux layer ids a run captures, and its tokenizer;
 - :mod:`~eagleflow.data.verifier_weights`: its embedding, final norm and ``lm_head`` (found whatever
   their prefix, read alone), the RMSNorm, and the head applied to hidden states.
 """
@@ -16,7 +16,8 @@ __all__, __getattr__ = lazy_exports(
     __name__,
     {
         "verifier": [
-            "config_float", "config_int", "read_config", "resolve_aux_layer_ids", "text_config", "text_config_of"
+            "config_float", "config_int", "load_tokenizer", "read_config", "resolve_aux_layer_ids", "text_config",
+            "text_config_of",
         ],
         "verifier_weights": [
             "EMBED", "LM_HEAD", "NORM", "VerifierHead", "VerifierWeights", "load_verifier_head", "locate_weights",

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from eagleflow.data.verifier import load_tokenizer
 from eagleflow.errors import UserError
-from eagleflow.startup import collector_paused
 
 # Where a huge message is first cut before tokenizing (characters per wanted token): a token spans
 # a few characters, so one cut usually holds every token kept; the cut doubles until it does.
@@ -24,10 +24,7 @@ class ChatTokenizer:
     def __init__(self, tokenizer_dir: Path, max_len: int | None = None) -> None:
         self.max_len = max_len
         try:
-            with collector_paused():  # transformers' import and the tokenizer: start-up (eagleflow.startup)
-                from transformers import AutoTokenizer
-
-                self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+            self.tokenizer = load_tokenizer(tokenizer_dir)
         except Exception as exc:
             raise UserError(f"--verifier {tokenizer_dir}: cannot load a tokenizer: {exc}") from exc
         template = self.tokenizer.chat_template or ""

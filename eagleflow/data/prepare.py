@@ -31,7 +31,7 @@ from eagleflow.files import atomic_write_json, atomic_write_text
 from eagleflow.progress import Progress
 from eagleflow.results import emit_result
 from eagleflow.data.chat_tokens import LazyChatTokenizer
-from eagleflow.data.verifier import config_int
+from eagleflow.data.verifier import config_int, load_tokenizer
 
 MARKER_FILE = "prepare.json"
 BAD_ROWS_FILE = "bad_rows.jsonl"
@@ -196,10 +196,8 @@ def tokenizer_vocab_size(tokenizer_dir: Path) -> int:
     """The verifier's vocabulary: its config when the tokenizer folder is the model folder, else the tokenizer's."""
     if (tokenizer_dir / "config.json").exists():
         return config_int(tokenizer_dir, "vocab_size")
-    from transformers import AutoTokenizer
-
     try:
-        return len(AutoTokenizer.from_pretrained(str(tokenizer_dir)))
+        return len(load_tokenizer(tokenizer_dir))
     except Exception as exc:
         raise UserError(f"cannot tell the vocabulary size of {tokenizer_dir} ({exc}); pass --vocab-size") from exc
 

@@ -35,7 +35,7 @@ from pydantic import Field
 
 from eagleflow.config import WarmupTimeout, add_model_arguments, model_from_args
 from eagleflow.data.prepare import MAX_LISTED_ERRORS, SkipBadRows, check_messages, read_input_rows
-from eagleflow.data.verifier import text_config
+from eagleflow.data.verifier import load_tokenizer, text_config
 from eagleflow.engine import (
     EngineClient, EngineGone, EngineRequestSettings, RowFailed, ServerGone, ServerInfo, derived_context_length,
     max_new_tokens_left, wait_until_ready, with_retries,
@@ -44,7 +44,6 @@ from eagleflow.errors import UserError
 from eagleflow.files import atomic_write_json, atomic_write_text
 from eagleflow.progress import Progress
 from eagleflow.results import emit_result
-from eagleflow.startup import collector_paused
 from sglang_patch.request_ids import regenerate_request_id
 
 CONVERSATIONS_FILE = "conversations.jsonl"
@@ -78,10 +77,7 @@ class Regenerator:
     def __init__(self, cfg: RegenerateConfig) -> None:
         self.cfg = cfg
         try:
-            with collector_paused():  # transformers' import and the tokenizer: start-up (eagleflow.startup)
-                from transformers import AutoTokenizer
-
-                self.tokenizer = AutoTokenizer.from_pretrained(str(cfg.verifier))
+            self.tokenizer = load_tokenizer(cfg.verifier)
         except Exception as exc:
             raise UserError(f"--verifier {cfg.verifier}: cannot load a tokenizer: {exc}") from exc
         if not self.tokenizer.chat_template:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from eagleflow.errors import UserError
+from eagleflow.startup import collector_paused
 from sglang_patch.layer_ids import default_aux_layer_ids, validate_aux_layer_ids
 
 # Where multimodal wrappers nest their language model's config: Kimi-K2.5 (``text_config``),
@@ -75,3 +76,15 @@ def resolve_aux_layer_ids(model_dir: str | Path, aux_layer_ids: Sequence[int] | 
         return validate_aux_layer_ids(ids, num_layers)
     except ValueError as exc:
         raise UserError(f"{name}: {exc}") from exc
+
+
+def load_tokenizer(folder: str | Path, trust_remote_code: bool = False) -> Any:
+    """The verifier's tokenizer (transformers' ``AutoTokenizer``), as every step loads it.
+
+    Without the cyclic collector: transformers' import and the tokenizer are start-up
+    (:mod:`eagleflow.startup`). What it raises is the caller's to explain, with what it needed it for.
+    """
+    with collector_paused():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)

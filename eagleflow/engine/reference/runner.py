@@ -395,6 +395,6 @@ def _load_tokenizer(model_dir: Path, trust_remote_code: bool) -> Any:
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model")
     if not any((model_dir / name).exists() for name in names):
         return None
-    from transformers import AutoTokenizer
+    from eagleflow.data import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    return load_tokenizer(model_dir, trust_remote_code)
