@@ -42,8 +42,13 @@ from sglang_patch.sample_format import (  # noqa: F401  (the file's names, re-ex
     HIDDEN_STATES_KEY,
     SCALES_KEY,
     TOKEN_IDS_KEY,
+    SCALE_BYTES,
+    STATE_ELEMENT_BYTES,
+    TOKEN_ID_BYTES,
     HiddenStatesDtype,
+    bytes_per_token,
     check_hidden_states_dtype,
+    sample_file_bytes,
     sample_file_name,
 )
 TOKEN_IDS_DTYPE = torch.int64
@@ -51,6 +56,8 @@ SCALES_DTYPE = torch.float32
 STORAGE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 FP8_MIN_SCALE = 1e-12  # hs-connectors' clamp: an all-zero token still gets a usable scale
 assert set(STORAGE_DTYPES) == set(HIDDEN_STATES_DTYPES), "every named storage dtype needs its torch dtype"
+assert {name: dtype.itemsize for name, dtype in STORAGE_DTYPES.items()} == STATE_ELEMENT_BYTES
+assert (TOKEN_IDS_DTYPE.itemsize, SCALES_DTYPE.itemsize) == (TOKEN_ID_BYTES, SCALE_BYTES)
 # __metadata__ key of the writer's verdict on the states' values; VALUES_FINITE = checked, no NaN/Inf.
 VALUES_KEY = "eagleflow.values"
 VALUES_FINITE = "finite"
@@ -76,11 +83,6 @@ class SlotMajor:
         return [seq_len, slots, hidden]
 
 
-def sample_file_bytes(seq_len: int, n_slots: int, hidden: int, hidden_states_dtype: HiddenStatesDtype = "bf16") -> int:
-    """Bytes of one sample's tensors (:func:`bytes_per_token` × ``seq_len``; the header comes on top)."""
-    return seq_len * bytes_per_token(n_slots, hidden, hidden_states_dtype)
-
-
 def sample_keys(hidden_states_dtype: HiddenStatesDtype) -> set[str]:
     """The tensors a file of that storage dtype holds, no more, no less."""
     keys = {HIDDEN_STATES_KEY, TOKEN_IDS_KEY}
@@ -93,16 +95,6 @@ def storage_dtype_of(tensor_dtype: torch.dtype) -> HiddenStatesDtype | None:
         if dtype == tensor_dtype:
             return name  # type: ignore[return-value]
     return None
-
-
-def bytes_per_token(n_slots: int, hidden: int, hidden_states_dtype: HiddenStatesDtype) -> int:
-    """Bytes one token takes in a file: its states, its token id and (fp8) its scale.
-
-    The safetensors header (a few hundred bytes per file) comes on top.
-    """
-    dtype = check_hidden_states_dtype(hidden_states_dtype)
-    size = n_slots * hidden * STORAGE_DTYPES[dtype].itemsize + TOKEN_IDS_DTYPE.itemsize
-    return size + SCALES_DTYPE.itemsize if dtype == "fp8" else size
 
 
 def quantize_fp8(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

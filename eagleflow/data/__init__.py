@@ -23,7 +23,7 @@ __all__, __getattr__ = lazy_exports(
             "EMBED", "LM_HEAD", "NORM", "VerifierHead", "VerifierWeights", "load_verifier_head", "locate_weights",
             "read_weight", "rms_norm"
         ],
-        "dataset_files": ["dataset_column", "dataset_shape", "dataset_state"],
+        "dataset_files": ["dataset_column", "dataset_shape", "dataset_state", "dataset_table"],
         "prepare": ["MARKER_FILE"],
         "vocab": ["VocabConfig", "VocabFiles", "build_vocab", "load_mappings"],
     },

@@ -1,16 +1,19 @@
 """A prepared dataset's rows and columns read straight from its Arrow files, without ``datasets``.
 
 ``save_to_disk`` writes ``state.json`` (the Arrow files, the format) and Arrow IPC stream files.
-The training step checks a dataset while its speculators child imports torch and ``datasets`` on
-the other core; importing ``datasets`` there too (seconds) would slow the child down, and pyarrow
-(which ``datasets`` stores with) reads a column or the row count from the memory-mapped files in
-milliseconds. A dataset whose rows are an index over its files (``_indices_data_files``: a
-``select`` not flattened) is read with ``datasets`` itself.
+Every step that reads a prepared dataset reads it here. ``datasets.load_from_disk`` costs a
+second of imports, and another of torch's, because it restores the saved ``torch`` format; the
+training step checks a dataset while its speculators child imports both on the other core, and
+extraction and the capture check start once per shard. pyarrow (which ``datasets`` stores with)
+reads a column, a row range or the row count from the memory-mapped files in milliseconds. A
+dataset whose rows are an index over its files (``_indices_data_files``: a ``select`` not
+flattened) is read with ``datasets`` itself.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +61,21 @@ def dataset_shape(dataset: Path) -> tuple[int, list[str]]:
     return sum(t.num_rows for t in tables), columns
 
 
+def dataset_table(dataset: Path, columns: Sequence[str] = ()) -> Any:
+    """The dataset as one ``pyarrow.Table`` over the memory-mapped files (nothing is copied).
+
+    :param columns: only these columns; one the dataset lacks is a UserError naming it.
+    """
+    import pyarrow as pa
+
+    tables = _tables(dataset)
+    table = pa.concat_tables(tables) if tables else pa.table({})
+    missing = [name for name in columns if name not in table.column_names]
+    if missing:
+        raise UserError(f"--dataset {dataset} has no {missing[0]!r} column (columns: {table.column_names})")
+    return table.select(list(columns)) if columns else table
+
+
 def dataset_column(dataset: Path, name: str) -> list[Any]:
     """Every row's value of column ``name``, in row order."""
-    values: list[Any] = []
-    for table in _tables(dataset):
-        values += table.column(name).to_pylist()
-    return values
+    return dataset_table(dataset, [name]).column(name).to_pylist()

@@ -1,6 +1,6 @@
 """``dataset-stats``: rows, tokens and the bytes the hidden states will take (DESIGN.md §1.3).
 
-The bytes per token come from the sample file format (:func:`sglang_patch.sample_file.bytes_per_token`):
+The bytes per token come from the sample file format (:func:`sglang_patch.sample_format.bytes_per_token`, no torch needed):
 slots × hidden × 2 B in bf16, slots × hidden × 1 B plus a 4 B scale in fp8, and the 8 B token id.
 """
 
@@ -13,11 +13,11 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype, add_model_arguments, model_from_args
-from eagleflow.errors import UserError
+from eagleflow.data.dataset_files import dataset_column
 from eagleflow.data.verifier import config_int, resolve_aux_layer_ids
 from eagleflow.progress import format_bytes, format_table
 from eagleflow.results import emit_result
-from sglang_patch.sample_format import HiddenStatesDtype
+from sglang_patch.sample_format import HiddenStatesDtype, bytes_per_token
 
 
 class StatsConfig(BaseModel):
@@ -33,14 +33,7 @@ def dataset_stats(
     dataset_dir: Path, n_slots: int, hidden_size: int, hidden_states_dtype: HiddenStatesDtype = "bf16"
 ) -> dict[str, Any]:
     """Rows, tokens, mean/max length and estimated hidden-state bytes (tokens × bytes per token)."""
-    import datasets
-
-    from sglang_patch.sample_file import bytes_per_token
-
-    try:
-        lengths = list(datasets.load_from_disk(str(dataset_dir)).with_format(None)["seq_len"])
-    except FileNotFoundError as exc:
-        raise UserError(f"--dataset {dataset_dir} is not a prepared dataset: {exc}") from exc
+    lengths = dataset_column(dataset_dir, "seq_len")
     tokens = int(sum(lengths))
     return {
         "rows": len(lengths),

@@ -25,6 +25,7 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from eagleflow.config import DraftVocabSize, add_model_arguments, model_from_args
+from eagleflow.data.dataset_files import dataset_table
 from eagleflow.data.prepare import MARKER_FILE
 from eagleflow.errors import UserError
 from eagleflow.files import atomic_path
@@ -118,20 +119,13 @@ def count_token_frequencies(dataset_dir: Path, target_vocab_size: int) -> np.nda
     seconds. A row whose mask length differs from its ids, whose mask is not 0/1, or whose id
     is outside the verifier vocabulary is a :class:`UserError` naming that row.
     """
-    import datasets
     import pyarrow.compute as pc
 
-    try:
-        table = datasets.load_from_disk(str(dataset_dir)).data.table
-    except FileNotFoundError as exc:
-        raise UserError(f"--dataset {dataset_dir} is not a prepared dataset: {exc}") from exc
-    for column in ("input_ids", "loss_mask"):
-        if column not in table.column_names:
-            raise UserError(f"--dataset {dataset_dir} has no {column!r} column (columns: {table.column_names})")
+    table = dataset_table(dataset_dir, ["input_ids", "loss_mask"])
     counts = np.zeros(target_vocab_size, dtype=np.int64)
     progress = Progress(table.num_rows, label="rows", every=max(1000, table.num_rows // 10))
     first_row = 0
-    for batch in table.select(["input_ids", "loss_mask"]).to_batches(max_chunksize=4096):
+    for batch in table.to_batches(max_chunksize=4096):
         ids_col, mask_col = batch.column(0), batch.column(1)
         id_lengths = pc.list_value_length(ids_col).to_numpy(zero_copy_only=False)
         mask_lengths = pc.list_value_length(mask_col).to_numpy(zero_copy_only=False)

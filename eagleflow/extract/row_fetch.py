@@ -34,8 +34,7 @@ from eagleflow.extract.dump_wait import DiskFull, wait_for_dump
 from eagleflow.extract.sample_store import publish_dump, validate
 from sglang_patch.handoff import dump_path, error_path
 from sglang_patch.request_ids import row_request_id
-from sglang_patch.sample_file import sample_file_bytes
-from sglang_patch.sample_format import HiddenStatesDtype
+from sglang_patch.sample_format import HiddenStatesDtype, sample_file_bytes
 
 
 

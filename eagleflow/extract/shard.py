@@ -36,7 +36,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Callable
 
 from eagleflow.config import add_model_arguments, model_from_args
-from eagleflow.data import config_int, resolve_aux_layer_ids
+from eagleflow.data import config_int, dataset_table, resolve_aux_layer_ids
 from eagleflow.engine import EngineClient, RowFailed, ServerGone, engine_label, pid_alive
 from eagleflow.errors import UserError
 from eagleflow.extract.config import ExtractConfig, parse_rows
@@ -113,15 +113,10 @@ class ShardExtractor:
         )
 
     def _run(self, began: float) -> ShardManifest:
-        import datasets
-
-        try:
-            table = datasets.load_from_disk(str(self.cfg.dataset))
-        except FileNotFoundError as exc:
-            raise UserError(f"--dataset {self.cfg.dataset} is not a prepared dataset: {exc}") from exc
+        table = dataset_table(self.cfg.dataset, ["input_ids"])
         if self.end > len(table):
             raise UserError(f"--rows {self.cfg.rows} is past the end of the dataset ({len(table)} rows)")
-        rows = table.select(range(self.start, self.end)).with_format(None)["input_ids"]
+        rows = table.slice(self.start, self.end - self.start).column("input_ids").to_pylist()
         if self.cfg.reextract_complete_shards:
             self._set_aside_complete_shard()
         self._write_manifest()  # "running" from the start: a stale state of an earlier attempt would mislead

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from eagleflow.config import add_model_arguments, model_from_args
-from eagleflow.data import VerifierHead, config_int, load_verifier_head, locate_weights, read_weight, resolve_aux_layer_ids
+from eagleflow.data import VerifierHead, config_int, dataset_table, load_verifier_head, locate_weights, read_weight, resolve_aux_layer_ids
 from eagleflow.errors import UserError
 from eagleflow.extract.capture_checks import (
     OFF_BY_ONE,
@@ -55,7 +55,8 @@ from eagleflow.layout import CAPTURE_CHECK_REPORT, RunLayout, engine_name
 from eagleflow.results import emit_result
 from sglang_patch.handoff import dump_path, error_path
 from sglang_patch.request_ids import verify_request_id
-from sglang_patch.sample_file import decode_hidden_states, sample_file_bytes
+from sglang_patch.sample_file import decode_hidden_states
+from sglang_patch.sample_format import sample_file_bytes
 
 SAME_DUMP_WITHIN = 0.05  # the extraction request's dump vs the verify request's: relative, per slot
 
@@ -79,12 +80,7 @@ class CheckedRow:
 
 def load_rows(cfg: VerifyCaptureConfig) -> list[list[int]]:
     """The first ``verify_rows`` rows' token ids, each cut to ``max_tokens``."""
-    import datasets
-
-    try:
-        table = datasets.load_from_disk(str(cfg.dataset))
-    except FileNotFoundError as exc:
-        raise UserError(f"--dataset {cfg.dataset} is not a prepared dataset: {exc}") from exc
+    table = dataset_table(cfg.dataset, ["input_ids"])
     if len(table) == 0:
         raise UserError(f"--dataset {cfg.dataset} has no rows to check the capture with")
     if cfg.verify_rows > len(table):  # refused, not silently a smaller check
@@ -92,7 +88,7 @@ def load_rows(cfg: VerifyCaptureConfig) -> list[list[int]]:
             f"--verify-rows {cfg.verify_rows} (Param verify_rows): the dataset {cfg.dataset} has only {len(table)} rows; "
             f"lower verify_rows to at most {len(table)}"
         )
-    rows = table.select(range(cfg.verify_rows)).with_format(None)["input_ids"]
+    rows = table.slice(0, cfg.verify_rows).column("input_ids").to_pylist()
     return [[int(t) for t in ids[: cfg.max_tokens]] for ids in rows]
 
 

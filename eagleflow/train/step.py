@@ -40,7 +40,7 @@ from eagleflow.train.online.settings import (
     EngineEndpoint, FeedSettings, online_cache_bytes, online_window_bytes, read_status,
 )
 from eagleflow.train.speculators_support import check_online, installed_release
-from sglang_patch.sample_format import HiddenStatesDtype
+from sglang_patch.sample_format import HiddenStatesDtype, sample_file_bytes
 
 
 def check_dataset(cfg: TrainConfig, hidden_size: int) -> tuple[int, HiddenStatesDtype]:
@@ -79,8 +79,6 @@ def check_dataset(cfg: TrainConfig, hidden_size: int) -> tuple[int, HiddenStates
 
 def check_online_window(cfg: TrainConfig, hidden_size: int, lengths: list[int]) -> None:
     """Refuse, before training, a window too small for the largest sample (it could never be fetched)."""
-    from sglang_patch.sample_file import sample_file_bytes
-
     n_slots = len(cfg.aux_layer_ids) + 1
     longest = max(range(len(lengths)), key=lengths.__getitem__)
     needed = sample_file_bytes(lengths[longest], n_slots, hidden_size, cfg.hidden_states_dtype)
