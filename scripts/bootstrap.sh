@@ -53,8 +53,22 @@ for bad in torchvision torchaudio; do
   fi
 done
 # Bytecode written even where PYTHONDONTWRITEBYTECODE is set, so later processes need not compile.
-env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" -c 'import speculators, speculators.train.trainer, transformers, airflow.sdk' \
-  || { echo "[bootstrap] the environment does not import; see above" >&2; exit 1; }
+# Two imports at once, one per core (compiling is most of a fresh bootstrap's time): the training
+# stack, and Airflow's servers, executors and task runner, which the suite's first minute would
+# otherwise compile in several processes at once. Airflow's home is a throw-away folder: importing
+# Airflow creates <home>/logs, by default ~/airflow/logs.
+mkdir -p .cache
+airflow_home=.cache/airflow-import-check
+env -u PYTHONDONTWRITEBYTECODE AIRFLOW_HOME="$PWD/$airflow_home" "$VENV/bin/python" -c '
+import airflow.sdk, airflow.cli.cli_parser, airflow.api_fastapi.app, airflow.dag_processing.manager
+import airflow.jobs.scheduler_job_runner, airflow.jobs.triggerer_job_runner, airflow.executors.local_executor
+import airflow.providers.celery.executors.celery_executor, airflow.sdk.execution_time.supervisor
+import airflow.sdk.execution_time.task_runner' > "$airflow_home.log" 2>&1 &
+airflow_check=$!
+env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" -c 'import speculators, speculators.train.trainer, transformers' \
+  || { kill "$airflow_check" 2>/dev/null; echo "[bootstrap] the environment does not import; see above" >&2; exit 1; }
+wait "$airflow_check" \
+  || { cat "$airflow_home.log" >&2; echo "[bootstrap] Airflow does not import; see above" >&2; exit 1; }
 rm -f "$VENV"/.eagleflow-installed-*
 touch "$stamp"
 echo "[bootstrap] environment ready in $VENV"
