@@ -64,7 +64,7 @@ class RunInputs:
             "concurrency": 4,
             "server_port": 0,
             "server_extra_args": ["--warmup-seconds", "3", *ENGINE_COMPUTE_FLAGS],
-            "eval_server_extra_args": ["--warmup-seconds", "3", "--threads", "1"],
+            "eval_server_extra_args": ["--warmup-seconds", "3", *ENGINE_COMPUTE_FLAGS],
             "warmup_timeout": 300.0,
             "epochs": 1,
             "total_seq_len": 512,

@@ -5,17 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from eagleflow.config import model_to_argv
-from eagleflow.engine.reference.config import ReferenceEngineConfig
-from eagleflow.engine.reference.faults import faults_env
 from eagleflow.extract.sample_store import validate_dataset
-from eagleflow.engine.process import Readiness, ServerInfo, check_ready, free_port, pid_alive, start_server, stop_server
+from eagleflow.engine.process import ServerInfo, pid_alive, stop_server
+from reference_engines import ENGINE_COMPUTE_FLAGS, launch_engine
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -115,19 +112,7 @@ def test_parsing_the_dag_imports_no_heavy_library() -> None:
 
 def start_outside_engine(tmp_path: Path, model: Path, **faults: Any) -> ServerInfo:
     """A reference engine started by hand, outside Airflow (another team's server), injecting the test-only ``faults``."""
-    port = free_port()
-    engine = ReferenceEngineConfig(model=model, dump_dir=tmp_path / "remote-dumps", aux_layers=[2, 4, 5], port=port)
-    argv = [sys.executable, "-m", "eagleflow", "serve-reference", *model_to_argv(engine), "--threads", "1"]
-    info = start_server(argv, faults_env(**faults), tmp_path / "remote.log", tmp_path / "remote.json", f"http://127.0.0.1:{port}", tmp_path / "remote-dumps")
-    deadline = time.monotonic() + 120
-    try:
-        while check_ready(info).state is not Readiness.READY:
-            assert time.monotonic() < deadline and pid_alive(info.pid)
-            time.sleep(0.3)
-    except BaseException:  # never became ready: no engine outlives the test
-        stop_server(info.pid, grace=10)
-        raise
-    return info
+    return launch_engine(model, tmp_path / "remote-dumps", tmp_path / "remote.log", aux=[2, 4, 5], faults=faults)
 
 
 @pytest.fixture()
@@ -211,7 +196,7 @@ def test_online_mode_skips_every_shard_trains_from_the_engine_and_stops_it_after
     make_dataset(DatasetConfig(verifier=random_tiny_model, out=tmp_path / "conv.jsonl", rows=12))
     conf = {
         "model_path": str(random_tiny_model), "dataset_input": str(tmp_path / "conv.jsonl"), "output_root": str(tmp_path / "runs"),
-        "run_name": "online", "shard_size": 5, "max_len": 256, "server_port": 0, "server_extra_args": ["--threads", "1"],
+        "run_name": "online", "shard_size": 5, "max_len": 256, "server_port": 0, "server_extra_args": ENGINE_COMPUTE_FLAGS,
         "hidden_states_source": "engine", "dump_queue_gb": 0.001, "epochs": 1, "total_seq_len": 256, "num_workers": 0,
         "draft_vocab_size": 256, "device": "cpu",
         # Said explicitly: dag.test() keeps an earlier test's run_conf in the shared DAG's params.

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference_engines import ENGINE_COMPUTE_FLAGS
+import reference_engines
 from training_data import AUX
 
 from eagleflow.data.regenerate import (
@@ -34,13 +34,7 @@ from eagleflow.data.regenerate import (
     row_file,
 )
 from eagleflow.demo.synthetic_data import generate_conversations
-from eagleflow.engine.process import (
-    ServerInfo,
-    free_port,
-    start_server,
-    stop_server,
-    wait_until_ready,
-)
+from eagleflow.engine.process import ServerInfo, stop_server
 from eagleflow.errors import UserError
 from eagleflow.engine.client import EngineClient
 from eagleflow.extract.dump_wait import wait_for_dump
@@ -55,14 +49,8 @@ SMALL_CONTEXT = 96
 
 
 def launch_engine(model: Path, folder: Path, port: int | None = None, *extra: str) -> ServerInfo:
-    """The reference engine as the launch step starts it (own session, log file), float32, ready."""
-    port = port or free_port()
-    argv = [sys.executable, "-m", "eagleflow", "serve-reference", "--model", str(model), "--dump-dir", str(folder / "dumps"),
-            "--aux-layers", ",".join(map(str, AUX)), "--port", str(port), *ENGINE_COMPUTE_FLAGS, "--warmup-seconds", "0", *extra]
-    info = start_server(argv, {"PYTHONUNBUFFERED": "1"}, folder / "server.log", folder / "server.json",
-                        f"http://127.0.0.1:{port}", folder / "dumps")
-    wait_until_ready(info, timeout=120, poll=0.2)
-    return info
+    """The reference engine as the launch step starts it (own session, log file), ready."""
+    return reference_engines.launch_engine(model, folder / "dumps", folder / "server.log", *extra, aux=AUX, port=port)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from eagleflow.errors import UserError
 from eagleflow.evaluate.prompts import held_out_prompts, validation_start
 from eagleflow.evaluate.report import offline_estimate, percentile
 from eagleflow.results import find_result
+from reference_engines import ENGINE_COMPUTE_FLAGS
 from training_data import TrainedRun
 
 
@@ -36,7 +37,7 @@ def test_the_report_holds_the_sweep_per_prompt_set_with_trustworthy_speeds_and_t
     mt_bench.write_text(json.dumps({"turns": ["Count from one to five.", "Now count down again."]}) + "\n"
                         + json.dumps({"messages": [{"role": "user", "content": "Say hello."}]}) + "\n")
     proc = subprocess.run(
-        evaluate_argv(trained_run, tiny_model, exported_drafters["trained"], out, "--eval-server-extra-args=--threads,1",
+        evaluate_argv(trained_run, tiny_model, exported_drafters["trained"], out, "--eval-server-extra-args=" + ",".join(ENGINE_COMPUTE_FLAGS),
                       "--eval-sets=heldout,humaneval,file", f"--eval-prompts={mt_bench}", "--eval-rounds", "2",
                       "--eval-configs", "1,3,1,4 2,3,1,4 1,3,4,8"),
         capture_output=True, text=True, timeout=900,

@@ -26,6 +26,7 @@ from eagleflow.data.prepare import write_training_dataset
 from eagleflow.engine.process import group_alive, pid_alive
 from eagleflow.export.step import ExportConfig, export
 
+from reference_engines import ENGINE_COMPUTE_FLAGS
 from training_data import random_speculators_checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_torch_thread")]
@@ -46,7 +47,7 @@ def evaluate_argv(setup: dict[str, Path], out: Path, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "eagleflow", "evaluate", "--dataset", str(setup["dataset"]), "--verifier", str(setup["model"]),
         "--drafter", str(setup["drafter"]), "--out", str(out), "--train-data-ratio", "0.5", "--eval-rows", "4",
-        "--eval-concurrency", "2", "--eval-sets=heldout", "--eval-rounds", "1", "--eval-server-extra-args=--threads,1", *extra,
+        "--eval-concurrency", "2", "--eval-sets=heldout", "--eval-rounds", "1", "--eval-server-extra-args=" + ",".join(ENGINE_COMPUTE_FLAGS), *extra,
     ]
 
 
