@@ -215,7 +215,7 @@ def test_the_trained_verifier_predicts_held_out_conversations(tiny_model: Path) 
     # Measure it again independently, on conversations from a stream neither training nor the
     # build's own evaluation used, one at a time without padding.
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_model)).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()  # the bf16 weights
     hits = total = 0
     for conversation in generate_conversations(30, seed=12345):
         out = tokenizer.apply_chat_template(conversation["messages"], tokenize=True, return_dict=True,
