@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from eagleflow.data import dataset_column
 from eagleflow.files import atomic_path
 from eagleflow.layout import hidden_states_dir
 from sglang_patch.sample_file import (
@@ -196,10 +197,8 @@ def validate_dataset(
     Returns ``(row, reason)`` for each row whose file is missing or corrupt; empty when the
     dataset is complete and ready for training.
     """
-    import datasets
-
     dataset_dir = Path(dataset_dir)
-    rows = datasets.load_from_disk(str(dataset_dir)).with_format(None)["input_ids"]
+    rows = dataset_column(dataset_dir, "input_ids")
     problems = []
     for row, ids in enumerate(rows):
         check = validate(sample_path(hidden_states_dir(dataset_dir), row), ids, n_slots, hidden, hidden_states_dtype)

@@ -129,13 +129,13 @@ def start_feed(settings: FeedSettings, say: Callable[[str], None]) -> SampleFeed
     """Start this process's feed (once) over the dataset's rows; it stops when the process exits."""
     global _feed
     if _feed is None:
-        import datasets
+        from eagleflow.data import dataset_table
 
-        table = datasets.load_from_disk(str(settings.dataset)).with_format(None)
-        lengths = [int(n) for n in table["seq_len"]]
+        table = dataset_table(settings.dataset, ["seq_len", "input_ids"])
+        lengths = [int(n) for n in table["seq_len"].to_pylist()]
 
         def rows_of(row: int) -> list[int]:
-            return list(table[row]["input_ids"])
+            return table["input_ids"][row].as_py()
 
         _feed = SampleFeed(settings, rows_of, lengths, say).start()
         atexit.register(_feed.stop)
