@@ -56,9 +56,8 @@ def _tables(dataset: Path) -> list[Any]:
 
 def dataset_shape(dataset: Path) -> tuple[int, list[str]]:
     """``(rows, column names)`` of a prepared dataset."""
-    tables = _tables(dataset)
-    columns = list(tables[0].column_names) if tables else []
-    return sum(t.num_rows for t in tables), columns
+    table = dataset_table(dataset)
+    return table.num_rows, list(table.column_names)
 
 
 def dataset_table(dataset: Path, columns: Sequence[str] = ()) -> Any:
