@@ -57,7 +57,7 @@ class ServeConfig:
 
 def parse_config(text: str) -> ServeConfig:
     """``"1,3,1,4"`` -> :class:`ServeConfig`; a malformed one is a ValueError quoting it."""
-    from eagleflow.engine.reference import check_tree_flags
+    from eagleflow.sglang_rules import check_tree_flags
 
     parts = text.split(",")
     try:

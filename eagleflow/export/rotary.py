@@ -3,7 +3,7 @@
 speculators' Llama draft layer takes its rotary embedding from transformers'
 ``LlamaRotaryEmbedding`` on the checkpoint's layer config (frequencies and a cos/sin scale,
 ``attention_scaling``), rotates whole heads, neox style. SGLang computes its own from the exported
-config (:func:`eagleflow.engine.reference.rope.sglang_rotary`, which the reference drafter runs
+config (:func:`eagleflow.sglang_rules.rope.sglang_rotary`, which the reference drafter runs
 too). The two are compared number by number; any difference (a rope type SGLang computes
 otherwise, a key one side ignores, a partial rotary) refuses the SGLang folder by name.
 """
@@ -31,7 +31,7 @@ def check_rotary(layer: Mapping[str, Any], exported: Mapping[str, Any]) -> None:
     """Refuse (:class:`NotServable`) when SGLang's rotary for ``exported`` differs from the trained one of ``layer``."""
     import torch
 
-    from eagleflow.engine.reference import UnsupportedRope, sglang_rotary
+    from eagleflow.sglang_rules import UnsupportedRope, sglang_rotary
 
     settings = exported.get("rope_parameters")
     try:

@@ -21,7 +21,7 @@ source on what :func:`sglang_config` and :func:`sglang_weights` produce.
   bias, but ``o_proj`` with the config's ``attention_bias``: non-zero q/k/v or MLP biases are
   refused, an ``o_proj`` bias is served.
 - Rotary settings: SGLang reads ``rope_parameters``, else ``rope_scaling`` with ``rope_theta``
-  (:mod:`eagleflow.engine.reference.rope`); the export writes ``rope_parameters`` either way, and
+  (:mod:`eagleflow.sglang_rules.rope`); the export writes ``rope_parameters`` either way, and
   :mod:`eagleflow.export.rotary` refuses a drafter whose rotary SGLang computes otherwise.
 - The draft's ``hidden_size`` must be the verifier's: speculators' EAGLE-3 ``fc`` reads aux states
   of the draft's own width and embeds with the verifier's embedding, while for a draft of another

@@ -17,7 +17,6 @@ from eagleflow import lazy_exports
 __all__, __getattr__ = lazy_exports(
     __name__,
     {
-        "config": ["ReferenceEngineConfig", "check_tree_flags"],
-        "rope": ["UnsupportedRope", "sglang_rotary"],
+        "config": ["ReferenceEngineConfig"],
     },
 )

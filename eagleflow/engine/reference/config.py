@@ -9,23 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 
 from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype
-
-
-def check_tree_flags(num_steps: int, topk: int, num_draft_tokens: int | None) -> None:
-    """SGLang's rule for the three draft-shape flags (``speculative_hook``; ``organize_draft_results``' top-k)."""
-    chain = num_steps + 1
-    if topk == 1:
-        if num_draft_tokens not in (None, chain):
-            raise ValueError(f"--speculative-num-draft-tokens must be --speculative-num-steps + 1 = {chain} for a chain (topk 1)")
-        return
-    if num_draft_tokens is None:
-        raise ValueError(f"--speculative-eagle-topk {topk} needs --speculative-num-draft-tokens (the tree's size)")
-    candidates = topk + (num_steps - 1) * topk * topk
-    if num_draft_tokens - 1 > candidates:
-        raise ValueError(
-            f"--speculative-num-draft-tokens {num_draft_tokens} is more than 1 + the {candidates} candidates "
-            f"{num_steps} steps of topk {topk} draft (K + (steps - 1) * K^2)"
-        )
+from eagleflow.sglang_rules import check_tree_flags
 
 
 class ReferenceEngineConfig(BaseModel):

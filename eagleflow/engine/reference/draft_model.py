@@ -15,7 +15,7 @@ class, so the reference engine serves exactly what SGLang would load:
   concatenation; later layers fold the residual in with ``hidden_norm``; attention is Llama's
   with q/k/v built without bias (SGLang overrides ``qkv_proj``), an ``o_proj`` bias when the
   config has ``attention_bias`` (or ``bias``), GQA, an optional sliding window, and the rotary
-  embedding of :mod:`~eagleflow.engine.reference.rope`; the MLP has no bias;
+  embedding of :mod:`~eagleflow.sglang_rules.rope`; the MLP has no bias;
 - ``norm(hidden, residual)`` gives the logits over the draft vocabulary and, for the next step,
   the pre-norm state (the normed one with ``norm_output``); draft ids map to target ids by
   ``d2t + arange`` (SGLang's hot token ids).
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from eagleflow.data import rms_norm
-from eagleflow.engine.reference.rope import UnsupportedRope, sglang_rotary
+from eagleflow.sglang_rules import UnsupportedRope, sglang_rotary
 from eagleflow.errors import UserError, excerpt
 
 # Names older EAGLE-3 exports use; SGLang maps them too (load_weights legacy_name_map).

@@ -6,7 +6,7 @@ wheel's source (``base.RotaryEmbedding``: ``_compute_inv_freq``, ``_compute_cos_
 its helpers and ``utils.apply_rotary_emb``) and assembled into classes with the same bases; a
 stand-in ``__init__`` of the base sets what SGLang's sets before it computes the cache. The
 arguments each class gets are ``factory.get_rope``'s for the settings. Queries and keys rotated by
-that code must equal :class:`~eagleflow.engine.reference.rope.Rotary`'s, including the cases
+that code must equal :class:`~eagleflow.sglang_rules.rope.Rotary`'s, including the cases
 training never produces (a partial rotary, GPT-J style) which the reference drafter still serves
 as SGLang would.
 """
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from eagleflow.engine.reference.rope import UnsupportedRope, sglang_rotary
+from eagleflow.sglang_rules import UnsupportedRope, sglang_rotary
 from sglang_wheels import Wheel, find_class, get_wheel, pinned_version
 
 pytestmark = pytest.mark.sglang_source

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagleflow.engine.reference.rope import rope_settings, sglang_rotary
+from eagleflow.sglang_rules import rope_settings, sglang_rotary
 from eagleflow.engine.sglang_serving import build_serving_command
 from eagleflow.errors import UserError
 from eagleflow.export.sglang_drafter import SINCE
