@@ -11,12 +11,7 @@ a checkpoint the engine would serve as a different function.
 - **vLLM** loads speculators' own format and reads ``norm_before_residual`` from it, so
   either value is served as trained; speculators' default is kept.
 
-The draft variant (:data:`DRAFT_VARIANTS`) decides how the aux states enter ``fc`` and what a
-draft step hands the next: ``eagle3`` one RMSNorm over the concatenated aux states
-(``norm_before_fc``), ``eagle3.1`` one RMSNorm per aux state (``fc_norm``, the EAGLE-3.1 paper's);
-both feed the next step the normed state (``norm_output``). speculators trains both (0.8.1 and
-0.9.0 have ``--fc-norm``); SGLang serves ``fc_norm`` and ``norm_output`` from 0.5.13, ``norm_before_fc``
-from 0.5.17 (:data:`eagleflow.export.sglang_drafter.SINCE`), where ``llama_eagle3.py`` reads them.
+The drafter families and their train flags are :mod:`eagleflow.drafters`'.
 """
 
 from __future__ import annotations
@@ -38,12 +33,6 @@ ServingEngine = Annotated[
         "speculators folder",
     ),
 ]
-DraftVariant = Literal["eagle3", "eagle3.1"]
-# speculators train flags of each draft variant (speculators' EAGLE-3 defaults, said explicitly for eagle3).
-DRAFT_VARIANTS: dict[str, tuple[str, ...]] = {
-    "eagle3": ("--norm-before-fc", "--norm-output"),
-    "eagle3.1": ("--fc-norm", "--no-norm-before-fc", "--norm-output"),
-}
 
 
 @dataclass(frozen=True)

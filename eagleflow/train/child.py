@@ -29,11 +29,12 @@ from typing import Any, Literal
 
 from eagleflow.engine import die_with_parent
 from eagleflow.errors import UserError
-from eagleflow.export import DRAFT_VARIANTS, serving_target
+from eagleflow.drafters import family
 from eagleflow.layout import TrainLayout
 from eagleflow.train.config import TrainConfig
 from eagleflow.train.lock import TrainFolderLock
 from eagleflow.train.speculators_support import SpeculatorsRelease
+from sglang_patch.hook_spec import parse_version
 from sglang_patch.sample_format import HiddenStatesDtype
 
 
@@ -110,13 +111,21 @@ def speculators_flags(
     paths: TrainLayout,
     release: SpeculatorsRelease,
     stored_dtype: HiddenStatesDtype = "bf16",
+    mask_token_id: int | None = None,
 ) -> list[str]:
     """speculators ``train`` flags for this run (an argv list; nothing goes through a shell).
 
     :param release: the installed speculators; 0.8.1 takes ``--noise-std`` itself, later
         releases get the noise from the child entry instead (:func:`child_command`).
     :param stored_dtype: how the dataset's hidden states are stored; fp8 needs the fp8 backend.
+    :param mask_token_id: block drafters: the mask token SGLang will resolve (:func:`resolve_mask_token`).
     """
+    chosen = family(cfg.draft_algorithm)
+    if parse_version(release.version) < parse_version(chosen.minimum_speculators):
+        raise UserError(
+            f"draft_algorithm {chosen.name} needs speculators >= {chosen.minimum_speculators} (it has no "
+            f"--speculator-type {chosen.speculator_type}); found speculators {release.version}"
+        )
     if stored_dtype == "fp8" and not release.fp8_backend:
         raise UserError(
             f"the dataset's hidden states are stored as fp8, which speculators {release.version} cannot read "
@@ -131,20 +140,18 @@ def speculators_flags(
         "--save-path", str(paths.checkpoints.absolute()),
         "--log-dir", str(paths.speculators_logs.absolute()),
         "--target-layer-ids", *[str(i) for i in cfg.aux_layer_ids],
-        "--draft-vocab-size", str(cfg.draft_vocab_size),
         "--epochs", str(cfg.epochs),
         "--lr", str(cfg.lr),
         "--optimizer", cfg.optimizer,
         "--total-seq-len", str(cfg.total_seq_len),
-        "--ttt-steps", str(cfg.ttt_steps),
         "--scheduler-type", cfg.scheduler_type,
         "--scheduler-warmup-ratio", str(cfg.scheduler_warmup_ratio),
         "--num-workers", str(cfg.num_workers),
         "--train-data-ratio", str(cfg.train_data_ratio),
         "--log-freq", str(cfg.log_freq),
         "--seed", str(cfg.seed),
-        "--mask-token-id", str(cfg.mask_token_id),
-        "--hidden-states-dtype", cfg.compute_dtype,
+        # speculators turns autocast off on CPU, and its DFlash fc does not cast the states: float32 there.
+        "--hidden-states-dtype", "float32" if chosen.block and not on_gpu else cfg.compute_dtype,
         "--loss-implementation", loss,
         "--draft-attn-impl", attn,
         # Every epoch: resume needs them. (--save-best would keep only the best one; without it
@@ -152,9 +159,8 @@ def speculators_flags(
         "--checkpoint-freq", "1",
         # Extraction made every file, or (online) the feed hands each over: a gap is a bug, not a vLLM call.
         "--on-missing", "raise",
-        # What the serving engine's draft layer computes (eagleflow.export.targets).
-        "--norm-before-residual" if serving_target(cfg.serve_with).norm_before_residual else "--no-norm-before-residual",
-        *DRAFT_VARIANTS[cfg.draft_variant],
+        # What differs by family: its speculator type and the settings it is served with.
+        *family(cfg.draft_algorithm).owner("train")(cfg, mask_token_id),
     ]
     if release.noise_std_flag:
         flags += ["--noise-std", str(cfg.noise_std)]

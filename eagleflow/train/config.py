@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from eagleflow.config import AuxLayerIds, DraftVocabSize, StoredHiddenStatesDtype
-from eagleflow.export import DraftVariant, ServingEngine
+from eagleflow.drafters import DraftAlgorithm
+from eagleflow.export import ServingEngine
 from eagleflow.extract import ExtractConfig
 
 HiddenStatesSource = Literal["disk", "engine"]
@@ -29,7 +30,8 @@ RESUME_MUST_MATCH = (
     "num_layers",
     "draft_config",
     "serve_with",
-    "draft_variant",
+    "draft_algorithm",
+    "block_size",
 )
 
 
@@ -56,27 +58,59 @@ class TrainConfig(BaseModel):
     optimizer: Literal["adamw", "muon"] = Field(
         "adamw", description="optimizer; with muon, --lr applies to the AdamW group only"
     )
-    num_layers: int = Field(1, ge=1, title="Draft decoder layers", description="draft decoder layers (ignored with --draft-config)")
+    num_layers: int | None = Field(
+        None, ge=1, title="Draft decoder layers",
+        description="draft decoder layers; empty: the family's default (eagle3 1, dflash 5, speculators' own); ignored with "
+        "--draft-config",
+    )
     draft_config: Path | None = Field(
         None, title="Draft layer config (JSON)", description="decoder config JSON (LlamaConfig) fixing the draft layer shape, e.g. for Kimi-K2.5"
     )
     train_data_ratio: float = Field(0.9, gt=0, lt=1, title="Training share of rows", description="fraction of rows trained on; the rest validates")
     serve_with: ServingEngine
-    draft_variant: DraftVariant = Field(
+    draft_algorithm: DraftAlgorithm = Field(
         "eagle3",
-        title="Draft variant",
-        description="eagle3: one RMSNorm over the concatenated aux states before fc (norm_before_fc). eagle3.1: one "
-        "RMSNorm per aux state (fc_norm, the EAGLE-3.1 paper's). Both feed each draft step the normed state "
-        "(norm_output); SGLang serves eagle3.1 from 0.5.13, eagle3 from 0.5.17",
+        title="Drafter family",
+        description="eagle3: a chain of one-token draft steps, one RMSNorm over the concatenated aux states before fc. "
+        "eagle3.1: the same with one RMSNorm per aux state (fc_norm, the EAGLE-3.1 paper's); SGLang serves eagle3.1 "
+        "from 0.5.13, eagle3 from 0.5.17. dflash: a block drafter, one draft pass proposes block_size - 1 tokens "
+        "(speculators 0.9.0, SGLang 0.5.23; full vocabulary). Not offered: dflash2 and dspark, whose extra heads (DFlash2's "
+        "convolutions and selector, DSpark's Markov and confidence heads) speculators trains on the dataset's tokens and "
+        "SGLang serves on the draft's own: eagleflow cannot prove them served as trained (README: drafter families)",
+    )
+
+    @field_validator("draft_algorithm", mode="before")
+    @classmethod
+    def _offered(cls, value: object) -> object:
+        from eagleflow.drafters import family
+
+        if isinstance(value, str):
+            family(value)  # a family not offered is refused with its reason, not as a bad enum value
+        return value
+
+    block_size: int | None = Field(
+        None, ge=2, le=64, title="Block size (block drafters)",
+        description="block drafters: tokens per draft block, the bonus token and block_size - 1 drafts; SGLang verifies "
+        "them as --speculative-num-draft-tokens. Empty: speculators' default (dflash 16)",
+    )
+    mask_token_id: int | None = Field(
+        None, ge=0, title="Mask token id (block drafters)",
+        description="block drafters: the token whose embedding fills the draft block after the bonus token. Empty: "
+        "resolved from the verifier's tokenizer as SGLang resolves it (its <|MASK|> token, or the id adding one gives, "
+        "which must be below the vocabulary size); give an unused token's id when the tokenizer has none",
+    )
+    max_anchors: int = Field(
+        512, ge=1, title="Blocks per packed sequence (block drafters)",
+        description="block drafters: anchors (blocks) trained per packed sequence, drawn at random among its loss-masked "
+        "positions (speculators --max-anchors)",
     )
     log_freq: int = Field(1, ge=1, description="log a metrics record every N steps")
     seed: int = Field(42, description="random seed")
-    mask_token_id: int = Field(
-        0, ge=0, description="given so speculators does not load the verifier's tokenizer; EAGLE-3 does not use it"
-    )
     trust_remote_code: bool = Field(False, description="let transformers run the verifier's own config code")
     compute_dtype: Literal["bfloat16", "float32"] = Field(
-        "bfloat16", description="dtype hidden states are trained in (speculators --hidden-states-dtype); storage is the dataset's"
+        "bfloat16",
+        description="dtype hidden states are trained in (speculators --hidden-states-dtype); storage is the dataset's. "
+        "Block drafters on CPU train in float32 (speculators turns autocast off there)",
     )
     loss_implementation: Literal["auto", "fused", "eager"] = Field(
         "auto", description="speculators loss kernel; auto: fused on GPU, eager on CPU"
@@ -145,6 +179,18 @@ class TrainConfig(BaseModel):
     request_timeout: float = ExtractConfig.model_fields["request_timeout"]
     max_retries: int = ExtractConfig.model_fields["max_retries"]
     dump_wait: float = ExtractConfig.model_fields["dump_wait"]
+
+    @model_validator(mode="after")
+    def _family_defaults(self) -> TrainConfig:
+        """The chosen family's defaults for what was left empty (concrete values: a resume compares them)."""
+        from eagleflow.drafters import check_family_settings
+
+        chosen = check_family_settings(self.draft_algorithm, self.block_size)
+        if self.num_layers is None:
+            self.num_layers = chosen.default_layers
+        if chosen.block and self.block_size is None:
+            self.block_size = chosen.default_block_size
+        return self
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

@@ -101,8 +101,10 @@ def prepare_checkpoints(cfg: TrainConfig, paths: TrainLayout, log: TrainLog) -> 
         return None
     if paths.config.exists():
         stored = json.loads(paths.config.read_text())
+        if "draft_variant" in stored:  # the family's name before DFlash: eagle3 or eagle3.1
+            stored.setdefault("draft_algorithm", stored.pop("draft_variant"))
         current = json.loads(cfg.model_dump_json())
-        # A flag added since that run was made: it trained with the flag's default (e.g. draft_variant eagle3).
+        # A flag added since that run was made: it trained with the flag's default (e.g. block_size None).
         stored = {k: stored.get(k, TrainConfig.model_fields[k].default) for k in RESUME_MUST_MATCH}
         changed = [k for k in RESUME_MUST_MATCH if stored[k] != current.get(k)]
         if changed:

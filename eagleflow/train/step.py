@@ -22,6 +22,7 @@ from typing import Any
 from eagleflow.config import add_model_arguments, model_from_args
 from eagleflow.data import resolve_aux_layer_ids, text_config
 from eagleflow.errors import UserError
+from eagleflow.drafters import family
 from eagleflow.export import serving_target
 from eagleflow.files import atomic_write_json
 from eagleflow.layout import FeedLayout, TrainLayout, hidden_states_dir
@@ -188,6 +189,35 @@ def ensure_vocab(cfg: TrainConfig, verifier_vocab: int, log: TrainLog) -> None:
     build_vocab(VocabConfig(dataset=cfg.dataset, draft_vocab_size=cfg.draft_vocab_size, target_vocab_size=verifier_vocab))
 
 
+def resolve_mask_token(cfg: TrainConfig, verifier_vocab: int) -> int | None:
+    """A block drafter's mask token id, as SGLang will resolve it for the verifier's tokenizer (None for
+    EAGLE-3, which never uses one); refuses, before training, what SGLang would refuse or serve otherwise:
+    a reduced draft vocabulary, a mask token id not below the vocabulary size."""
+    from eagleflow.sglang_rules import DFlashRuleError, resolve_mask_token_id
+
+    if not family(cfg.draft_algorithm).block:
+        return None
+    default_vocab = TrainConfig.model_fields["draft_vocab_size"].default
+    if cfg.draft_vocab_size != default_vocab and cfg.draft_vocab_size < verifier_vocab:
+        raise UserError(
+            f"--draft-vocab-size {cfg.draft_vocab_size}: {cfg.draft_algorithm} drafters train the verifier's full vocabulary "
+            f"({verifier_vocab}): SGLang serves a block drafter through the target's own head, so a reduced vocabulary "
+            "would be served as another function; leave the draft vocabulary size at its default (unused)"
+        )
+    from eagleflow.data import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(cfg.verifier, cfg.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        if cfg.mask_token_id is None:
+            raise UserError(f"--verifier {cfg.verifier}: no tokenizer to resolve the mask token from ({exc}); give --mask-token-id") from exc
+        tokenizer = None
+    try:
+        return resolve_mask_token_id(tokenizer, verifier_vocab, cfg.mask_token_id)
+    except DFlashRuleError as exc:
+        raise UserError(f"--mask-token-id: {exc}") from exc
+
+
 def run_training(cfg: TrainConfig) -> dict[str, str]:
     """Run the step; return ``{checkpoint_dir, best_checkpoint, metrics_path, log_path}``.
 
@@ -229,8 +259,9 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
         hidden, layers, vocab = int(text["hidden_size"]), int(text["num_hidden_layers"]), int(text["vocab_size"])
         resolve_aux_layer_ids(cfg.verifier, cfg.aux_layer_ids)
         rows, stored = check_dataset(cfg, hidden)
-        if cfg.draft_vocab_size > vocab:
+        if cfg.draft_vocab_size > vocab and not family(cfg.draft_algorithm).block:  # block drafters: the full vocabulary
             raise UserError(f"--draft-vocab-size {cfg.draft_vocab_size} exceeds the verifier vocabulary ({vocab})")
+        mask_token_id = resolve_mask_token(cfg, vocab)
         source = f"from the engines ({', '.join(cfg.engine_urls)})" if online else "stored"
         log.say(
             f"{rows} rows, hidden states {source} as {stored}; verifier: {layers} layers, hidden {hidden}, vocab {vocab}; "
@@ -243,14 +274,21 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
             if cfg.train_nodes > 1:
                 lead_nodes(cfg, device, paths, None, log, lock)  # the other nodes learn it, and stop
         else:
-            ensure_vocab(cfg, vocab, log)
+            if not family(cfg.draft_algorithm).block:  # block drafters train the full vocabulary
+                ensure_vocab(cfg, vocab, log)
             verifier = prepare_verifier(cfg.verifier, paths.verifier_head)
             atomic_write_json(paths.config, json.loads(cfg.model_dump_json()))
             if resume is None:
                 log.say(f"starting fresh: {cfg.epochs} epochs, checkpoints in {paths.checkpoints}")
-            target = serving_target(cfg.serve_with)
-            log.say(f"serving with {target.name}: norm_before_residual {target.norm_before_residual} ({target.why})")
-            flags = speculators_flags(cfg, verifier, device, paths, release, stored)
+            if mask_token_id is not None:
+                log.say(
+                    f"{cfg.draft_algorithm} drafter: {cfg.num_layers} layer(s), block {cfg.block_size}, mask token id "
+                    f"{mask_token_id} (as SGLang resolves it), the full vocabulary of {vocab}"
+                )
+            else:
+                target = serving_target(cfg.serve_with)
+                log.say(f"serving with {target.name}: norm_before_residual {target.norm_before_residual} ({target.why})")
+            flags = speculators_flags(cfg, verifier, device, paths, release, stored, mask_token_id)
             if online:
                 flags += online_flags(feed_settings(cfg, paths, hidden).write())
             if cfg.train_nodes > 1:

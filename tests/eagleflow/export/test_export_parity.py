@@ -101,8 +101,8 @@ def test_eagle31_fc_norm_and_norm_output_are_served_as_trained(random_tiny_model
 def test_the_train_step_trains_eagle31_and_the_export_serves_it_as_trained(
     trained_data: Path, tiny_model: Path, tmp_path: Path
 ) -> None:
-    """draft_variant eagle3.1 through ``python -m eagleflow train`` (real speculators training), exported."""
-    run = train_once(trained_data, tiny_model, tmp_path, 1, "--draft-variant", "eagle3.1")
+    """draft_algorithm eagle3.1 through ``python -m eagleflow train`` (real speculators training), exported."""
+    run = train_once(trained_data, tiny_model, tmp_path, 1, "--draft-algorithm", "eagle3.1")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     trained = json.loads((run.best_checkpoint / "config.json").read_text())
     assert {k: trained[k] for k in EAGLE31} == EAGLE31

@@ -25,7 +25,7 @@ from eagleflow.errors import UserError
 from eagleflow.export.sglang_drafter import SINCE
 from eagleflow.export.step import ExportConfig, export
 from eagleflow.export.manifest import ServedDrafter
-from eagleflow.export.targets import DRAFT_VARIANTS
+from eagleflow.drafters.eagle3 import VARIANT_FLAGS
 from sglang_exec import EAGLE3, LLAMA, load_into_sglang, sglang_ropes
 from sglang_patch.hook_spec import parse_version
 from sglang_wheels import find_class, find_function, get_wheel, pinned_version
@@ -43,7 +43,7 @@ EAGLE31 = {"fc_norm": True, "norm_before_fc": False, "norm_output": True}
 
 
 def test_the_variants_speculators_flags_are_the_checkpoint_settings_the_fixture_uses() -> None:
-    assert DRAFT_VARIANTS["eagle3.1"] == ("--fc-norm", "--no-norm-before-fc", "--norm-output")
+    assert VARIANT_FLAGS["eagle3.1"] == ("--fc-norm", "--no-norm-before-fc", "--norm-output")
 
 
 @pytest.fixture(scope="module")

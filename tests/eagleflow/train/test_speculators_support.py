@@ -207,7 +207,7 @@ def test_speculators_0_8_1_trains_with_its_own_noise_flag(old_release: Path, tra
     assert (trained["norm_before_fc"], trained["fc_norm"], trained["norm_output"]) == (True, False, True)
     out31 = tmp_path / "train-eagle31"
     proc = subprocess.run(train_argv(copy_dataset(trained_data, tmp_path / "dataset31"), tiny_model, out31, "--epochs", "1",
-                                     "--draft-variant", "eagle3.1"), capture_output=True, text=True, timeout=900, env=env)
+                                     "--draft-algorithm", "eagle3.1"), capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     trained = json.loads((out31 / "checkpoints" / "0" / "config.json").read_text())
     assert (trained["norm_before_fc"], trained["fc_norm"], trained["norm_output"]) == (False, True, True)

@@ -354,12 +354,22 @@ def test_defaults_are_the_seed_run_and_flags_reach_speculators(tmp_path: Path) -
     vllm = cfg.model_copy(update={"serve_with": "vllm"})
     vllm_flags = speculators_flags(vllm, Path("/v"), Device("cpu", 0), paths, RELEASES["0.9.0"])
     assert SpeculatorsConfig.resolve(vllm_flags).draft.norm_before_residual
-    # draft_variant decides how the aux states are normed before fc; both feed each step the normed state.
+    # draft_algorithm decides how the aux states are normed before fc; both feed each step the normed state.
     assert (parsed.draft.norm_before_fc, parsed.draft.fc_norm, parsed.draft.norm_output) == (True, False, True)
-    eagle31 = speculators_flags(cfg.model_copy(update={"draft_variant": "eagle3.1"}), Path("/v"), Device("cpu", 0), paths,
+    assert parsed.speculator_type == "eagle3" and parsed.draft.draft_vocab_size == cfg.draft_vocab_size
+    eagle31 = speculators_flags(cfg.model_copy(update={"draft_algorithm": "eagle3.1"}), Path("/v"), Device("cpu", 0), paths,
                                 RELEASES["0.9.0"])
     draft = SpeculatorsConfig.resolve(eagle31).draft
     assert (draft.norm_before_fc, draft.fc_norm, draft.norm_output) == (False, True, True)
+    # dflash: speculators' block drafter, the mask token given, the full vocabulary, its family's defaults.
+    dflash_cfg = TrainConfig(**{**cfg.model_dump(), "draft_algorithm": "dflash", "num_layers": None})
+    assert (dflash_cfg.num_layers, dflash_cfg.block_size) == (5, 16)
+    dflash = SpeculatorsConfig.resolve(
+        speculators_flags(dflash_cfg, Path("/v"), Device("cpu", 0), paths, RELEASES["0.9.0"], mask_token_id=7))
+    assert (dflash.speculator_type, dflash.dflash.block_size, dflash.draft.mask_token_id) == ("dflash", 16, 7)
+    assert dflash.draft.num_layers == 5 and dflash.draft.draft_vocab_size is None and dflash.draft.target_layer_ids == [3, 31, 59]
+    with pytest.raises(UserError, match=r"dflash needs speculators >= 0.9.0 .* found speculators 0.8.1"):
+        speculators_flags(dflash_cfg, Path("/v"), Device("cpu", 0), paths, RELEASES["0.8.1"], mask_token_id=7)
 
     # 0.8.1 still gets its own noise flag, and cannot read fp8 files.
     old = speculators_flags(cfg, Path("/abs/verifier"), Device("cpu", 0), paths, RELEASES["0.8.1"])
@@ -536,12 +546,17 @@ def test_resume_point_cleanup_and_mismatched_settings(tmp_path: Path) -> None:
     assert [r["epoch"] for r in kept if r["kind"] == "val"] == [0, 1]
     assert "resuming from checkpoint" in paths.log.read_text()
 
-    # A run made before draft_variant existed trained eagle3 (speculators' defaults).
+    # A run made before draft_algorithm (then draft_variant) existed trained eagle3 (speculators' defaults).
     stored = json.loads(paths.config.read_text())
-    del stored["draft_variant"]
+    del stored["draft_algorithm"], stored["block_size"]
     paths.config.write_text(json.dumps(stored))
-    with pytest.raises(UserError, match=r"--draft-variant was eagle3, now eagle3.1"):
-        prepare_checkpoints(cfg.model_copy(update={"draft_variant": "eagle3.1"}), paths, log)
+    with pytest.raises(UserError, match=r"--draft-algorithm was eagle3, now eagle3.1"):
+        prepare_checkpoints(cfg.model_copy(update={"draft_algorithm": "eagle3.1"}), paths, log)
+    # ... and one made while it was called draft_variant, with the name it had then.
+    paths.config.write_text(json.dumps({**stored, "draft_variant": "eagle3.1"}))
+    with pytest.raises(UserError, match=r"--draft-algorithm was eagle3.1, now eagle3\)"):
+        prepare_checkpoints(cfg, paths, log)
+    paths.config.write_text(json.dumps(stored))
     with pytest.raises(UserError, match=r"--epochs was 3, now 5.*pass --restart"):
         prepare_checkpoints(cfg.model_copy(update={"epochs": 5}), paths, log)
     assert prepare_checkpoints(cfg.model_copy(update={"epochs": 5, "restart": True}), paths, log) is None

@@ -1,0 +1,115 @@
+"""The drafter families eagleflow trains, exports, serves and measures: one table, one entry per family.
+
+Modelled on speculators (``@SpeculatorModelConfig.register("dflash")``; its trainer looks the family
+up by ``--speculator-type``) and SGLang (``SpeculativeAlgorithm`` → ``create_worker``): what differs
+between families is owned by one module per stage, and the pipeline asks this table instead of
+branching on a family's name. An entry names those owners as ``"module:attribute"`` strings,
+imported when first used, so reading the table (the Params form, the DAG file) costs no torch:
+
+- ``train``: the family's speculators ``train`` flags (:mod:`eagleflow.drafters.eagle3`, ``.dflash``);
+- ``export``: its SGLang folder (``export_sglang`` of :mod:`eagleflow.export.step` for EAGLE-3,
+  :mod:`eagleflow.export.dflash_drafter` for DFlash);
+- ``serving``: its SGLang serving flags (in the family module);
+- ``reference``: the reference engine's decoder for ``(model, ReferenceEngineConfig)``, SGLang's
+  semantics on CPU (:mod:`eagleflow.engine.reference.speculative`, ``.dflash``).
+
+Adding a family (README: "Adding a drafter family"): one module per stage at most, and one entry here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+DraftAlgorithm = Literal["eagle3", "eagle3.1", "dflash"]
+
+
+@dataclass(frozen=True)
+class DrafterFamily:
+    """One family of drafters and the owners of what differs about it."""
+
+    name: str  # the Param's value (draft_algorithm)
+    speculator_type: str  # speculators train --speculator-type, and the checkpoint's speculators_model_type
+    sglang_algorithm: str  # SGLang --speculative-algorithm
+    block: bool  # one draft pass proposes a whole block (verified as --speculative-num-draft-tokens B)
+    minimum_speculators: str  # the oldest release that trains it
+    default_layers: int  # draft decoder layers when the run leaves them empty (speculators' own default)
+    default_block_size: int | None  # block drafters: tokens per block when left empty (speculators' own default)
+    train: str
+    export: str
+    serving: str
+    reference: str
+
+    def owner(self, stage: Literal["train", "export", "serving", "reference"]) -> Callable[..., Any]:
+        """The function that owns ``stage`` for this family, imported on first use."""
+        module, _, attribute = getattr(self, stage).partition(":")
+        return getattr(importlib.import_module(module), attribute)
+
+
+_EAGLE3 = dict(
+    speculator_type="eagle3", sglang_algorithm="EAGLE3", block=False, minimum_speculators="0.8.1",
+    default_layers=1, default_block_size=None,
+    train="eagleflow.drafters.eagle3:train_flags", export="eagleflow.export.step:export_sglang",
+    serving="eagleflow.drafters.eagle3:serving_flags", reference="eagleflow.engine.reference.speculative:speculative_decoder",
+)
+FAMILIES: dict[str, DrafterFamily] = {
+    "eagle3": DrafterFamily("eagle3", **_EAGLE3),
+    "eagle3.1": DrafterFamily("eagle3.1", **_EAGLE3),
+    "dflash": DrafterFamily(
+        # speculators 0.9.0's DFlash recipe (RFC speculators#979): 5 layers, block 16 (z-lab's drafts use 16 too).
+        "dflash", speculator_type="dflash", sglang_algorithm="DFLASH", block=True, minimum_speculators="0.9.0",
+        default_layers=5, default_block_size=16,
+        train="eagleflow.drafters.dflash:train_flags", export="eagleflow.export.dflash_drafter:export_dflash_sglang",
+        serving="eagleflow.drafters.dflash:serving_flags", reference="eagleflow.engine.reference.dflash:dflash_decoder",
+    ),
+}
+# Families speculators trains and SGLang serves that eagleflow does not (yet) carry end to end, and why:
+# a drafter eagleflow cannot prove SGLang serves as trained is not offered.
+NOT_OFFERED: dict[str, str] = {
+    "dflash2": "DFlash2 adds grouped convolutions and a candidate selector (dflash_config conv_kernel_size, "
+    "conv_group_size, selector_rank, selector_top_k) that SGLang serves on the draft's own tokens while speculators "
+    "trains some of them on the dataset's (its objective is marked experimental); the reference engine does not "
+    "compute them, so train/serve parity cannot be proven. Use dflash",
+    "dspark": "DSpark's Markov and confidence heads (markov_rank, markov_head_type) are trained on the dataset's "
+    "tokens and served on the draft's own, and it proposes from the anchor slot too (verify window γ+1); the "
+    "reference engine does not compute them, so train/serve parity cannot be proven. Use dflash",
+}
+
+
+def family(name: str) -> DrafterFamily:
+    """The family called ``name`` (the Param's value); a family not offered is refused with its reason."""
+    if name in FAMILIES:
+        return FAMILIES[name]
+    if name in NOT_OFFERED:
+        raise ValueError(f"draft algorithm {name!r} is not offered: {NOT_OFFERED[name]}")
+    raise ValueError(f"unknown draft algorithm {name!r}; expected one of {', '.join(FAMILIES)}")
+
+
+def check_family_settings(name: str, block_size: int | None) -> DrafterFamily:
+    """The family ``name``, refusing settings that do not apply to it (a block size for a chain drafter)."""
+    chosen = family(name)
+    if not chosen.block and block_size is not None:
+        raise ValueError(f"block_size {block_size} applies to block drafters; {name} drafts one token per step (ttt_steps)")
+    return chosen
+
+
+def family_of_checkpoint(speculators_model_type: str, fc_norm: bool = False) -> DrafterFamily:
+    """The family of a speculators checkpoint (its config's ``speculators_model_type``)."""
+    if speculators_model_type == "eagle3":
+        return FAMILIES["eagle3.1" if fc_norm else "eagle3"]
+    for entry in FAMILIES.values():
+        if entry.speculator_type == speculators_model_type:
+            return entry
+    if speculators_model_type in NOT_OFFERED:
+        raise ValueError(f"a {speculators_model_type} checkpoint: {NOT_OFFERED[speculators_model_type]}")
+    raise ValueError(f"speculators_model_type {speculators_model_type!r} is not a family eagleflow exports ({', '.join(FAMILIES)})")
+
+
+def family_of_algorithm(sglang_algorithm: str) -> DrafterFamily:
+    """The first family SGLang serves as ``--speculative-algorithm sglang_algorithm``."""
+    for entry in FAMILIES.values():
+        if entry.sglang_algorithm == sglang_algorithm.upper():
+            return entry
+    raise ValueError(f"--speculative-algorithm {sglang_algorithm}: eagleflow serves {sorted({f.sglang_algorithm for f in FAMILIES.values()})}")
