@@ -181,6 +181,49 @@ def random_speculators_checkpoint(
     return out
 
 
+def random_dflash_checkpoint(
+    verifier: Path,
+    out: Path,
+    aux_layer_ids: list[int],
+    block_size: int = 4,
+    num_layers: int = 2,
+    mask_token_id: int = 0,
+    layer_settings: dict[str, Any] | None = None,
+    full_attention_indices: list[int] | None = None,
+    randomize: bool = True,
+) -> Path:
+    """speculators' DFlash block draft for ``verifier`` (full vocabulary), saved as speculators saves one.
+
+    The layer config is the one ``speculators train --speculator-type dflash --draft-arch qwen3``
+    builds (sliding window 2048; ``full_attention_indices``: the layers on full attention, none by
+    default as speculators' CLI); ``layer_settings``: set on it (``num_key_value_heads``,
+    ``rope_parameters``, ``sliding_window``, ``attention_bias``, …) before the model is built.
+    ``randomize``: every saved weight random (a norm left at ones would hide a mix-up); the
+    embedding and head stay the verifier's, as a full-vocabulary draft does not save them.
+    """
+    from speculators.models.dflash import DFlashDraftModel
+    from speculators.train.cli import create_transformer_layer_config
+
+    torch.manual_seed(0)
+    layer = create_transformer_layer_config(
+        verifier_name_or_path=str(verifier), num_layers=num_layers, draft_arch="qwen3", hidden_act=None,
+        sliding_window=2048, full_attention_indices=list(full_attention_indices or []),
+    )
+    for key, value in (layer_settings or {}).items():
+        setattr(layer, key, value)
+    model = DFlashDraftModel.from_training_args(
+        verifier_config=layer, verifier_name_or_path=str(verifier), target_layer_ids=aux_layer_ids,
+        draft_vocab_size=layer.vocab_size, block_size=block_size, mask_token_id=mask_token_id, draft_attn_impl="sdpa",
+    )
+    with torch.no_grad():
+        for name, parameter in model.named_parameters() if randomize else ():
+            if not name.startswith(("embed_tokens", "lm_head", "verifier_")):
+                norm = "norm" in name  # norms around 1, matrices and biases around 0
+                parameter.copy_(torch.randn_like(parameter) * (1.0 if norm else 0.1) + (1.0 if norm else 0.0))
+    model.save_pretrained(out)
+    return out
+
+
 TRAIN_KEYS = {"kind", "step", "epoch", "lr", "loss", "tokens_per_s", "time"}
 VAL_KEYS = {"kind", "step", "epoch", "loss", "time"}
 

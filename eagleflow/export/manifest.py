@@ -19,12 +19,15 @@ EXPORT_MANIFEST = "export.json"
 
 @dataclass(frozen=True)
 class ServedDrafter:
-    """What an engine needs to serve an exported drafter: SGLang's folder, the draft length, the window."""
+    """What an engine needs to serve an exported drafter: SGLang's folder, the draft length, the window,
+    the algorithm (``EAGLE3``, or ``DFLASH`` whose ``block_size`` is verified per round)."""
 
     path: Path
     num_steps: int
     window: int | None = None
     minimum_sglang: str = ".".join(str(n) for n in SINCE["base"])
+    algorithm: str = "EAGLE3"  # manifests written before DFlash say nothing: they are EAGLE-3's
+    block_size: int | None = None
 
     @classmethod
     def from_export(cls, drafter_dir: str | Path, num_steps: int | None = None) -> ServedDrafter:
@@ -40,9 +43,11 @@ class ServedDrafter:
                 raise TypeError(f"'sglang' is a {type(sglang).__name__}, not an object")
             if "path" not in sglang:
                 raise UserError(f"{manifest_path}: the drafter has no SGLang folder: {sglang.get('refused')}")
+            block_size = sglang.get("block_size")
             served = cls(
                 Path(drafter_dir).absolute() / sglang["path"], int(num_steps or sglang["num_steps"]),
-                sglang.get("draft_window_size"), str(sglang["minimum_sglang"]),
+                sglang.get("draft_window_size"), str(sglang["minimum_sglang"]), str(sglang.get("algorithm", "EAGLE3")),
+                int(block_size) if block_size is not None else None,
             )
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise UserError(f"{manifest_path}: no export to serve ({excerpt(exc)}); run eagleflow export first") from exc

@@ -1,8 +1,9 @@
 """Does SGLang rotate the draft's queries and keys as training did? The export's rotary check.
 
-speculators' Llama draft layer takes its rotary embedding from transformers'
-``LlamaRotaryEmbedding`` on the checkpoint's layer config (frequencies and a cos/sin scale,
-``attention_scaling``), rotates whole heads, neox style. SGLang computes its own from the exported
+speculators' Llama draft layer (EAGLE-3) takes its rotary embedding from transformers'
+``LlamaRotaryEmbedding`` on the checkpoint's layer config, its Qwen3 DFlash layers from
+``Qwen3RotaryEmbedding`` (frequencies and a cos/sin scale, ``attention_scaling``); both rotate
+whole heads, neox style. SGLang computes its own from the exported
 config (:func:`eagleflow.sglang_rules.rope.sglang_rotary`, which the reference drafter runs
 too). The two are compared number by number; any difference (a rope type SGLang computes
 otherwise, a key one side ignores, a partial rotary) refuses the SGLang folder by name.
@@ -16,28 +17,33 @@ from typing import Any
 from eagleflow.export.sglang_drafter import NotServable
 
 
-def trained_rotary(layer: Mapping[str, Any]) -> tuple[Any, float, int]:
-    """``(inv_freq, attention_scaling, head_dim)`` of transformers' ``LlamaRotaryEmbedding`` for ``layer``."""
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+def trained_rotary(layer: Mapping[str, Any], config_class: Any = None, rotary_class: Any = None) -> tuple[Any, float, int]:
+    """``(inv_freq, attention_scaling, head_dim)`` of transformers' ``rotary_class`` built on ``config_class(**layer)``
+    (``LlamaRotaryEmbedding`` on a ``LlamaConfig`` unless given: the EAGLE-3 draft layer's)."""
+    if config_class is None or rotary_class is None:
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    config = LlamaConfig(**{k: v for k, v in layer.items() if k not in ("architectures", "model_type")})
-    rotary = LlamaRotaryEmbedding(config)
+        config_class, rotary_class = config_class or LlamaConfig, rotary_class or LlamaRotaryEmbedding
+    config = config_class(**{k: v for k, v in layer.items() if k not in ("architectures", "model_type")})
+    rotary = rotary_class(config)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     return rotary.inv_freq.float(), float(rotary.attention_scaling), head_dim
 
 
-def check_rotary(layer: Mapping[str, Any], exported: Mapping[str, Any]) -> None:
-    """Refuse (:class:`NotServable`) when SGLang's rotary for ``exported`` differs from the trained one of ``layer``."""
+def check_rotary(layer: Mapping[str, Any], exported: Mapping[str, Any], config_class: Any = None, rotary_class: Any = None) -> None:
+    """Refuse (:class:`NotServable`) when SGLang's rotary for ``exported`` differs from the trained one of ``layer``
+    (``config_class`` and ``rotary_class``: the trained layer's, as for :func:`trained_rotary`)."""
     import torch
 
     from eagleflow.sglang_rules import UnsupportedRope, sglang_rotary
 
     settings = exported.get("rope_parameters")
+    trainer = getattr(rotary_class, "__name__", "LlamaRotaryEmbedding")
     try:
-        inv_freq, scale, head_dim = trained_rotary(layer)
+        inv_freq, scale, head_dim = trained_rotary(layer, config_class, rotary_class)
     except (KeyError, ValueError, TypeError) as exc:
-        raise NotServable(f"rotary settings {settings} are not ones transformers' Llama layer trains with ({exc})") from exc
+        raise NotServable(f"rotary settings {settings} are not ones transformers' {trainer} trains with ({exc})") from exc
     try:
         served = sglang_rotary(exported, head_dim)
     except UnsupportedRope as exc:

@@ -3,8 +3,10 @@
 ``python -m eagleflow export --train-dir RUN/train --verifier MODEL --out RUN/drafter``
 
 - ``OUT/sglang/``: what ``--speculative-algorithm EAGLE3 --speculative-draft-model-path`` loads
-  (:mod:`eagleflow.export.sglang_drafter`): SGLang's ``config.json`` and the weights under the
-  names its ``load_weights`` maps;
+  (:mod:`eagleflow.export.sglang_drafter`), or ``DFLASH``'s for a DFlash checkpoint
+  (:mod:`eagleflow.export.dflash_drafter`; the family is the checkpoint's ``speculators_model_type``,
+  looked up in :mod:`eagleflow.drafters`): SGLang's ``config.json`` and the weights under the names
+  its ``load_weights`` maps;
 - ``OUT/speculators/``: the checkpoint's own format (config and weights, no optimizer state),
   which vLLM loads natively;
 - ``OUT/export.json``: what was exported from where, the aux ids SGLang will capture, the draft
@@ -27,6 +29,7 @@ import argparse
 import errno
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,11 +95,19 @@ class Checkpoint:
         return self.folder / "config.json"
 
 
-# What the export reads from a checkpoint's config.json, and what it says when one is missing.
-REQUIRED_CONFIG_KEYS = {
+# What the export reads from a checkpoint's config.json, per family (speculators_model_type), and what it
+# says when one is missing; a family eagleflow does not export needs only what every checkpoint has.
+COMMON_CONFIG_KEYS = {
     "transformer_layer_config": "the draft layer's config",
     "draft_vocab_size": "the draft vocabulary size",
-    "eagle_aux_hidden_state_layer_ids": "the verifier layers the drafter reads",
+}
+REQUIRED_CONFIG_KEYS: dict[str, dict[str, str]] = {
+    "eagle3": {**COMMON_CONFIG_KEYS, "eagle_aux_hidden_state_layer_ids": "the verifier layers the drafter reads"},
+    "dflash": {
+        **COMMON_CONFIG_KEYS,
+        "aux_hidden_state_layer_ids": "the verifier layers the drafter reads",
+        "block_size": "the tokens of one draft block",
+    },
 }
 
 
@@ -116,7 +127,8 @@ def read_checkpoint(folder: Path) -> Checkpoint:
         raise UserError(f"{config_path}: not readable JSON ({excerpt(exc)}); {damaged}") from exc
     if not isinstance(config, dict):
         raise UserError(f"{config_path}: expected a JSON object, got {type(config).__name__}; {damaged}")
-    for key, what in REQUIRED_CONFIG_KEYS.items():
+    kind = config.get("speculators_model_type", "eagle3")
+    for key, what in REQUIRED_CONFIG_KEYS.get(kind, COMMON_CONFIG_KEYS).items():
         if key not in config:
             raise UserError(f"{config_path}: no {key} ({what}); {damaged}")
     layer = config["transformer_layer_config"]
@@ -168,6 +180,7 @@ def export_sglang(checkpoint: Checkpoint | Path, verifier: Path, target: Path) -
     sglang_ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     return {
         "path": target.name,
+        "algorithm": "EAGLE3",
         "target_architecture": architecture,
         "eagle_aux_hidden_state_layer_ids": sglang_ids,
         "captures_layers": captured_layer_ids(sglang_ids, architecture),
@@ -204,6 +217,20 @@ def check_written(folder: Path) -> None:
         fsync_path(sub)
 
 
+def export_family(checkpoint: Checkpoint) -> Callable[[Checkpoint, Path, Path], dict[str, Any]]:
+    """The SGLang export of the checkpoint's family (:mod:`eagleflow.drafters`, by ``speculators_model_type``):
+    :func:`export_sglang` for EAGLE-3, :func:`eagleflow.export.dflash_drafter.export_dflash_sglang` for DFlash.
+
+    :raises NotServable: a family eagleflow does not export (its reason).
+    """
+    from eagleflow.drafters import family_of_checkpoint
+
+    try:
+        return family_of_checkpoint(str(checkpoint.config.get("speculators_model_type", "eagle3"))).owner("export")
+    except ValueError as exc:
+        raise NotServable(str(exc)) from exc
+
+
 def build_drafter(checkpoint: Checkpoint, cfg: ExportConfig, folder: Path) -> dict[str, Any]:
     """Write ``speculators/``, ``sglang/`` (when servable) and ``export.json`` into ``folder``; return the manifest.
 
@@ -213,7 +240,7 @@ def build_drafter(checkpoint: Checkpoint, cfg: ExportConfig, folder: Path) -> di
     export_speculators(checkpoint, folder / "speculators")
     manifest["speculators"] = {"path": "speculators"}
     try:
-        manifest["sglang"] = export_sglang(checkpoint, cfg.verifier.absolute(), folder / "sglang")
+        manifest["sglang"] = export_family(checkpoint)(checkpoint, cfg.verifier.absolute(), folder / "sglang")
     except NotServable as exc:
         shutil.rmtree(folder / "sglang", ignore_errors=True)
         if cfg.serve_with == "sglang":
@@ -241,7 +268,8 @@ def export(cfg: ExportConfig) -> dict[str, Any]:
     print(
         f"export: {checkpoint.folder} -> {out}/speculators (vLLM)"
         + (
-            f" and {out}/sglang (SGLang; aux ids {sglang['eagle_aux_hidden_state_layer_ids']} capture the input of "
+            f" and {out}/sglang (SGLang {sglang.get('algorithm', 'EAGLE3')}; aux ids "
+            f"{sglang.get('eagle_aux_hidden_state_layer_ids', sglang.get('target_layer_ids'))} capture the input of "
             f"layers {sglang['captures_layers']} of the {sglang['target_architecture']} target)"
             if "path" in sglang
             else f"; no SGLang folder: {sglang['refused']}"
