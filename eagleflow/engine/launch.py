@@ -145,8 +145,9 @@ def serving_engine_command(
     topk: int = 1,
     num_draft_tokens: int | None = None,
 ) -> tuple[list[str], dict[str, str]]:
-    """argv and environment of an engine that serves ``model`` (with ``drafter``'s EAGLE-3 decoding if given:
-    a chain, or a tree of ``num_draft_tokens`` with ``topk`` > 1).
+    """argv and environment of an engine that serves ``model`` (with ``drafter``'s decoding if given: an EAGLE-3
+    chain, or a tree of ``num_draft_tokens`` with ``topk`` > 1; a DFlash block of ``num_draft_tokens``, default
+    the trained block size).
 
     The reference engine takes SGLang's speculative flags under the same names, so both
     engines measure the same thing.
@@ -156,13 +157,14 @@ def serving_engine_command(
 
         served = ReferenceEngineConfig(model=model.absolute(), host="127.0.0.1", port=port)
         if drafter is not None:
+            block = drafter.algorithm == "DFLASH"
             served = served.model_copy(
                 update={
-                    "speculative_algorithm": "EAGLE3",
+                    "speculative_algorithm": drafter.algorithm,
                     "speculative_draft_model_path": drafter.path,
-                    "speculative_num_steps": drafter.num_steps,
-                    "speculative_eagle_topk": topk,
-                    "speculative_num_draft_tokens": num_draft_tokens or drafter.num_steps + 1,
+                    "speculative_num_steps": 1 if block else drafter.num_steps,
+                    "speculative_eagle_topk": 1 if block else topk,
+                    "speculative_num_draft_tokens": num_draft_tokens or (drafter.block_size if block else drafter.num_steps + 1),
                     "speculative_draft_window_size": drafter.window,
                 }
             )

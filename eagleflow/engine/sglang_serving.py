@@ -2,10 +2,11 @@
 
 Unlike the capture server (:mod:`eagleflow.engine.sglang_command`) it runs as SGLang is meant
 to run — prefix cache, chunked prefill and CUDA graphs on, no hook — with SGLang's EAGLE-3
-flags (``server_args``; the source test checks each name in the wheels):
-``--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR --speculative-num-steps N
---speculative-eagle-topk 1 --speculative-num-draft-tokens N+1`` and, for a drafter trained with
-sliding-window attention, ``--speculative-draft-window-size W``. The seed's tuning stays
+flags (``server_args``; the source test checks each name in the wheels), as the drafter's family gives
+them (:mod:`eagleflow.drafters`): ``--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR
+--speculative-num-steps N --speculative-eagle-topk 1 --speculative-num-draft-tokens N+1`` (and, for a
+drafter trained with sliding-window attention, ``--speculative-draft-window-size W``), or
+``--speculative-algorithm DFLASH --speculative-draft-model-path DIR --speculative-num-draft-tokens B``. The seed's tuning stays
 (triton attention, NCCL ring/LL); flashinfer is refused on SM120 as for capture.
 """
 
@@ -30,18 +31,15 @@ from sglang_patch.hook_spec import parse_version
 
 
 def speculative_flags(drafter: ServedDrafter, topk: int = 1, num_draft_tokens: int | None = None) -> list[str]:
-    """SGLang's flags for ``drafter.num_steps`` EAGLE-3 draft steps: a chain (topk 1, steps + 1 verified
-    tokens) unless ``topk`` and ``num_draft_tokens`` ask for a tree."""
-    flags = [
-        "--speculative-algorithm", "EAGLE3",
-        "--speculative-draft-model-path", str(drafter.path),
-        "--speculative-num-steps", str(drafter.num_steps),
-        "--speculative-eagle-topk", str(topk),
-        "--speculative-num-draft-tokens", str(num_draft_tokens or drafter.num_steps + 1),
-    ]
-    if drafter.window is not None:
-        flags += ["--speculative-draft-window-size", str(drafter.window)]
-    return flags
+    """SGLang's flags serving ``drafter``, as its family says (:mod:`eagleflow.drafters`): an EAGLE-3 chain of
+    ``drafter.num_steps`` (topk 1, steps + 1 verified tokens) unless ``topk`` and ``num_draft_tokens`` ask for a
+    tree; a DFlash block of ``num_draft_tokens`` (default: the trained block size)."""
+    from eagleflow.drafters import family_of_algorithm
+
+    serving = family_of_algorithm(drafter.algorithm).owner("serving")
+    if drafter.algorithm == "DFLASH":
+        return serving(str(drafter.path), 1, 1, num_draft_tokens or drafter.block_size)
+    return serving(str(drafter.path), drafter.num_steps, topk, num_draft_tokens, drafter.window)
 
 
 # Flags build_serving_command sets itself (an extra argument repeating one would silently win, as
@@ -56,6 +54,7 @@ SERVING_OWNED: dict[str, str] = {
     **{flag: "the exported drafter (export.json); the baseline runs without one" for flag in (
         "--speculative-algorithm", "--speculative-draft-model-path", "--speculative-num-steps",
         "--speculative-eagle-topk", "--speculative-num-draft-tokens", "--speculative-draft-window-size",
+        "--speculative-dflash-block-size",
     )},
 }
 

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 
 from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype
-from eagleflow.sglang_rules import check_tree_flags
+from eagleflow.sglang_rules import check_block_flags, check_tree_flags
 
 
 class ReferenceEngineConfig(BaseModel):
@@ -44,13 +44,15 @@ class ReferenceEngineConfig(BaseModel):
     )
     trust_remote_code: bool = Field(False, description="allow the model folder's own modelling code (Kimi-K2.5 needs it)")
     # SGLang's speculative decoding flags (server_args), with the same names and meaning.
-    speculative_algorithm: Literal["EAGLE3"] | None = Field(
-        None, description="EAGLE3: decode with the drafter of --speculative-draft-model-path (greedy requests only)"
+    speculative_algorithm: Literal["EAGLE3", "DFLASH"] | None = Field(
+        None,
+        description="decode with the drafter of --speculative-draft-model-path (greedy requests only): EAGLE3 drafts a chain "
+        "or tree of one-token steps, DFLASH a block of --speculative-num-draft-tokens in one pass",
     )
     speculative_draft_model_path: Path | None = Field(
         None, description="the drafter folder eagleflow export wrote for SGLang (drafter/sglang)"
     )
-    speculative_num_steps: int = Field(3, ge=1, description="draft tokens proposed per verification")
+    speculative_num_steps: int = Field(3, ge=1, description="EAGLE3: draft steps per verification (DFLASH: 1)")
     speculative_eagle_topk: int = Field(
         1, ge=1, description="candidates kept per draft step: 1 drafts a chain, K > 1 a tree of the best-scoring branches"
     )
@@ -58,6 +60,9 @@ class ReferenceEngineConfig(BaseModel):
         None, ge=2,
         description="tokens verified per round (the last accepted one and the drafts): --speculative-num-steps + 1 for a "
         "chain (default); with --speculative-eagle-topk K > 1 the best M - 1 of the tree's K + (steps - 1) * K^2 candidates",
+    )
+    speculative_dflash_block_size: int | None = Field(
+        None, ge=2, description="DFLASH: the block size; an alias of --speculative-num-draft-tokens, which it must equal"
     )
     speculative_draft_window_size: int | None = Field(
         None, ge=1, description="sliding window of the draft's attention (the drafter's, from the export)"
@@ -73,6 +78,17 @@ class ReferenceEngineConfig(BaseModel):
         if (self.dump_dir is None) != (self.aux_layers is None):
             raise ValueError("--dump-dir and --aux-layers go together: capture needs both")
         if self.speculative_algorithm and self.speculative_draft_model_path is None:
-            raise ValueError("--speculative-algorithm EAGLE3 needs --speculative-draft-model-path")
+            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} needs --speculative-draft-model-path")
+        if self.speculative_algorithm == "DFLASH":
+            block = self.speculative_num_draft_tokens or self.speculative_dflash_block_size
+            if self.speculative_dflash_block_size not in (None, block):
+                raise ValueError("--speculative-dflash-block-size must equal --speculative-num-draft-tokens (SGLang's rule)")
+            given = self.model_fields_set  # SGLang forces steps and topk to 1; a different value given would be misread
+            if block is not None:
+                check_block_flags(
+                    block, self.speculative_num_steps if "speculative_num_steps" in given else None,
+                    self.speculative_eagle_topk if "speculative_eagle_topk" in given else None,
+                )
+            return self
         check_tree_flags(self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens)
         return self

@@ -97,9 +97,9 @@ class ReferenceEngine:
             else None
         )
         if config.speculative_algorithm:
-            from eagleflow.engine.reference.speculative import speculative_decoder
+            from eagleflow.drafters import family_of_algorithm  # the family's decoding, SGLang's semantics
 
-            self.speculative: Any = speculative_decoder(model, config)
+            self.speculative: Any = family_of_algorithm(config.speculative_algorithm).owner("reference")(model, config)
         else:
             self.speculative = None
         self.ready = threading.Event()

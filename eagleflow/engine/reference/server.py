@@ -156,8 +156,9 @@ def serve(config: ReferenceEngineConfig) -> int:
             else "no capture; "
         )
         + (
-            f"EAGLE3 drafter {config.speculative_draft_model_path}, {config.speculative_num_steps} steps of topk "
-            f"{config.speculative_eagle_topk}, {engine.speculative.draft_tokens_per_round} draft tokens verified per round; "
+            f"{config.speculative_algorithm} drafter {config.speculative_draft_model_path}"
+            + (f", {config.speculative_num_steps} steps of topk {config.speculative_eagle_topk}" if config.speculative_algorithm == "EAGLE3" else "")
+            + f", {engine.speculative.draft_tokens_per_round} draft tokens verified per round; "
             if engine.speculative is not None
             else ""
         )
