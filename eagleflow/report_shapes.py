@@ -46,9 +46,14 @@ class _AcceptLength(_Shape):
 
 
 class _OfflineEstimate(_Shape):
+    """An EAGLE-3 drafter's: 1 + Σ ``full_acc``; a block drafter's (``method: "eal"``): its ``eal``,
+    with the accuracy per block slot in ``position_acc``."""
+
     accept_length: Number | None = None
     source: str | None = Field(None, alias="from")
+    method: str | None = None
     full_acc: list[Number] = []
+    position_acc: list[Number] = []
 
 
 class _Spread(_Shape):

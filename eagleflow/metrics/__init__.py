@@ -3,7 +3,8 @@
 - :mod:`~eagleflow.metrics.records`: what one ``metrics.jsonl`` record is, and its line reader;
 - :mod:`~eagleflow.metrics.reader`: any metrics file -> one DataFrame, and the latest numbers;
 - :mod:`~eagleflow.metrics.text_forms`: speculators' Rich and raw-repr log output -> records;
-- :mod:`~eagleflow.metrics.plot`: loss and accuracy charts (``python -m eagleflow plot``).
+- :mod:`~eagleflow.metrics.plot`: loss and accuracy charts (``python -m eagleflow plot``); a block
+  drafter's, with its expected accept length, by :mod:`~eagleflow.metrics.block_plot`.
 """
 
 from eagleflow import lazy_exports
@@ -12,6 +13,6 @@ __all__, __getattr__ = lazy_exports(
     __name__,
     {
         "reader": ["latest_metrics", "read_metrics", "ttt_steps"],
-        "records": ["format_record", "read_records", "train_record", "val_record"],
+        "records": ["block_positions_of", "format_record", "is_block", "read_records", "train_record", "val_record"],
     },
 )

@@ -1,14 +1,19 @@
 """Step ``plot``: loss and accuracy charts (PNG + SVG) from training metrics.
 
 ``python -m eagleflow plot --metrics <run>/train/metrics.jsonl --out <run>/train-progress``
-writes ``loss.{png,svg}`` and ``acc.{png,svg}`` and prints ``{"png": [...], "svg": [...]}``
-as its result line (the XCom payload of DESIGN.md §3.5). Any of the three metric forms of
-:mod:`eagleflow.metrics` is accepted, and a log that is still being written is fine: the
-charts show the run so far. Every file is published atomically, so a page showing the
-charts never reads half a PNG, and a re-run simply replaces them.
+writes ``loss.{png,svg}`` and ``acc.{png,svg}`` (a block drafter's: ``loss``, ``eal`` and
+``acc``) and prints ``{"png": [...], "svg": [...]}`` as its result line (the XCom payload of
+DESIGN.md §3.5). Any of the three metric forms of :mod:`eagleflow.metrics` is accepted, and a
+log that is still being written is fine: the charts show the run so far. Every file is
+published atomically, so a page showing the charts never reads half a PNG, and a re-run simply
+replaces them (and removes a chart of the other drafter kind left in the folder).
 
-Per TTT step each chart shows the raw training curve (faint), a smoothed line over it and the
-validation value of each epoch as a marker; epochs are marked along the x axis.
+Every curve is the raw training curve (faint), a smoothed line over it and the validation value
+of each epoch as a marker; epochs are marked along the x axis. An EAGLE-3 drafter's charts have
+a curve per TTT step: its loss, and its full and conditional accuracy (a panel per step). A block
+drafter's (DFlash, :mod:`eagleflow.metrics.records`): the loss and each loss term; the expected
+accept length ``eal``; the accuracy of each block slot and of all slots together (``full_acc``),
+drawn by :mod:`eagleflow.metrics.block_plot` with the parts here.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from pydantic import BaseModel, Field
 from eagleflow.config import add_model_arguments, model_from_args
 from eagleflow.errors import UserError
 from eagleflow.files import atomic_path
-from eagleflow.metrics.reader import read_metrics, ttt_steps
+from eagleflow.metrics.reader import block_positions, drafter_of, read_metrics, ttt_steps
 from eagleflow.results import emit_result
 
 if TYPE_CHECKING:
@@ -32,7 +37,8 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-CHARTS = ("loss", "acc")
+CHARTS = ("loss", "acc")  # an EAGLE-3 drafter's
+BLOCK_CHARTS = ("loss", "eal", "acc")  # a block drafter's
 FORMATS = ("png", "svg")
 # A chart is ~1100 pixels wide: a raw curve longer than this many bins is drawn as the
 # min/max of each bin (looks identical, and 30K points would make a slow multi-MB SVG), and a
@@ -48,7 +54,9 @@ class PlotConfig(BaseModel):
     """Flags of ``python -m eagleflow plot``."""
 
     metrics: Path = Field(description="metrics file: metrics.jsonl, or a log with speculators' Rich or raw-dict output")
-    out: Path = Field(description="folder for loss.{png,svg} and acc.{png,svg} (created if missing)")
+    out: Path = Field(
+        description="folder for loss.{png,svg} and acc.{png,svg}, and a block drafter's eal.{png,svg} (created if missing)"
+    )
     form: Literal["auto", "jsonl", "rich", "repr"] = Field(
         "auto", description="form of the metrics file; auto detects it"
     )
@@ -74,21 +82,26 @@ def run(cfg: PlotConfig) -> dict[str, list[str]]:
     frame = read_metrics(cfg.metrics, form=cfg.form)
     if not len(frame):
         raise UserError(f"{cfg.metrics} holds no training or validation records yet")
-    steps = ttt_steps(frame)
-    if not steps:
-        raise UserError(f"{cfg.metrics} has records but no per-TTT-step metrics (loss_0, full_acc_0, …)")
+    drafter = drafter_of(frame)
+    if drafter is None:
+        raise UserError(
+            f"{cfg.metrics} has records but no per-TTT-step metrics (loss_0, full_acc_0, …) "
+            "nor a block drafter's (eal, position_1_acc, …)"
+        )
     written = plot_metrics(frame, cfg.out, smooth=cfg.smooth)
     train = frame[frame["kind"] == "train"]
+    what = f"TTT steps {ttt_steps(frame)}" if drafter == "eagle3" else f"block drafter, slots {block_positions(frame)}"
     print(
         f"plot: {len(train)} training and {len(frame) - len(train)} validation records, "
-        f"TTT steps {steps}, charts in {cfg.out} ({time.monotonic() - started:.1f}s)",
+        f"{what}, charts in {cfg.out} ({time.monotonic() - started:.1f}s)",
         flush=True,
     )
     return written
 
 
 def plot_metrics(frame: pd.DataFrame, out_dir: str | Path, smooth: int = 0) -> dict[str, list[str]]:
-    """Write ``loss`` and ``acc`` charts of ``frame`` as PNG and SVG into ``out_dir``, atomically."""
+    """Write the charts of ``frame`` as PNG and SVG into ``out_dir``, atomically: ``loss`` and
+    ``acc``, and for a block drafter ``eal`` too (:data:`CHARTS`, :data:`BLOCK_CHARTS`)."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)  # no display here, and never a GUI backend in a worker
@@ -96,7 +109,18 @@ def plot_metrics(frame: pd.DataFrame, out_dir: str | Path, smooth: int = 0) -> d
 
     out_dir = Path(out_dir)
     written: dict[str, list[str]] = {fmt: [] for fmt in FORMATS}
-    for name, build in (("loss", loss_figure), ("acc", accuracy_figure)):
+    if drafter_of(frame) == "block":
+        from eagleflow.metrics.block_plot import block_accuracy_figure, block_loss_figure, eal_figure
+
+        builders = (("loss", block_loss_figure), ("eal", eal_figure), ("acc", block_accuracy_figure))
+    else:
+        builders = (("loss", loss_figure), ("acc", accuracy_figure))
+    drawn = {name for name, _ in builders}
+    for name in (*CHARTS, *BLOCK_CHARTS):
+        if name not in drawn:  # the other drafter kind's chart, from an earlier run into this folder
+            for fmt in FORMATS:
+                (out_dir / f"{name}.{fmt}").unlink(missing_ok=True)
+    for name, build in builders:
         figure = build(frame, smooth=smooth)
         try:
             for fmt in FORMATS:
@@ -150,7 +174,7 @@ def _mark_epochs(ax: Axes, starts: list[tuple[float, int]], label_axis: bool) ->
         top.tick_params(axis="x", labelsize=8, length=3, colors="0.3")
 
 
-def _title(fig: Figure, what: str, frame: pd.DataFrame, window: int, explain: str = "") -> None:
+def _title(fig: Figure, what: str, frame: pd.DataFrame, window: int, explain: str = "", who: str = "EAGLE-3 drafter") -> None:
     """Bold title, then one grey line: how far training is and how to read the lines."""
     train = frame[frame["kind"] == "train"]
     val = frame[frame["kind"] == "val"]
@@ -162,7 +186,7 @@ def _title(fig: Figure, what: str, frame: pd.DataFrame, window: int, explain: st
             parts.append(f"epoch {int(last['epoch'])}")
     parts.append(f"{len(val)} validation epoch{'s' if len(val) != 1 else ''}")
     parts.append("faint: every logged step" + (f", bold: centred mean over {window} steps" if window > 1 else ""))
-    fig.suptitle(f"EAGLE-3 drafter: {what}", fontsize=13, fontweight="bold")
+    fig.suptitle(f"{who}: {what}", fontsize=13, fontweight="bold")
     subtitle = " · ".join(parts) + (f"\n{explain}" if explain else "")
     fig.text(0.5, 0.94 if not explain else 0.925, subtitle, ha="center", va="center", fontsize=9, color="0.35")
 

@@ -6,7 +6,9 @@ own ``rich`` and ``repr`` log output (:mod:`eagleflow.metrics.text_forms`).
 
 Normalised columns: ``kind``, ``step``, ``epoch``, ``time``, ``lr``, ``loss``, then per TTT
 step k ``loss_k``, ``full_acc_k``, ``cond_acc_k`` (and any other metric speculators logs,
-such as ``kl_div_k``), then the rest (``tokens_per_s``, profile timings, ``lr_<optimizer>``).
+such as ``kl_div_k``); a block drafter's ``eal``, ``full_acc``, ``position_k_acc`` (k ascending)
+and its loss terms ``<term>_loss``; then the rest (``tokens_per_s``, profile timings,
+``lr_<optimizer>``).
 
 The last line of a file may be half-written while training runs: it is skipped. Any other
 line that looks like a record but does not parse is an error naming the line.
@@ -22,7 +24,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from eagleflow.errors import UserError
-from eagleflow.metrics.records import KINDS, STEP_METRICS, iter_jsonl, ttt_steps_of
+from eagleflow.metrics.records import (
+    BLOCK_METRICS,
+    KINDS,
+    STEP_METRICS,
+    block_positions_of,
+    iter_jsonl,
+    loss_terms_of,
+    ttt_steps_of,
+)
 from eagleflow.metrics.text_forms import looks_like_repr, looks_like_rich, repr_records, rich_records
 
 if TYPE_CHECKING:
@@ -30,7 +40,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FORMS",
+    "block_positions",
     "detect_form",
+    "drafter_of",
     "latest_metrics",
     "parse_jsonl",
     "parse_metrics",
@@ -112,11 +124,15 @@ def parse_repr_log(text: str, source: str = "<text>") -> pd.DataFrame:
 
 
 def _column_order(columns: Iterable[str]) -> list[str]:
-    """BASE_COLUMNS, then per TTT step (loss, full_acc, cond_acc, others), then the rest sorted."""
+    """BASE_COLUMNS, then per TTT step (loss, full_acc, cond_acc, others), then a block drafter's
+    (eal, full_acc, position_k_acc by k, loss terms), then the rest sorted."""
+    columns = list(columns)
     per_step: dict[int, list[str]] = {}
+    block = [name for name in BLOCK_METRICS if name in columns]
+    block += [f"position_{k}_acc" for k in block_positions_of(columns)] + sorted(loss_terms_of(columns))
     rest: list[str] = []
     for column in columns:
-        if column in BASE_COLUMNS:
+        if column in BASE_COLUMNS or column in block:
             continue
         match = _TTT_COLUMN.match(column)
         if match and not column.startswith("lr_"):
@@ -131,7 +147,7 @@ def _column_order(columns: Iterable[str]) -> list[str]:
     ordered = list(BASE_COLUMNS)
     for k in sorted(per_step):
         ordered += sorted(per_step[k], key=metric_rank)
-    return ordered + sorted(rest)
+    return ordered + block + sorted(rest)
 
 
 def records_to_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
@@ -158,6 +174,19 @@ def ttt_steps(frame: pd.DataFrame) -> list[int]:
     return [k for k in ttt_steps_of(frame.columns) if frame[f"loss_{k}"].notna().any()]
 
 
+def block_positions(frame: pd.DataFrame) -> list[int]:
+    """A block drafter's slots present in ``frame`` (its ``position_k_acc`` columns with data), ascending."""
+    return [k for k in block_positions_of(frame.columns) if frame[f"position_{k}_acc"].notna().any()]
+
+
+def drafter_of(frame: pd.DataFrame) -> str | None:
+    """``"block"`` for a block drafter's metrics (``eal`` or ``position_k_acc`` with data), ``"eagle3"``
+    for per-TTT-step ones (``loss_k``), None when neither is there yet."""
+    if block_positions(frame) or ("eal" in frame.columns and frame["eal"].notna().any()):
+        return "block"
+    return "eagle3" if ttt_steps(frame) else None
+
+
 def _clean(value: Any) -> Any:
     """NaN/inf -> None and numpy scalars -> Python numbers, so the result is plain JSON."""
     if value is None:
@@ -175,11 +204,17 @@ def _clean(value: Any) -> Any:
 def latest_metrics(frame: pd.DataFrame) -> dict[str, Any]:
     """The newest training and validation numbers, as plain JSON for the UI.
 
-    Returns ``{"records": n, "train": {step, epoch, lr, loss, tokens_per_s, time} | None,
-    "val": {step, epoch, loss} | None, "ttt": [{"ttt_step": k, "train_loss",
-    "train_full_acc", "train_cond_acc", "val_loss", "val_full_acc", "val_cond_acc"}, …]}``.
+    Returns ``{"records": n, "drafter": "eagle3" | "block" | None, "train": {step, epoch, lr,
+    loss, tokens_per_s, time} | None, "val": {step, epoch, loss} | None, "ttt": [{"ttt_step": k,
+    "train_loss", "train_full_acc", "train_cond_acc", "val_loss", "val_full_acc", "val_cond_acc"},
+    …], "positions": []}`` (:func:`drafter_of` says which drafter). A block drafter's has no
+    ``ttt`` rows; its ``train`` and ``val`` also hold ``eal`` and ``full_acc`` (and each loss
+    term), and ``positions`` is ``[{"position": k, "train_acc", "val_acc"}, …]`` per block slot.
     """
-    result: dict[str, Any] = {"records": int(len(frame)), "train": None, "val": None, "ttt": []}
+    drafter = drafter_of(frame)
+    result: dict[str, Any] = {"records": int(len(frame)), "drafter": drafter, "train": None, "val": None, "ttt": [],
+                              "positions": []}
+    block_keys = (*BLOCK_METRICS, *sorted(loss_terms_of(frame.columns))) if drafter == "block" else ()
     rows: dict[str, Any] = {}
     for kind in KINDS:
         subset = frame[frame["kind"] == kind] if len(frame) else frame
@@ -187,6 +222,7 @@ def latest_metrics(frame: pd.DataFrame) -> dict[str, Any]:
             row = subset.iloc[-1]
             rows[kind] = row
             keys = ("step", "epoch", "lr", "loss", "tokens_per_s", "time") if kind == "train" else ("step", "epoch", "loss")
+            keys += block_keys
             values = {key: _clean(row.get(key)) for key in keys}
             for key in ("step", "epoch"):  # counters: ints in the JSON
                 if isinstance(values[key], float):
@@ -199,4 +235,10 @@ def latest_metrics(frame: pd.DataFrame) -> dict[str, Any]:
                 row = rows.get(kind)
                 entry[f"{kind}_{metric}"] = _clean(row.get(f"{metric}_{k}")) if row is not None else None
         result["ttt"].append(entry)
+    for k in block_positions(frame) if drafter == "block" else ():
+        slot: dict[str, Any] = {"position": k}
+        for kind in KINDS:
+            row = rows.get(kind)
+            slot[f"{kind}_acc"] = _clean(row.get(f"position_{k}_acc")) if row is not None else None
+        result["positions"].append(slot)
     return result

@@ -13,6 +13,32 @@ both with ``extra={"step": s}``. Each becomes one line of ``metrics.jsonl``::
                                         data since the previous logged step)
     {"kind": "val", "step", "epoch", "loss", "loss_0", "full_acc_0", "cond_acc_0", …, "time"}
 
+That is an EAGLE-3 drafter's record: per TTT step k, ``loss_k``, ``full_acc_k`` (share of
+positions whose k-th draft token is right) and ``cond_acc_k`` (the same, counting only positions
+where the earlier steps were right).
+
+A block drafter (DFlash: ``--speculator-type dflash``) drafts a block of B tokens in one pass;
+its dicts carry, once speculators reduced each ``<name>_sum / <name>_total`` into ``<name>``::
+
+    {"train": {"loss": …, "ce_loss": …, "kl_div_loss": …, "full_acc": …, "position_1_acc": …, …,
+     "position_3_acc": …, "eal": …, "error_records": …}, "profile": {…}, "epoch", "lr", "global_step"}
+    {"val": {"loss_epoch": …, "ce_loss_epoch": …, …, "eal_epoch": …}, "epoch": e}
+
+and become (:func:`is_block`: the dict has ``eal`` or a ``position_k_acc``)::
+
+    {"kind": "train", "step", "epoch", "lr", "loss", "<term>_loss", …, "eal", "full_acc",
+     "position_1_acc", …, "position_{B-1}_acc", "tokens_per_s", "time"}   (+ "data_wait_s" online)
+    {"kind": "val", "step", "epoch", "loss", "<term>_loss", …, "eal", "full_acc",
+     "position_1_acc", …, "position_{B-1}_acc", "time"}
+
+- ``loss``: the weighted sum of the loss terms; ``<term>_loss`` (``ce_loss``, ``kl_div_loss``, …):
+  each term unweighted, in speculators' order, present only when the loss has more than one term;
+- ``eal``: expected accept length, speculators' headline metric: per block, the leading run of
+  right draft slots plus the verifier's bonus token, averaged over blocks (1 … B);
+- ``full_acc``: share of the block's draft slots that are right, all slots together;
+- ``position_k_acc``: share right at block slot k, k ascending (1 … B-1: slot 0 is the anchor,
+  the verifier's own token; a drafter trained with ``--sample-from-anchor`` also has slot 0).
+
 Written by the training step's recorder (:mod:`eagleflow.train.recorder`), read by
 :mod:`eagleflow.metrics.reader` (charts, UI) and by resume (:mod:`eagleflow.train.resume`).
 """
@@ -23,7 +49,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +62,11 @@ STEP_METRICS = ("loss", "full_acc", "cond_acc")
 LR_GROUP = "AdamW"
 
 _TTT_LOSS = re.compile(r"^loss_(\d+)$")
+# A block drafter's per-slot accuracy and its loss terms (speculators' "<name>_loss").
+_POSITION_ACC = re.compile(r"^position_(\d+)_acc$")
+_LOSS_TERM = re.compile(r"^[A-Za-z]\w*_loss$")
+# The block-wide metrics of a block drafter, in the order they are shown (after the loss terms).
+BLOCK_METRICS = ("eal", "full_acc")
 
 
 def number(value: Any) -> float | None:
@@ -52,6 +83,22 @@ def ttt_steps_of(values: Mapping[str, Any]) -> list[int]:
     return sorted(int(m.group(1)) for key in values if (m := _TTT_LOSS.match(str(key))))
 
 
+def block_positions_of(values: Mapping[str, Any] | Iterable[str]) -> list[int]:
+    """The block slots k that have a ``position_k_acc`` key, ascending."""
+    return sorted(int(m.group(1)) for key in values if (m := _POSITION_ACC.match(str(key))))
+
+
+def loss_terms_of(values: Mapping[str, Any] | Iterable[str]) -> list[str]:
+    """The ``<term>_loss`` keys of a block drafter's metrics, in their order."""
+    return [str(key) for key in values if _LOSS_TERM.match(str(key))]
+
+
+def is_block(values: Mapping[str, Any] | Iterable[str]) -> bool:
+    """Whether metric names (a record, a metric dict without its ``_epoch`` suffixes, or a frame's
+    columns) are a block drafter's: an ``eal`` or a ``position_k_acc``."""
+    return any(str(key) == "eal" or _POSITION_ACC.match(str(key)) for key in values)
+
+
 def preferred_lr(value: Any) -> Any:
     """The learning rate to show: the value itself, or the AdamW group's of a per-group mapping
     (the one ``--lr`` sets), else the first group's."""
@@ -61,10 +108,20 @@ def preferred_lr(value: Any) -> Any:
 
 
 def _per_step(values: Mapping[str, Any], suffix: str = "") -> dict[str, float | None]:
-    out: dict[str, float | None] = {"loss": number(values.get("loss" + suffix))}
-    for k in ttt_steps_of({key.removesuffix(suffix): v for key, v in values.items() if key.endswith(suffix)}):
+    """The metrics of a record: EAGLE-3's per TTT step, or a block drafter's (see the module docstring)."""
+    names = {str(key).removesuffix(suffix): v for key, v in values.items() if str(key).endswith(suffix)}
+    out: dict[str, float | None] = {"loss": number(names.get("loss"))}
+    if is_block(names):
+        for key in loss_terms_of(names):
+            out[key] = number(names[key])
+        for name in BLOCK_METRICS:
+            out[name] = number(names.get(name))
+        for k in block_positions_of(names):
+            out[f"position_{k}_acc"] = number(names[f"position_{k}_acc"])
+        return out
+    for k in ttt_steps_of(names):
         for name in STEP_METRICS:
-            out[f"{name}_{k}"] = number(values.get(f"{name}_{k}{suffix}"))
+            out[f"{name}_{k}"] = number(names.get(f"{name}_{k}"))
     return out
 
 
@@ -95,8 +152,12 @@ def _fmt(value: float | None, digits: int = 3) -> str:
 
 
 def format_record(record: Mapping[str, Any]) -> str:
-    """``step 12 epoch 0 lr 3.0e-05 loss 4.210 acc0 0.310 acc1 0.120 …`` (accuracies are full_acc_k)."""
-    accs = " ".join(f"acc{k} {_fmt(record.get(f'full_acc_{k}'))}" for k in ttt_steps_of(record))
+    """``step 12 epoch 0 lr 3.0e-05 loss 4.210 acc0 0.310 acc1 0.120 …`` (accuracies are full_acc_k);
+    a block drafter's: ``step 12 epoch 0 lr 3.0e-03 loss 2.402 eal 1.094 full_acc 0.099 …``."""
+    if is_block(record):
+        accs = f"eal {_fmt(record.get('eal'))} full_acc {_fmt(record.get('full_acc'))}"
+    else:
+        accs = " ".join(f"acc{k} {_fmt(record.get(f'full_acc_{k}'))}" for k in ttt_steps_of(record))
     if record["kind"] == "val":
         return f"val epoch {record['epoch']} step {record['step']} loss {_fmt(record['loss'], 4)} {accs}"
     lr = "nan" if record.get("lr") is None else f"{record['lr']:.1e}"

@@ -6,6 +6,11 @@ dict becomes one record (:mod:`eagleflow.metrics.records`), appended and flushed
 a time so a partial file is always readable, and one readable line with position and ETA::
 
     step 12 epoch 0 lr 3.0e-05 loss 4.2100 acc0 0.310 … [epoch 1/5 step 13/400 ETA 5m12s]
+
+(an EAGLE-3 drafter: accN is TTT step N's full_acc) or, for a block drafter (DFlash), its expected
+accept length and the share of block slots right::
+
+    step 12 epoch 0 lr 3.0e-03 loss 3.0458 eal 1.031 full_acc 0.031 … [epoch 1/2 step 13/42 ETA 1s]
 """
 
 from __future__ import annotations

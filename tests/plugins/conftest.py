@@ -27,6 +27,34 @@ def write_manifest(shards: Path, **fields: Any) -> None:
     (shards / f"{data['name']}.json").write_text(json.dumps(data))
 
 
+def _record_dflash_metrics(metrics: Path) -> list[dict[str, Any]]:
+    import io
+    import logging
+
+    from eagleflow.metrics import read_records
+    from eagleflow.train.recorder import MetricsRecorder
+
+    metrics.unlink(missing_ok=True)
+    recorder = MetricsRecorder(metrics, stream=io.StringIO(), clock=time.time)
+    logger = logging.getLogger("eagleflow.test.plugins.dflash")
+    logger.handlers, logger.propagate, logger.level = [recorder], False, logging.INFO
+    try:
+        for line in (FIXTURES / "dflash" / "metric_dicts.jsonl").read_text().splitlines():
+            entry = json.loads(line)
+            logger.info(entry["msg"], extra={"step": entry["step"]})
+    finally:
+        logger.handlers = []
+        recorder.close()
+    return read_records(metrics)
+
+
+@pytest.fixture()
+def record_dflash_metrics() -> Any:
+    """``record(metrics)``: the real DFlash training's metric dicts (``fixtures/metrics/dflash``) through the
+    training step's recorder into ``metrics``, as speculators logs them; returns the records written."""
+    return _record_dflash_metrics
+
+
 @pytest.fixture()
 def output_root(tmp_path: Path) -> Path:
     """``<root>/demo``: three shard manifests, metrics from the real fixture run, two charts; plus

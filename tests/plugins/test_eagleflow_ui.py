@@ -56,6 +56,39 @@ def test_run_page_shows_shards_charts_and_metrics(client: TestClient) -> None:
     assert "reloads every" in page  # a shard is still running
 
 
+def test_a_block_drafters_run_page_shows_eal_and_slot_accuracy(
+    client: TestClient, output_root: Path, record_dflash_metrics: Callable[[Path], list[dict[str, Any]]]
+) -> None:
+    """A DFlash run: its eal and accuracy per block slot where an EAGLE-3 run has its TTT steps; its three charts."""
+    run = output_root / "demo"
+    records = record_dflash_metrics(run / "train" / "metrics.jsonl")
+    val = records[-1]
+    (run / "train-progress" / "eal.png").write_bytes((run / "train-progress" / "loss.png").read_bytes())
+    metrics = client.get("/api/runs/demo").json()["metrics"]
+    assert metrics["drafter"] == "block" and metrics["ttt"] == []
+    assert metrics["val"]["eal"] == val["eal"] and metrics["val"]["full_acc"] == val["full_acc"]
+    assert [p["val_acc"] for p in metrics["positions"]] == [val[f"position_{k}_acc"] for k in (1, 2, 3)]
+    page = client.get("/runs/demo", headers=HTML).text
+    assert "Latest accuracy per block slot" in page and "<td>TTT step" not in page
+    assert f'<span class="muted">val expected accept length</span><b>{val["eal"]:.3f}</b>' in page  # 1.155
+    assert f'<span class="muted">train expected accept length</span><b>{records[-2]["eal"]:.3f}</b>' in page
+    rows = re.findall(r"<tr><td>slot (\d)</td><td>[\d.]+%</td><td>([\d.]+)%</td></tr>", page)
+    assert rows == [(str(k), f"{100 * val[f'position_{k}_acc']:.1f}") for k in (1, 2, 3)]
+    assert f"<th>all slots (full acc)</th><th>{100 * records[-2]['full_acc']:.1f}%</th><th>{100 * val['full_acc']:.1f}%</th>" in page
+    charts = re.findall(r'<img src="demo/files/train-progress/(\w+)\.png\?v=\d+" alt="([^"]+)"', page)
+    assert charts == [("loss", "Loss"), ("eal", "Expected accept length"), ("acc", "Accuracy per block slot")]
+    # The evaluation's offline estimate of a block drafter is its eal, and the page says so.
+    from eagleflow.evaluate.report import offline_estimate
+
+    (run / "eval").mkdir()
+    estimate = offline_estimate(run / "train" / "metrics.jsonl", 3)
+    (run / "eval" / "report.json").write_text(json.dumps({"engine": "reference", "num_steps": 3, "offline_estimate": estimate}))
+    page = client.get("/runs/demo", headers=HTML).text
+    assert f"<b>{val['eal']:.3f}</b>" in page.split("Drafter evaluation")[1]
+    assert "the estimate is speculators' expected accept length (eal) of validation epoch 1 (eal over 3 block slots" in page
+    assert client.get("/api/runs/demo").json()["evaluation"]["offline_estimate"]["method"] == "eal"
+
+
 def test_run_json_and_index(client: TestClient, output_root: Path) -> None:
     summary = client.get("/api/runs/demo").json()
     assert summary["totals"] == {

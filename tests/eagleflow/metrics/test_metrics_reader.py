@@ -125,7 +125,8 @@ def test_latest_metrics_of_the_fixture(frames: dict[str, pd.DataFrame]) -> None:
     json.dumps(latest)  # plain JSON for the UI
     last_train = frame[frame["kind"] == "train"].iloc[-1]
     last_val = frame[frame["kind"] == "val"].iloc[-1]
-    assert latest["records"] == len(frame)
+    assert latest["records"] == len(frame) and latest["drafter"] == "eagle3" and latest["positions"] == []
+    assert "eal" not in latest["train"] and "eal" not in latest["val"]
     assert latest["train"]["step"] == last_train["step"] and latest["val"]["epoch"] == last_val["epoch"]
     assert [e["ttt_step"] for e in latest["ttt"]] == ttt_steps(frame)
     assert latest["ttt"][0]["train_full_acc"] == pytest.approx(last_train["full_acc_0"])
@@ -158,7 +159,7 @@ def test_missing_and_empty_files(tmp_path: Path) -> None:
     (tmp_path / "empty.jsonl").write_text("")
     empty = read_metrics(tmp_path / "empty.jsonl")
     assert len(empty) == 0 and list(empty.columns) == BASE_COLUMNS
-    assert latest_metrics(empty) == {"records": 0, "train": None, "val": None, "ttt": []}
+    assert latest_metrics(empty) == {"records": 0, "drafter": None, "train": None, "val": None, "ttt": [], "positions": []}
     with pytest.raises(UserError, match="unknown metrics form 'xml'"):
         parse_metrics("", form="xml")
 
