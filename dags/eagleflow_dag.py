@@ -1,4 +1,4 @@
-"""eagleflow: base LLM served by SGLang -> hidden states -> trained EAGLE-3 drafter.
+"""eagleflow: base LLM served by SGLang -> hidden states -> trained drafter (EAGLE-3 or DFlash).
 
 The story of DESIGN.md §1, top to bottom:
 
@@ -13,8 +13,9 @@ The story of DESIGN.md §1, top to bottom:
 4. extract_shard runs once per shard (rows_0-2000, …) on one of the engines, each retryable
    (on an engine that is up) and clearable alone;
 5. stop_server (teardown, one instance per engine) stops the engines, even when a shard fails;
-6. build_vocab, train_drafter and plot_metrics turn the hidden states into a drafter and charts
-   (train_drafter: one instance per training node, node-0, …, planned by plan_train_nodes).
+6. build_vocab, train_drafter and plot_metrics turn the hidden states into a drafter of the family
+   draft_algorithm names (eagle3, eagle3.1 or the block drafter dflash) and charts (train_drafter: one
+   instance per training node, node-0, …, planned by plan_train_nodes).
    Online (hidden_states_source engine) no shard is extracted (each instance is skipped, saying
    why), the engines stay up, train_drafter asks them for each sample while it trains, and
    stop_server_after_training stops them once it is done, however it ended;
@@ -63,7 +64,7 @@ from operators.train import (
 
 with DAG(
     dag_id=DAG_ID,
-    description="Train an EAGLE-3 drafter from a base model served by SGLang",
+    description="Train a speculative-decoding drafter (EAGLE-3 or DFlash) from a base model served by SGLang",
     schedule=None,
     catchup=False,
     max_active_runs=1,

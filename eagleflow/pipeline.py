@@ -41,6 +41,7 @@ from eagleflow.step_params import FORM_SECTIONS, STEP_PARAM_GROUPS, STEP_PARAMS,
 from eagleflow.train.config import TrainConfig
 
 if TYPE_CHECKING:  # imported where used: the DAG file imports this module, and these pull in the heavier steps
+    from eagleflow.drafters import DrafterFamily
     from eagleflow.export.step import ExportConfig
     from eagleflow.metrics.plot import PlotConfig
 
@@ -213,7 +214,34 @@ class PipelineConfig(BaseModel):
         # What the evaluation's own checks refuse (eval_server_extra_args against the engine, a prompt file
         # without its set) fails the run's first task, not the last.
         cfg.evaluate_config()
+        cfg.check_drafter_family()
         return cfg
+
+    def drafter_family(self) -> DrafterFamily:
+        """The drafter family the run trains (Param draft_algorithm; :mod:`eagleflow.drafters`)."""
+        from eagleflow.drafters import family
+
+        return family(self.step_param("draft_algorithm"))
+
+    def check_drafter_family(self) -> None:
+        """The drafter family's rules on the Params that depend on it (a block size, the serving configs)."""
+        from eagleflow.drafters import check_family_settings
+        from eagleflow.evaluate.sweep import parse_configs
+
+        try:
+            chosen = check_family_settings(self.step_param("draft_algorithm"), self.step_param("block_size"))
+        except ValueError as exc:
+            raise UserError(f"{param_name('block_size')}: {exc}") from exc
+        vocab = self.step_param("draft_vocab_size")
+        if chosen.block and vocab != TrainConfig.model_fields["draft_vocab_size"].default:
+            raise UserError(
+                f"{param_name('draft_vocab_size')} {vocab}: draft_algorithm {chosen.name} trains the verifier's full vocabulary "
+                "(SGLang serves a block drafter through the target's own head); leave the draft vocabulary size empty"
+            )
+        try:
+            parse_configs(self.step_param("eval_configs"), 1, 1, block=chosen.block)
+        except ValueError as exc:
+            raise UserError(f"{param_name('eval_configs')}: {exc} (draft_algorithm {chosen.name})") from exc
 
     @property
     def dump_queue_bytes(self) -> int | None:

@@ -17,8 +17,9 @@ from eagleflow.extract.manifest import ShardManifest
 from eagleflow.layout import RunLayout
 from eagleflow.report_shapes import CaptureCheckShape, EvaluationShape, finite, shaped
 
-# The charts the plot step draws (its file stem, and a title for people).
+# The charts the plot step draws (its file stem, and a title for people): an EAGLE-3 drafter's, a block drafter's.
 CHARTS = (("loss", "Loss per TTT step"), ("acc", "Accuracy per TTT step"))
+BLOCK_CHARTS = (("loss", "Loss"), ("eal", "Expected accept length"), ("acc", "Accuracy per block slot"))
 EVAL_REPORT, EVAL_CHART, SWEEP_CHART = "report.json", "accept", "sweep"  # written by eagleflow.evaluate.step / .charts
 
 
@@ -83,7 +84,8 @@ class MetricsCache:
         try:
             latest = latest_metrics(read_metrics(path))
         except UserError as exc:
-            latest = {"error": str(exc), "records": 0, "train": None, "val": None, "ttt": []}
+            latest = {"error": str(exc), "records": 0, "drafter": None, "train": None, "val": None, "ttt": [],
+                      "positions": []}
         self._entries[path] = (key, latest)
         return latest
 
@@ -116,7 +118,7 @@ def evaluation_summary(layout: RunLayout) -> dict[str, Any] | None:
     report = shaped(EvaluationShape, report, path, layout.root)
     if "error" in report:
         return {"error": report["error"]}
-    keys = ("engine", "prompts", "max_new_tokens", "concurrency", "num_steps", "accept_length", "accept_rate",
+    keys = ("engine", "algorithm", "block_size", "prompts", "max_new_tokens", "concurrency", "num_steps", "accept_length", "accept_rate",
             "tokens_per_s", "same_tokens_as_baseline", "offline_estimate", "versions", "prompt_sets", "rounds", "fastest")
     summary = {key: report.get(key) for key in keys}
     summary["sweep"] = [{"config": row["config"], "set": name, **figures}
@@ -225,26 +227,35 @@ def run_headline(layout: RunLayout, metrics: MetricsCache | None = None) -> dict
     }
 
 
-def run_summary(layout: RunLayout, metrics: MetricsCache | None = None) -> dict[str, Any]:
-    """Everything a page or a summary shows about a run, as plain JSON (paths relative to the run)."""
-    shards = read_shards(layout)
+def training_charts(layout: RunLayout, drafter: str | None) -> dict[str, dict[str, Any]]:
+    """The plot step's charts there are, in page order, each ``{png, svg, mtime, title}``: a block
+    drafter's (its metrics say so, or an ``eal`` chart is there) or an EAGLE-3 drafter's."""
+    block = drafter == "block" or (drafter is None and (layout.charts / "eal.png").is_file())
     charts = {}
-    for name, _ in CHARTS:
+    for name, title in BLOCK_CHARTS if block else CHARTS:
         png, svg = layout.charts / f"{name}.png", layout.charts / f"{name}.svg"
         if png.is_file():
             charts[name] = {
                 "png": str(png.relative_to(layout.root)),
                 "svg": str(svg.relative_to(layout.root)) if svg.is_file() else None,
                 "mtime": int(png.stat().st_mtime),
+                "title": title,
             }
+    return charts
+
+
+def run_summary(layout: RunLayout, metrics: MetricsCache | None = None) -> dict[str, Any]:
+    """Everything a page or a summary shows about a run, as plain JSON (paths relative to the run)."""
+    shards = read_shards(layout)
+    latest = (metrics or MetricsCache()).latest(layout.train.metrics)
     result = _json_or_empty(layout.train.result)
     checkpoint = result.get("best_checkpoint") or result.get("checkpoint_dir")
     return {
         "run": layout.root.name,
         "shards": [s.as_json() for s in shards],
         "totals": shard_totals(shards),
-        "metrics": (metrics or MetricsCache()).latest(layout.train.metrics),
-        "charts": charts,
+        "metrics": latest,
+        "charts": training_charts(layout, (latest or {}).get("drafter")),
         "checkpoint": checkpoint if isinstance(checkpoint, str) else None,
         "online": online_summary(layout, result),
         "regeneration": regeneration_summary(layout),

@@ -41,6 +41,11 @@ class BuildVocabOperator(EagleflowStepOperator):
                 f"stop_after_extraction: the hidden states are in {cfg.layout.hidden_states}; trigger a run with "
                 f"run_name {cfg.layout.root.name!r} and stop_after_extraction off to train from them"
             )
+        family = cfg.drafter_family()
+        if family.block:  # succeeds with nothing to do: training follows it
+            reason = f"draft_algorithm {family.name} trains the verifier's full vocabulary: no draft vocabulary to build"
+            self.log.info(reason)
+            return {"skipped": reason}
         return super().execute(context)
 
     def step_argv(self, context: Context) -> list[str]:
@@ -64,7 +69,7 @@ class PlanTrainNodesOperator(BaseOperator):
 
 
 class TrainOperator(EagleflowStepOperator):
-    """Train the EAGLE-3 drafter with speculators (``python -m eagleflow train``), one instance per node.
+    """Train the drafter (``draft_algorithm``'s family) with speculators (``python -m eagleflow train``), one instance per node.
 
     From the extracted files, or (``hidden_states_source`` engine) from the run's engines, asked
     for each sample while training runs; only engines this worker can reach are given. A retry

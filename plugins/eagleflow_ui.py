@@ -41,7 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from eagleflow.deploy import DAG_ID, OUTPUT_ROOT_ENV
 from eagleflow.errors import UserError
 from eagleflow.layout import RunLayout
-from eagleflow.run_report import CHARTS, MetricsCache, list_runs, run_summary
+from eagleflow.run_report import MetricsCache, list_runs, run_summary
 
 CONFIG_SECTION, CONFIG_KEY = "eagleflow", "output_root"
 # What the file route serves: charts, manifests, metrics and logs; never hidden states or weights.
@@ -199,7 +199,7 @@ def make_templates() -> Jinja2Templates:
         num=_num, percent=_percent, age=_age, thousands=_thousands, scientific=_scientific, when=_when,
         urlquote=lambda s: quote(str(s)),
     )
-    templates.env.globals.update(refresh_seconds=REFRESH_SECONDS, charts=CHARTS)
+    templates.env.globals.update(refresh_seconds=REFRESH_SECONDS)
     return templates
 
 

@@ -44,7 +44,8 @@ class EvaluateConfig(BaseModel):
         "", title="Serving configs to sweep",
         description="serving configs to sweep, as SpecForge's --config-list: space-separated 'batch size,steps,topk,draft "
         "tokens', e.g. '1,0,0,0 1,3,1,4 1,7,1,8 4,3,1,4 1,5,4,8' (0 steps: no drafter; the baseline of each batch size "
-        "is always added). Empty: 1 and eval_concurrency in flight, each with and without a chain of the drafter's steps",
+        "is always added); a block drafter (dflash) takes 'batch size,1,1,block size', e.g. '1,1,1,8 1,1,1,16'. Empty: 1 "
+        "and eval_concurrency in flight, each with and without the drafter's own shape (its chain of steps, or its block)",
     )
     eval_rounds: int = Field(
         5, ge=1, title="Timed rounds per config",
@@ -83,7 +84,8 @@ class EvaluateConfig(BaseModel):
     def _configs_parse(cls, value: str) -> str:
         from eagleflow.evaluate.sweep import parse_configs
 
-        parse_configs(value, default_steps=1, default_concurrency=1)  # the shape only; the drafter's steps come later
+        # The shape only: the drafter's family (its rules) and steps come with its export.
+        parse_configs(value, default_steps=1, default_concurrency=1, block=None)
         return value
 
     @model_validator(mode="after")

@@ -12,7 +12,9 @@ Definitions (DESIGN.md §10), said in the report too:
 - **speedup**: tokens/s over the baseline's at the same batch size in the same round, median
   over rounds; above the aggregate accept length it is *disturbed* (:mod:`eagleflow.evaluate.sweep`);
 - **offline estimate**: 1 + Σₖ ``full_acc_k`` of the last validation record of training, over the
-  served chain length: the accept length to expect if serving agreed as the validation rows did.
+  served chain length: the accept length to expect if serving agreed as the validation rows did;
+  for a block drafter (DFlash), that record's ``eal``, speculators' expected accept length
+  (bonus token included), as it is.
 
 The headline fields (``accept_length``, ``tokens_per_s``, ``same_tokens_as_baseline``) are those of
 the first prompt set at the drafter's own chain (1 and ``eval_concurrency`` in flight).
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from eagleflow.evaluate.engine_run import TimedPass
-from eagleflow.evaluate.sweep import ServeConfig, fastest_per_batch_size, spread, verdict
+from eagleflow.evaluate.sweep import ServeConfig, default_shape, fastest_per_batch_size, spread, verdict
 
 CHART = "accept"
 SWEEP_CHART = "sweep"
@@ -42,15 +44,30 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def offline_estimate(metrics_path: Path | None, num_steps: int) -> dict[str, Any] | None:
-    """1 + Σₖ full_acc_k (k < ``num_steps``) of the last validation record, or None without one."""
+    """1 + Σₖ full_acc_k (k < ``num_steps``) of the last validation record, or None without one.
+
+    A block drafter's record (:func:`eagleflow.metrics.records.is_block`) already holds the figure:
+    its ``eal``, the mean per-block accepted run plus the bonus token, taken as it is
+    (``method: "eal"``, with ``position_acc``, its accuracy per block slot); None without one.
+    """
     if metrics_path is None or not metrics_path.exists():
         return None
-    from eagleflow.metrics import read_records
+    from eagleflow.metrics import block_positions_of, is_block, read_records
 
     val = [r for r in read_records(metrics_path) if r.get("kind") == "val"]
     if not val:
         return None
     last = val[-1]
+    if is_block(last):
+        if last.get("eal") is None:
+            return None
+        slots = block_positions_of(last)
+        return {
+            "accept_length": float(last["eal"]),
+            "from": f"validation epoch {last.get('epoch')} (eal over {len(slots)} block slots, bonus token included)",
+            "method": "eal",
+            "position_acc": [last[f"position_{k}_acc"] for k in slots if last.get(f"position_{k}_acc") is not None],
+        }
     accs = [last.get(f"full_acc_{k}") for k in range(num_steps)]
     known = [a for a in accs if a is not None]
     return {
@@ -85,14 +102,16 @@ def set_figures(passes: list[TimedPass], baseline: list[TimedPass]) -> dict[str,
     }
 
 
-def sweep_rows(results: dict[ServeConfig, dict[str, list[TimedPass]]], drafter_path: str, window: int | None) -> list[dict[str, Any]]:
-    """One row per config: its figures per prompt set and the SGLang flags serving it."""
+def sweep_rows(
+    results: dict[ServeConfig, dict[str, list[TimedPass]]], drafter_path: str, window: int | None, algorithm: str = "EAGLE3"
+) -> list[dict[str, Any]]:
+    """One row per config: its figures per prompt set and the SGLang flags serving it (``algorithm``'s)."""
     rows = []
     for config in sorted(results):
         base = ServeConfig(config.batch_size, 0, 0, 0)
         rows.append({
             "config": config.label, "batch_size": config.batch_size, "steps": config.steps, "topk": config.topk,
-            "draft_tokens": config.draft_tokens, "sglang_flags": config.sglang_flags(drafter_path, window),
+            "draft_tokens": config.draft_tokens, "sglang_flags": config.sglang_flags(drafter_path, window, algorithm),
             "sets": {name: set_figures(passes, results[base][name]) for name, passes in results[config].items()},
         })
     return rows
@@ -102,10 +121,11 @@ def build_report(rows: list[dict[str, Any]], facts: dict[str, Any]) -> dict[str,
     """The report: ``facts`` (settings, versions, prompt sets), the sweep, the fastest config per batch size,
     and the headline figures of the drafter's chain on the first prompt set."""
     steps, concurrency, first_set = facts["num_steps"], facts["concurrency"], facts["prompt_sets"][0]
+    shape = default_shape(facts.get("algorithm", "EAGLE3"), steps, facts.get("block_size"))
     by_label = {row["config"]: row for row in rows}
 
     def headline(batch_size: int) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-        row = by_label.get(ServeConfig(batch_size, steps, 1, steps + 1).label)
+        row = by_label.get(ServeConfig(batch_size, *shape).label)
         base = by_label.get(ServeConfig(batch_size, 0, 0, 0).label)
         return (row["sets"][first_set] if row else None), (base["sets"][first_set] if base else None)
 

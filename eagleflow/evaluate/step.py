@@ -142,7 +142,11 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
     """Run the sweep over the prompt sets, write the report and the charts; return the report."""
     started = time.monotonic()
     drafter = ServedDrafter.from_export(cfg.drafter, cfg.num_steps)
-    configs = parse_configs(cfg.eval_configs, drafter.num_steps, cfg.eval_concurrency)
+    block = drafter.algorithm == "DFLASH"
+    try:
+        configs = parse_configs(cfg.eval_configs, drafter.num_steps, cfg.eval_concurrency, drafter.block_size, block)
+    except ValueError as exc:
+        raise UserError(f"eval_configs (Serving configs to sweep) for the {drafter.algorithm} drafter in {cfg.drafter}: {exc}") from exc
     sets, chat = prompt_sets(cfg)
     print(
         f"evaluate: prompt sets {', '.join(f'{n} ({len(p)})' for n, p in sets.items())}, {cfg.eval_max_new_tokens} new "
@@ -156,6 +160,8 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
         "versions": versions(cfg.engine),
         "drafter": str(drafter.path),
         "num_steps": drafter.num_steps,
+        "algorithm": drafter.algorithm,
+        "block_size": drafter.block_size,
         "prompt_sets": list(sets),
         "prompts": len(next(iter(sets.values()))),
         "rows": [heldout[0].row, heldout[-1].row] if heldout else None,
@@ -165,7 +171,7 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
         "interleaved": cfg.engine == "reference",
         "offline_estimate": offline_estimate(TrainLayout(cfg.train_dir).metrics if cfg.train_dir else None, drafter.num_steps),
     }
-    report = build_report(sweep_rows(results, str(drafter.path), drafter.window), facts)
+    report = build_report(sweep_rows(results, str(drafter.path), drafter.window, drafter.algorithm), facts)
     report["seconds"] = round(time.monotonic() - started, 1)
     report["chart"] = write_chart(report, cfg.out)
     report["sweep_chart"] = write_sweep_chart(report, cfg.out)

@@ -2,7 +2,8 @@
 
 A config ``B,S,K,M`` is ``B`` requests in flight against an engine serving the drafter with
 ``--speculative-num-steps S --speculative-eagle-topk K --speculative-num-draft-tokens M``; ``S`` = 0
-is the engine without a drafter (the baseline). Every batch size gets its baseline, so each
+is the engine without a drafter (the baseline). A block drafter (DFlash) drafts ``M - 1`` tokens in
+one pass, so its configs are ``B,1,1,M`` (SGLang forces one step of topk 1). Every batch size gets its baseline, so each
 config's speedup is over the same engine's plain decoding at the same batch size. One engine
 serves every config of one draft shape (``S,K,M``): the batch size is only how many requests
 are in flight.
@@ -43,21 +44,29 @@ class ServeConfig:
     def label(self) -> str:
         return f"{self.batch_size},{self.steps},{self.topk},{self.draft_tokens}"
 
-    def sglang_flags(self, drafter_path: str, window: int | None = None) -> list[str]:
-        """SGLang's flags serving this config (none for the baseline); the batch size is a client setting."""
+    def sglang_flags(self, drafter_path: str, window: int | None = None, algorithm: str = "EAGLE3") -> list[str]:
+        """SGLang's flags serving this config with a drafter of ``algorithm`` (none for the baseline), as its
+        family gives them (:mod:`eagleflow.drafters`); the batch size is a client setting."""
+        from eagleflow.drafters import family_of_algorithm
+
         if self.baseline:
             return []
-        flags = [
-            "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", drafter_path,
-            "--speculative-num-steps", str(self.steps), "--speculative-eagle-topk", str(self.topk),
-            "--speculative-num-draft-tokens", str(self.draft_tokens),
-        ]
-        return flags + (["--speculative-draft-window-size", str(window)] if window is not None else [])
+        return family_of_algorithm(algorithm).owner("serving")(drafter_path, self.steps, self.topk, self.draft_tokens, window)
 
 
-def parse_config(text: str) -> ServeConfig:
-    """``"1,3,1,4"`` -> :class:`ServeConfig`; a malformed one is a ValueError quoting it."""
-    from eagleflow.sglang_rules import check_tree_flags
+def default_shape(algorithm: str, num_steps: int, block_size: int | None = None) -> tuple[int, int, int]:
+    """The drafter's own shape (steps, topk, draft tokens): an EAGLE-3 chain of its trained steps, or a
+    block drafter's trained block (one step of topk 1, SGLang's)."""
+    return (1, 1, int(block_size or 0)) if algorithm == "DFLASH" else (num_steps, 1, num_steps + 1)
+
+
+def parse_config(text: str, block: bool | None = False) -> ServeConfig:
+    """``"1,3,1,4"`` -> :class:`ServeConfig`; a malformed one is a ValueError quoting it.
+
+    :param block: the drafter is a block drafter (SGLang's block rule: ``bs,1,1,B``); False: EAGLE-3's
+        chain and tree rules; None: the shape alone (before the drafter's family is known).
+    """
+    from eagleflow.sglang_rules import check_block_flags, check_tree_flags
 
     parts = text.split(",")
     try:
@@ -72,18 +81,27 @@ def parse_config(text: str) -> ServeConfig:
     if config.topk < 1:
         raise ValueError(f"{text!r}: topk must be >= 1 with a drafter (steps > 0)")
     try:
-        check_tree_flags(config.steps, config.topk, config.draft_tokens)
+        if block:
+            check_block_flags(config.draft_tokens, config.steps, config.topk)
+        elif block is not None:
+            check_tree_flags(config.steps, config.topk, config.draft_tokens)
     except ValueError as exc:
-        raise ValueError(f"{text!r}: {exc}") from exc
+        raise ValueError(f"{text!r}: {exc}" + (" (a block drafter's config is 'batch size,1,1,block size')" if block else "")) from exc
     return config
 
 
-def parse_configs(text: str, default_steps: int, default_concurrency: int) -> list[ServeConfig]:
-    """The sweep of ``eval_configs`` (space-separated), or the default one; every batch size's baseline added, sorted."""
+def parse_configs(
+    text: str, default_steps: int, default_concurrency: int, block_size: int | None = None, block: bool | None = False
+) -> list[ServeConfig]:
+    """The sweep of ``eval_configs`` (space-separated), or the default one; every batch size's baseline added, sorted.
+
+    The default: the drafter's own shape (:func:`default_shape`; ``block_size`` for a block drafter) at 1 and
+    ``default_concurrency`` in flight.
+    """
     if text.strip():
-        configs = {parse_config(item) for item in text.split()}
+        configs = {parse_config(item, block) for item in text.split()}
     else:
-        chain = (default_steps, 1, default_steps + 1)
+        chain = default_shape("DFLASH" if block else "EAGLE3", default_steps, block_size)
         configs = {ServeConfig(bs, *chain) for bs in {1, default_concurrency}}
     configs |= {ServeConfig(c.batch_size, 0, 0, 0) for c in configs}
     return sorted(configs, key=lambda c: (c.batch_size, c.steps, c.topk, c.draft_tokens))

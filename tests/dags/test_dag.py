@@ -189,7 +189,8 @@ def test_online_mode_skips_every_shard_trains_from_the_engine_and_stops_it_after
 ) -> None:
     """hidden_states_source engine through dag.test(): the run launches its engine, every shard is skipped
     (visibly, by name), the engine outlives the teardown after extraction, training asks it for every
-    sample, and the stop after training stops it."""
+    sample, and the stop after training stops it. The drafter is a DFlash block drafter (the online feed
+    hands it the same samples as EAGLE-3), exported for SGLang's DFLASH worker."""
     from eagleflow.demo.synthetic_data import DatasetConfig, make_dataset
     from eagleflow.layout import RunLayout
 
@@ -198,11 +199,11 @@ def test_online_mode_skips_every_shard_trains_from_the_engine_and_stops_it_after
         "model_path": str(random_tiny_model), "dataset_input": str(tmp_path / "conv.jsonl"), "output_root": str(tmp_path / "runs"),
         "run_name": "online", "shard_size": 5, "max_len": 256, "server_port": 0, "server_extra_args": ENGINE_COMPUTE_FLAGS,
         "hidden_states_source": "engine", "dump_queue_gb": 0.001, "epochs": 1, "total_seq_len": 256, "num_workers": 0,
-        "draft_vocab_size": 256, "device": "cpu",
+        "device": "cpu", "draft_algorithm": "dflash", "num_layers": 1, "block_size": 4, "mask_token_id": 0, "max_anchors": 16,
         # Said explicitly: dag.test() keeps an earlier test's run_conf in the shared DAG's params.
         "server_urls": [], "server_dump_dir": None, "stop_after_extraction": False,
     }
-    run = eagleflow_dag.test(run_conf=conf, mark_success_pattern="plot_metrics|export_drafter|evaluate_drafter")
+    run = eagleflow_dag.test(run_conf=conf, mark_success_pattern="plot_metrics|evaluate_drafter")
     tis = {(ti.task_id, ti.map_index): ti for ti in run.get_task_instances()}
     states = {f"{task}[{index}]": ti.state for (task, index), ti in tis.items()}
     assert str(run.state) == "success", states
@@ -217,3 +218,7 @@ def test_online_mode_skips_every_shard_trains_from_the_engine_and_stops_it_after
     assert 0 < result["online"]["peak_bytes"] <= result["online"]["window_bytes"] + 256 * 4 * 64 * 2 + 64
     assert tis[("stop_server_after_training", 0)].state == "success"
     assert not pid_alive(int(engine["pid"])), "the stop after training stopped the engine"
+    records = [json.loads(line) for line in layout.train.metrics.read_text().splitlines()]
+    assert {"eal", "full_acc", "position_3_acc"} <= set(records[-1]), "a block drafter's metrics"
+    exported = json.loads((layout.drafter / "export.json").read_text())["sglang"]
+    assert (exported["algorithm"], exported["block_size"]) == ("DFLASH", 4)

@@ -27,7 +27,8 @@ CHANGED = {
     "eval_server_extra_args": ["--threads", "2"], "online_cache_gb": 1.5,
 }
 # Params that are valid only beside another one.
-TOGETHER = {"eval_prompts": {"eval_sets": ["heldout", "file"]}, "eval_sets": {"eval_prompts": "/data/prompts.jsonl"}}
+TOGETHER = {"eval_prompts": {"eval_sets": ["heldout", "file"]}, "eval_sets": {"eval_prompts": "/data/prompts.jsonl"},
+            "block_size": {"draft_algorithm": "dflash"}}
 # The one run-level Param no step config holds: it goes into the remote engines' record (launch_server's XCom),
 # whose dump folder extraction and the capture check then take.
 ENGINE_RECORD_ONLY = {"server_dump_dir"}
