@@ -11,12 +11,15 @@ capture hook needs anyway) and no network. What it measures:
 3. the dump writer's MB/s with CUDA states (its pinned copies, then its threads), against a raw
    ``safetensors`` save of the same bytes, bf16 and fp8;
 4. the reference engine's greedy EAGLE-3 speculative decoding on CUDA against its plain decoding
-   (tokens/s, accept length, the same tokens), for the demo's tiny verifier and trained drafter;
+   (tokens/s, accept length, the same tokens), for the demo's tiny verifier and trained drafter, and
+   the same for block decoding with the DFlash drafter of ``demo.py --draft-algorithm dflash``
+   (one draft pass per verification) when that run was bundled too;
 5. one epoch of the demo's training (``python -m eagleflow train --device cuda``), tokens/s.
 
 Rows 4 and 5 need inputs a bare GPU machine cannot make (a trained drafter needs speculators,
 which it may lack), so they come in a bundle made on a CPU machine with the full environment:
-``make demo``, then ``python benchmarks/gpu_check.py --prepare`` writes ``.cache/gpu-check``
+``make demo`` (and ``python scripts/demo.py --draft-algorithm dflash`` for the block row), then
+``python benchmarks/gpu_check.py --prepare`` writes ``.cache/gpu-check``
 (a few MB; the device tool carries it with ``carry: [".cache/gpu-check"]``). A row whose
 inputs or packages are missing says so and is skipped; without CUDA the whole check says why and
 exits 0.
@@ -207,16 +210,27 @@ def greedy_tokens(model: Any, input_ids: list[int], max_new_tokens: int) -> list
     return tokens
 
 
-def speculative_figures(bundle: Path, device: str) -> SpecFigures:
+def load_decoder(model: Any, bundle: Path, block: bool) -> Any:
+    """The bundled EAGLE-3 drafter's chain decoder, or (``block``) the bundled DFlash drafter's block decoder."""
+    manifest = json.loads((bundle / BUNDLE_MANIFEST).read_text())
+    if block:
+        from eagleflow.engine.reference.dflash import load_dflash_decoder
+
+        entry = manifest["block_drafter"]
+        return load_dflash_decoder(model, bundle / entry["path"], int(entry["block_size"]))
+    from eagleflow.engine.reference.speculative import load_speculative_decoder
+
+    return load_speculative_decoder(model, bundle / "drafter", int(manifest["num_steps"]), manifest.get("window"))
+
+
+def speculative_figures(bundle: Path, device: str, block: bool = False) -> SpecFigures:
     """Plain and speculative greedy decoding of every bundled prompt on ``device`` (float32, like the tests)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eagleflow.engine.reference.speculative import load_speculative_decoder
-
     manifest = json.loads((bundle / BUNDLE_MANIFEST).read_text())
     model = AutoModelForCausalLM.from_pretrained(str(bundle / "verifier"), dtype=torch.float32).to(device).eval()
-    decoder = load_speculative_decoder(model, bundle / "drafter", int(manifest["num_steps"]), manifest.get("window"))
+    decoder = load_decoder(model, bundle, block)
     prompts, new_tokens = manifest["prompts"], int(manifest["max_new_tokens"])
     sync = device_sync(device)
     plain_s = spec_s = 0.0
@@ -241,20 +255,23 @@ def speculative_figures(bundle: Path, device: str) -> SpecFigures:
     return SpecFigures(tokens / plain_s, tokens / spec_s, completion / max(verify, 1), same, len(prompts))
 
 
-def speculative_rows(bundle: Path, device: str) -> list[Row]:
-    figure = f"speculative decoding, reference engine, {device}: tokens/s vs plain decoding"
+def speculative_rows(bundle: Path, device: str, block: bool = False) -> list[Row]:
+    kind = "block decoding (DFlash)" if block else "speculative decoding"
+    figure = f"{kind}, reference engine, {device}: tokens/s vs plain decoding"
     if not (bundle / BUNDLE_MANIFEST).is_file():
         return [skipped(figure, f"no trained drafter in {bundle}: on a CPU machine with the full environment run `make demo`, then "
                                 "`python benchmarks/gpu_check.py --prepare`, and carry .cache/gpu-check")]
+    if block and not json.loads((bundle / BUNDLE_MANIFEST).read_text()).get("block_drafter"):
+        return [skipped(figure, "no DFlash drafter in the bundle: run `python scripts/demo.py --draft-algorithm dflash` before --prepare")]
     missing = missing_modules(["transformers"])
     if missing:
         return [skipped(figure, f"needs {', '.join(missing)}, not installed here")]
-    spec = speculative_figures(bundle, device)
+    spec = speculative_figures(bundle, device, block)
     return [
         Row(figure, f"{spec.speculative_tokens_per_s:,.0f} vs {spec.plain_tokens_per_s:,.0f} tokens/s = {spec.speedup:.2f}x", "report",
             None, f"accept length {spec.accept_length:.2f} (completion tokens / verifications); {spec.prompts} held-out prompts, "
             f"{MAX_NEW_TOKENS} new tokens each, float32, one at a time"),
-        Row(f"speculative decoding, {device}: the same tokens as plain greedy decoding", f"{spec.same_tokens} of {spec.prompts} prompts",
+        Row(f"{kind}, {device}: the same tokens as plain greedy decoding", f"{spec.same_tokens} of {spec.prompts} prompts",
             "all", spec.same_tokens == spec.prompts),
     ]
 
@@ -292,8 +309,9 @@ def training_rows(bundle: Path, work: Path, device: str) -> list[Row]:
 
 # -- the bundle (made on the CPU machine) -------------------------------------------------------------
 
-def prepare(run: Path, verifier: Path, bundle: Path) -> Path:
-    """Copy a finished demo run's verifier, exported drafter, dataset and held-out prompts into ``bundle``."""
+def prepare(run: Path, verifier: Path, bundle: Path, block_run: Path | None = None) -> Path:
+    """Copy a finished demo run's verifier, exported drafter, dataset and held-out prompts into ``bundle``, and
+    the DFlash drafter of ``block_run`` (``demo.py --draft-algorithm dflash``) when it finished."""
     from eagleflow.data.verifier import resolve_aux_layer_ids
     from eagleflow.evaluate.prompts import held_out_prompts
     from eagleflow.export.manifest import ServedDrafter
@@ -307,7 +325,13 @@ def prepare(run: Path, verifier: Path, bundle: Path) -> Path:
     shutil.copytree(verifier, tmp / "verifier")
     shutil.copytree(served.path, tmp / "drafter")
     shutil.copytree(layout.dataset, tmp / "dataset")
+    block_drafter = None
+    if block_run is not None and (RunLayout(block_run).drafter / "export.json").is_file():
+        block = ServedDrafter.from_export(RunLayout(block_run).drafter)
+        shutil.copytree(block.path, tmp / "dflash-drafter")
+        block_drafter = {"path": "dflash-drafter", "block_size": block.block_size}
     manifest = {
+        "block_drafter": block_drafter,
         "run": str(layout.root), "num_steps": served.num_steps, "window": served.window, "max_new_tokens": MAX_NEW_TOKENS,
         "aux_layer_ids": resolve_aux_layer_ids(verifier, None), "prompts": [p.input_ids for p in prompts],
     }
@@ -321,12 +345,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prepare", action="store_true", help="make the bundle from a finished `make demo` run (on the CPU machine)")
     parser.add_argument("--run", type=Path, default=DEMO_DIR / "runs" / "demo", help="the demo run folder --prepare reads")
+    parser.add_argument("--block-run", type=Path, default=DEMO_DIR / "runs" / "demo-dflash",
+                        help="the DFlash demo run folder --prepare reads too, when it finished")
     parser.add_argument("--verifier", type=Path, default=DEMO_DIR / "tiny-model", help="the demo's verifier --prepare copies")
     parser.add_argument("--bundle", type=Path, default=BUNDLE, help="where the bundle is (written by --prepare)")
     parser.add_argument("--device", default="cuda", help="cuda; cpu runs the same code as a dry run (its figures mean nothing)")
     args = parser.parse_args(argv)
     if args.prepare:
-        print(f"gpu_check: bundle written to {prepare(args.run, args.verifier, args.bundle)}; carry it as .cache/gpu-check", flush=True)
+        print(f"gpu_check: bundle written to {prepare(args.run, args.verifier, args.bundle, args.block_run)}; carry it as .cache/gpu-check", flush=True)
         return 0
     device = args.device
     reason = cuda_unavailable() if device.startswith("cuda") else None
@@ -343,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             ("fp8 quantisation", lambda: quantisation_rows(device)),
             ("dump writer", lambda: writer_rows(work, device)),
             ("speculative decoding", lambda: speculative_rows(args.bundle, device)),
+            ("block decoding", lambda: speculative_rows(args.bundle, device, block=True)),
             ("training", lambda: training_rows(args.bundle, work, device)),
         )
         # A section that fails (a missing bundle, a CUDA error) is a failed row; the others still run.

@@ -10,7 +10,8 @@ figures among it).
 with the verifier's own answers (``regenerate_responses``), and ``--online`` trains from the
 live engine instead of extracted files (``hidden_states_source=engine``, a 2 MB window on
 disk), each in its own run folder (``demo-fp8``, ``demo-regenerated``, ``demo-online``), so
-each can be compared with ``demo``.
+each can be compared with ``demo``. ``--draft-algorithm dflash`` trains, exports, serves and measures
+a DFlash block drafter instead of EAGLE-3 (``demo-dflash``) from the same capture settings.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ sys.path.insert(0, str(REPO))
 
 
 def main() -> int:
-    from eagleflow.demo import DEMO_RUN_NAME, demo_params, make_demo_inputs, run_summary
+    from eagleflow.demo import DEMO_DFLASH_PARAMS, DEMO_RUN_NAME, demo_params, make_demo_inputs, run_summary
     from eagleflow.progress import format_bytes
     from sglang_patch.sample_format import DEFAULT_HIDDEN_STATES_DTYPE, HIDDEN_STATES_DTYPES
 
@@ -53,6 +54,8 @@ def main() -> int:
                         help="train on the verifier's own answers (the Param regenerate_responses)")
     parser.add_argument("--online", action="store_true",
                         help="train from the live engine, no extraction (the Param hidden_states_source engine)")
+    parser.add_argument("--draft-algorithm", choices=["eagle3", "dflash"], default="eagle3",
+                        help="the drafter family to train (the Param draft_algorithm; dflash: a block drafter)")
     args = parser.parse_args()
     dtype = args.hidden_states_dtype
 
@@ -73,9 +76,12 @@ def main() -> int:
         ([] if dtype == DEFAULT_HIDDEN_STATES_DTYPE else [dtype])
         + (["regenerated"] if args.regenerate else [])
         + (["online"] if args.online else [])
+        + ([args.draft_algorithm] if args.draft_algorithm != "eagle3" else [])
     )
     conf = {**demo_params(DEMO_DIR), "run_name": "-".join([DEMO_RUN_NAME, *variant]), "hidden_states_dtype": dtype,
             "regenerate_responses": args.regenerate}
+    if args.draft_algorithm == "dflash":
+        conf.update(DEMO_DFLASH_PARAMS)
     if args.online:
         # A window of a few samples: the disk holds megabytes whatever the dataset's size.
         conf.update(hidden_states_source="engine", dump_queue_gb=ONLINE_WINDOW_GB)
@@ -118,7 +124,8 @@ def main() -> int:
     print(f"  checkpoint   {summary['checkpoint']}")
     print(f"  charts       {', '.join(summary['charts'])}")
     if "step0_acc_last" in summary:
-        print(f"  step-0 accuracy: first steps {summary['step0_acc_first']:.3f} -> last steps {summary['step0_acc_last']:.3f}")
+        what = "step-0 accuracy" if summary["accuracy_metric"] == "full_acc_0" else "block accuracy (full_acc)"
+        print(f"  {what}: first steps {summary['step0_acc_first']:.3f} -> last steps {summary['step0_acc_last']:.3f}")
     evaluation = summary.get("evaluation")
     if evaluation:
         single = evaluation["tokens_per_s"]["single_stream"]
@@ -139,6 +146,12 @@ def main() -> int:
             print(f"  fastest      batch size {batch_size}: {best['config']} ({best['mean_speedup']:.2f}x); SGLang: {flags}")
     complete = (online or {}).get("fetched", 0) > 0 if args.online else summary.get("validated_rows") == summary["rows"] > 0
     evaluated = bool(evaluation) and (evaluation["accept_length"]["mean"] or 0) > 1
+    # Greedy speculative decoding is lossless: every config answers every prompt as the baseline does.
+    lossy = [f"{row['config']} {row['set']}" for row in (evaluation or {}).get("sweep", [])
+             if row.get("same_tokens_as_baseline") is not None and row["same_tokens_as_baseline"] < 1]
+    if lossy:
+        print(f"  LOSSY        answers differ from the baseline's: {', '.join(lossy)}")
+    evaluated = evaluated and not lossy
     checked = bool(check) and check["passed"]
     return 0 if str(run.state) == "success" and complete and evaluated and checked else 1
 
