@@ -64,6 +64,7 @@ def test_prepare_makes_a_bundle_that_the_speculative_rows_measure(tiny_model: Pa
         AUX,
         DRAFT_VOCAB,
         cached_dataset,
+        random_dflash_checkpoint,
         random_speculators_checkpoint,
     )
 
@@ -73,8 +74,11 @@ def test_prepare_makes_a_bundle_that_the_speculative_rows_measure(tiny_model: Pa
     shutil.copytree(cached_dataset(tiny_model), run / "dataset")
     checkpoint = random_speculators_checkpoint(tiny_model, tmp_path / "checkpoint", False, AUX, DRAFT_VOCAB, num_layers=1, randomize=False)
     export(ExportConfig(checkpoint=checkpoint, verifier=tiny_model, out=run / "drafter"))
+    block_run = tmp_path / "block-run"  # the DFlash demo's run: its drafter for the block-decoding row
+    block = random_dflash_checkpoint(tiny_model, tmp_path / "dflash-checkpoint", AUX, block_size=4, num_layers=1)
+    export(ExportConfig(checkpoint=block, verifier=tiny_model, out=block_run / "drafter"))
 
-    bundle = gpu_check.prepare(run, tiny_model, tmp_path / "gpu-check")
+    bundle = gpu_check.prepare(run, tiny_model, tmp_path / "gpu-check", block_run)
     manifest = json.loads((bundle / gpu_check.BUNDLE_MANIFEST).read_text())
     assert len(manifest["prompts"]) == gpu_check.PROMPTS and manifest["num_steps"] >= 1
     assert (bundle / "verifier" / "config.json").is_file() and (bundle / "drafter" / "config.json").is_file()
@@ -87,7 +91,10 @@ def test_prepare_makes_a_bundle_that_the_speculative_rows_measure(tiny_model: Pa
     torch.set_num_threads(1)  # a tiny model's many small ops: parallel regions on shared cores cost 10x
     try:
         speed, same = gpu_check.speculative_rows(bundle, "cpu")
+        block_speed, block_same = gpu_check.speculative_rows(bundle, "cpu", block=True)
     finally:
         torch.set_num_threads(threads)
     assert (same.value, same.ok) == ("3 of 3 prompts", True)
     assert "tokens/s" in speed.value and speed.ok is None and "accept length" in speed.note
+    assert manifest["block_drafter"] == {"path": "dflash-drafter", "block_size": 4}
+    assert (block_same.value, block_same.ok) == ("3 of 3 prompts", True) and "block decoding (DFlash)" in block_speed.figure
