@@ -224,6 +224,40 @@ def random_dflash_checkpoint(
     return out
 
 
+def tampered_checkpoint(
+    checkpoint: Path,
+    dest: Path,
+    config: dict[str, Any] | None = None,
+    weights: Any = None,
+) -> Path:
+    """A copy of ``checkpoint`` at ``dest`` whose ``config.json`` has ``config``'s keys set and whose
+    ``model.safetensors`` is rewritten by ``weights`` (a function editing the name -> tensor dict)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(checkpoint, dest)
+    if config:
+        settings = json.loads((dest / "config.json").read_text())
+        (dest / "config.json").write_text(json.dumps({**settings, **config}, indent=2))
+    if weights is not None:
+        tensors = load_file(str(dest / "model.safetensors"))
+        weights(tensors)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest
+
+
+def folder_snapshot(folder: Path) -> dict[str, tuple[int, int, str]]:
+    """Every file under ``folder``: (inode, mtime_ns, sha256) by relative path, to show it was not touched."""
+    return {
+        str(p.relative_to(folder)): (p.stat().st_ino, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+        for p in sorted(folder.rglob("*")) if p.is_file()
+    }
+
+
+def staging_leftovers(out: Path) -> list[str]:
+    """Staging (or old) folders an atomic write of ``out`` left beside it."""
+    return sorted(p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}."))
+
+
 TRAIN_KEYS = {"kind", "step", "epoch", "lr", "loss", "tokens_per_s", "time"}
 VAL_KEYS = {"kind", "step", "epoch", "loss", "time"}
 

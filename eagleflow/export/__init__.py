@@ -4,6 +4,7 @@
 - :mod:`~eagleflow.export.manifest`: ``export.json``, and :class:`ServedDrafter`, what an engine serving the drafter reads;
 - :mod:`~eagleflow.export.sglang_drafter`: what SGLang's ``LlamaForCausalLMEagle3`` reads;
 - :mod:`~eagleflow.export.dflash_drafter`: what SGLang's ``DFlashDraftModel`` reads;
+- :mod:`~eagleflow.export.tensors`: the tensors a config makes each family's class build, and the one check against them;
 - :mod:`~eagleflow.export.targets`: what each serving engine needs from training.
 
 Nothing heavy is imported here: training, the engines and the Params form read the light modules.

@@ -14,8 +14,11 @@ serves this folder by those rules.
   so it is rebuilt through that class and written whole: SGLang reads the defaults of nothing.
 - ``load_weights`` maps ``q/k/v_proj`` onto ``qkv_proj`` and ``gate/up_proj`` onto ``gate_up_proj``,
   adds or strips ``model.``, **silently skips names it does not know and never reports a weight it
-  built but did not load**: every tensor its class builds must be in the file (checked here), and
-  nothing else may be (it would be dropped).
+  built but did not load**: every tensor its class builds must be in the file with the shape the
+  config gives it, and nothing else may be (it would be dropped). :func:`expected_dflash_weights`
+  lists them (shapes from the config: hidden, heads × head_dim, kv heads, intermediate, layers, the
+  aux layer count); :func:`checkpoint_dflash_weights` adds what speculators' ``DFlashDraftModel``
+  saves beside them, so a checkpoint is checked against itself before anything is written.
 - The draft borrows the *target's* embedding and ``lm_head`` (draft tokens are the argmax of the
   target's head over the draft's ``norm(hidden)``), so a reduced draft vocabulary cannot be served.
 - Aux ids: SGLang's ``target_layer_ids`` are ours − 1 (:func:`eagleflow.sglang_rules.sglang_target_layer_ids`);
@@ -29,10 +32,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eagleflow.export.sglang_drafter import NotServable
+from eagleflow.export.tensors import (
+    Expected, LayerShape, check_tensors, decoder_layer, layer_config, save_weights, vocabulary_tensors,
+)
 
 if TYPE_CHECKING:
     from eagleflow.export.step import Checkpoint
@@ -54,21 +61,6 @@ NOT_EXPORTED = {
 }
 # Tensors of a reduced draft vocabulary: SGLang argmaxes the target's full head and has no use for them.
 REDUCED_VOCAB_TENSORS = ("lm_head.weight", "d2t", "t2d")
-_LAYER_WEIGHTS = (
-    "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-)
-
-
-def layer_config(layer: Mapping[str, Any]) -> dict[str, Any]:
-    """speculators' ``transformer_layer_config`` (a diff) as the whole config its class builds (as
-    speculators' validator builds it: the class of its ``model_type``, Qwen3 by default)."""
-    from transformers import AutoConfig
-
-    settings = dict(layer)
-    model_type = settings.pop("model_type", None) or "qwen3"
-    return AutoConfig.for_model(model_type, **settings).to_dict()
 
 
 def dflash_sglang_config(checkpoint_config: Mapping[str, Any], verifier_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -152,14 +144,32 @@ def dflash_sglang_config(checkpoint_config: Mapping[str, Any], verifier_config: 
     return config
 
 
-def expected_dflash_weights(config: Mapping[str, Any]) -> list[str]:
-    """Every tensor SGLang's ``DFlashDraftModel`` builds for an exported ``config`` (none is reported missing)."""
-    names = ["fc.weight", "hidden_norm.weight", "norm.weight"]
-    bias = bool(config.get("attention_bias", False))
-    for i in range(int(config["num_hidden_layers"])):
-        names += [f"layers.{i}.{name}" for name in _LAYER_WEIGHTS]
-        names += [f"layers.{i}.self_attn.{p}_proj.bias" for p in "qkvo"] if bias else []
-    return names
+def expected_dflash_weights(config: Mapping[str, Any]) -> dict[str, Expected]:
+    """Every tensor SGLang's ``DFlashDraftModel`` builds for an exported ``config`` (none is reported
+    missing), with the shape the config gives it."""
+    ids = list((config.get("dflash_config") or {}).get("target_layer_ids") or [])
+    return _dflash_tensors(LayerShape.of(config), f"dflash_config.target_layer_ids {ids}", len(ids))
+
+
+def checkpoint_dflash_weights(checkpoint_config: Mapping[str, Any]) -> dict[str, Expected]:
+    """Every tensor speculators' ``DFlashDraftModel`` saves for ``checkpoint_config``
+    (``speculators/models/dflash/core.py``): SGLang's (:func:`expected_dflash_weights`) and the
+    vocabulary's (a reduced one's head and maps; the frozen copies it may keep)."""
+    d, ids = LayerShape.of(layer_config(checkpoint_config["transformer_layer_config"])), list(checkpoint_config["aux_hidden_state_layer_ids"])
+    vocabulary = vocabulary_tensors(d, int(checkpoint_config["draft_vocab_size"]), head_always_saved=False)
+    return {**_dflash_tensors(d, f"aux_hidden_state_layer_ids {ids}", len(ids)), **vocabulary}
+
+
+def _dflash_tensors(d: LayerShape, aux: str, aux_layers: int) -> dict[str, Expected]:
+    out = {
+        "fc.weight": Expected((d.hidden, aux_layers * d.hidden), f"{aux}: {aux_layers} aux layers × {d.width}"),
+        "hidden_norm.weight": Expected((d.hidden,), d.width),
+        "norm.weight": Expected((d.hidden,), d.width),
+    }
+    qwen3 = replace(d, mlp_bias=False)  # speculators' and SGLang's draft layer is Qwen3's: q/k norms, no MLP bias
+    for i in range(d.layers):
+        out.update(decoder_layer(i, qwen3, d.hidden, d.width, qk_norm=True))
+    return out
 
 
 def dflash_sglang_weights(tensors: Mapping[str, Any]) -> dict[str, Any]:
@@ -167,18 +177,14 @@ def dflash_sglang_weights(tensors: Mapping[str, Any]) -> dict[str, Any]:
     return {name: t for name, t in tensors.items() if name not in NOT_EXPORTED and name not in REDUCED_VOCAB_TENSORS}
 
 
-def check_dflash_weights(config: Mapping[str, Any], tensors: Mapping[str, Any]) -> None:
-    """Refuse (:class:`NotServable`) a weight SGLang's class builds that is not in ``tensors``, or one it would drop."""
-    reduced = [name for name in REDUCED_VOCAB_TENSORS if name in tensors]
+def check_dflash_weights(config: Mapping[str, Any], checkpoint: Checkpoint) -> None:
+    """Refuse a reduced vocabulary (:class:`NotServable`), and (:class:`UserError`) tensors that are not
+    what SGLang's class builds for ``config``: one missing, of another shape, or one it would drop."""
+    reduced = [name for name in REDUCED_VOCAB_TENSORS if name in checkpoint.weights]
     if reduced:
         raise NotServable(f"a reduced draft vocabulary ({', '.join(reduced)}): SGLang argmaxes the target's full head")
-    expected = expected_dflash_weights(config)
-    missing = [name for name in expected if name not in tensors]
-    if missing:
-        raise NotServable(f"no {', '.join(missing)}: SGLang's {DFLASH_ARCHITECTURE} builds them and never says one was not loaded")
-    unknown = sorted(set(dflash_sglang_weights(tensors)) - set(expected))
-    if unknown:
-        raise NotServable(f"{', '.join(unknown)}: SGLang's {DFLASH_ARCHITECTURE} builds no such weight and would drop it without a word")
+    served = dflash_sglang_weights(checkpoint.weights)
+    check_tensors(expected_dflash_weights(config), served, checkpoint.folder / "model.safetensors", checkpoint.config_path)
 
 
 def dflash_features(config: Mapping[str, Any]) -> list[str]:
@@ -198,7 +204,6 @@ def export_dflash_sglang(checkpoint: Checkpoint | Path, verifier: Path, target: 
 
     :raises NotServable: SGLang would not compute what was trained.
     """
-    from safetensors.torch import save_file
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
@@ -214,14 +219,14 @@ def export_dflash_sglang(checkpoint: Checkpoint | Path, verifier: Path, target: 
     try:
         config = dflash_sglang_config(checkpoint.config, verifier_config)
         check_rotary(layer_config(checkpoint.config["transformer_layer_config"]), config, Qwen3Config, Qwen3RotaryEmbedding)
-        check_dflash_weights(config, checkpoint.weights)
+        check_dflash_weights(config, checkpoint)
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, NotServable):
             raise
         raise UserError(f"{checkpoint.config_path}: unusable DFlash config ({type(exc).__name__}: {excerpt(exc)})") from exc
     weights = dflash_sglang_weights(checkpoint.weights)
     target.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(target / "model.safetensors"), metadata={"format": "pt"})
+    save_weights(weights, target / "model.safetensors")
     (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     dflash = config["dflash_config"]
     return {

@@ -20,6 +20,9 @@ source on what :func:`sglang_config` and :func:`sglang_weights` produce.
   SGLang builds q/k/v without bias (``llama_eagle3.py`` overrides ``qkv_proj``) and the MLP without
   bias, but ``o_proj`` with the config's ``attention_bias``: non-zero q/k/v or MLP biases are
   refused, an ``o_proj`` bias is served.
+- Every tensor the class builds must be in the file with the shape its config gives it (it loads
+  whatever shape it is handed into a parameter sized by the config, or skips it):
+  :func:`expected_eagle3_weights` lists them, as speculators' ``Eagle3DraftModel`` saves them.
 - Rotary settings: SGLang reads ``rope_parameters``, else ``rope_scaling`` with ``rope_theta``
   (:mod:`eagleflow.sglang_rules.rope`); the export writes ``rope_parameters`` either way, and
   :mod:`eagleflow.export.rotary` refuses a drafter whose rotary SGLang computes otherwise.
@@ -34,9 +37,12 @@ source on what :func:`sglang_config` and :func:`sglang_weights` produce.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from eagleflow.export.tensors import Expected, LayerShape, decoder_layer, layer_config, vocabulary_tensors
 
 SGLANG_DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 SGLANG_DRAFT_LAYER_TYPE = "llama"
@@ -64,6 +70,8 @@ SINCE: dict[str, tuple[int, int, int]] = {
     "norm_output": (0, 5, 13),
     "norm_before_fc": (0, 5, 17),
 }
+# The draft layers speculators' EAGLE-3 builds (speculators/models/eagle3/model_definitions.py model_classes).
+EAGLE3_LAYER_TYPES = ("llama", "qwen3")
 # Checkpoint weights the SGLang folder leaves out, and why.
 NOT_EXPORTED = {
     "embed_tokens.weight": "SGLang gives the draft the target's embedding (set_embed); speculators froze a copy of it",
@@ -199,6 +207,37 @@ def rope_parameters(layer: Mapping[str, Any]) -> dict[str, Any]:
     scaling = dict(layer.get("rope_scaling") or {})
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
     return {**scaling, "rope_type": kind, "rope_theta": float(layer.get("rope_theta", 10000.0))}
+
+
+def expected_eagle3_weights(checkpoint_config: Mapping[str, Any]) -> dict[str, Expected]:
+    """Every tensor speculators' ``Eagle3DraftModel`` saves for ``checkpoint_config``, with its shape
+    (``speculators/models/eagle3/core.py``): what ``LlamaForCausalLMEagle3`` loads too, under the names
+    :func:`sglang_weights` gives them. The variant is in the weights: ``norm_before_fc`` builds
+    ``input_norm``, ``fc_norm`` one ``fc_norm.{i}`` per aux layer (``norm_output`` builds nothing).
+
+    :raises ValueError: a config speculators would not build (both norms, a layer type it has not).
+    """
+    layer = layer_config(checkpoint_config["transformer_layer_config"])
+    if layer["model_type"] not in EAGLE3_LAYER_TYPES:
+        raise ValueError(f"transformer_layer_config model_type {layer['model_type']!r}: speculators' EAGLE-3 builds {', '.join(EAGLE3_LAYER_TYPES)} layers")
+    d, ids = LayerShape.of(layer), checkpoint_config.get("eagle_aux_hidden_state_layer_ids")
+    before_fc, fc_norm = bool(checkpoint_config.get("norm_before_fc", False)), bool(checkpoint_config.get("fc_norm", False))
+    if before_fc and fc_norm:
+        raise ValueError("norm_before_fc and fc_norm are both true: speculators builds one or the other")
+    n = len(ids) if ids else 3  # speculators' default count
+    aux = f"eagle_aux_hidden_state_layer_ids {ids}: {n} aux layers × {d.width}"
+    out = {
+        "fc.weight": Expected((d.hidden, n * d.hidden), aux),
+        "input_norm.weight": Expected((n * d.hidden,) if before_fc else None, f"norm_before_fc {json.dumps(before_fc)}, {aux}"),
+        "layers.0.hidden_norm.weight": Expected((d.hidden,), d.width),
+        "norm.weight": Expected((d.hidden,), d.width),
+        **{f"fc_norm.{i}.weight": Expected((d.hidden,) if fc_norm else None, f"fc_norm {json.dumps(fc_norm)}, {aux}") for i in range(n)},
+        **vocabulary_tensors(d, int(checkpoint_config["draft_vocab_size"]), head_always_saved=True),
+    }
+    first = f"2 × {d.width}: the first layer reads the embedding beside the state"
+    for i in range(d.layers):
+        out.update(decoder_layer(i, d, 2 * d.hidden if i == 0 else d.hidden, first if i == 0 else d.width, layer["model_type"] == "qwen3"))
+    return out
 
 
 def unserved_weights(tensors: Mapping[str, Any]) -> list[str]:

@@ -18,9 +18,15 @@ True, a non-Llama draft layer, aux ids its target cannot capture, a draft narrow
 the verifier, q/k/v or MLP biases, rotary settings SGLang computes otherwise) gets no SGLang folder: with
 ``--serve-with sglang`` that is an error naming the reason, with ``vllm`` the reason is recorded.
 The checkpoint is read and checked first (a torn config, truncated weights or a missing layer
-config is an error naming the file); the whole of ``OUT`` is then built beside it, read back,
-fsynced and swapped in by one rename, so ``OUT`` holds the earlier export or the complete new one,
-never a mix; a failure (a full disk too) leaves the earlier export untouched.
+config is an error naming the file), then checked against itself: every tensor its config makes
+its family's class build must be there with the shape the config gives it, and nothing else
+(:mod:`eagleflow.export.tensors`). An aux layer count ``fc`` was not trained for, the weights of
+another variant (``fc_norm.*`` under ``norm_before_fc``) or a cut tensor would load in every engine
+and serve another function, so such a checkpoint is refused whatever ``--serve-with`` says. The
+whole of ``OUT`` is then built beside it, read back, fsynced and swapped in by one rename, so
+``OUT`` holds the earlier export or the complete new one, never a mix; a failure (a full disk too,
+which safetensors' writer reports as its own error: :func:`eagleflow.export.tensors.save_weights`)
+leaves the earlier export untouched.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import argparse
 import errno
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,10 +45,12 @@ from pydantic import BaseModel, Field
 from eagleflow.config import add_model_arguments, model_from_args
 from eagleflow.data import config_int, read_config
 from eagleflow.errors import UserError, excerpt
+from eagleflow.export.dflash_drafter import checkpoint_dflash_weights
 from eagleflow.export.sglang_drafter import (
     NotServable,
     captured_layer_ids,
     draft_window_size,
+    expected_eagle3_weights,
     minimum_sglang,
     sglang_config,
     sglang_features,
@@ -52,6 +60,7 @@ from eagleflow.export.sglang_drafter import (
 from eagleflow.export.manifest import EXPORT_MANIFEST
 from eagleflow.export.rotary import check_rotary
 from eagleflow.export.targets import ServingEngine
+from eagleflow.export.tensors import Expected, check_tensors, save_weights
 from eagleflow.files import atomic_folder, fsync_path
 from eagleflow.layout import TrainLayout
 from eagleflow.results import emit_result
@@ -101,6 +110,12 @@ COMMON_CONFIG_KEYS = {
     "transformer_layer_config": "the draft layer's config",
     "draft_vocab_size": "the draft vocabulary size",
 }
+# Each family's tensors as its speculators class saves them, by speculators_model_type (a family
+# without a list is one eagleflow does not export: its refusal says so).
+CHECKPOINT_TENSORS: dict[str, Callable[[Mapping[str, Any]], dict[str, Expected]]] = {
+    "eagle3": expected_eagle3_weights,
+    "dflash": checkpoint_dflash_weights,
+}
 REQUIRED_CONFIG_KEYS: dict[str, dict[str, str]] = {
     "eagle3": {**COMMON_CONFIG_KEYS, "eagle_aux_hidden_state_layer_ids": "the verifier layers the drafter reads"},
     "dflash": {
@@ -112,8 +127,8 @@ REQUIRED_CONFIG_KEYS: dict[str, dict[str, str]] = {
 
 
 def read_checkpoint(folder: Path) -> Checkpoint:
-    """Read and check ``folder``'s ``config.json`` and ``model.safetensors``; a damaged one is a
-    :class:`UserError` naming the file and what is wrong, not a parser's traceback."""
+    """Read and check ``folder``'s ``config.json`` and ``model.safetensors``, and the one against the
+    other; a damaged one is a :class:`UserError` naming the file and what is wrong, not a parser's traceback."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -138,7 +153,15 @@ def read_checkpoint(folder: Path) -> Checkpoint:
         weights = load_file(str(weights_path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise UserError(f"{weights_path}: not readable safetensors ({excerpt(exc)}); {damaged}") from exc
-    return Checkpoint(folder, config, weights)
+    checkpoint = Checkpoint(folder, config, weights)
+    tensors = CHECKPOINT_TENSORS.get(kind)
+    if tensors is not None:
+        try:
+            expected = tensors(config)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UserError(f"{config_path}: unusable draft config ({type(exc).__name__}: {excerpt(exc)}); {damaged}") from exc
+        check_tensors(expected, weights, weights_path, config_path)
+    return checkpoint
 
 
 def export_speculators(checkpoint: Checkpoint, target: Path) -> None:
@@ -157,8 +180,6 @@ def export_sglang(checkpoint: Checkpoint | Path, verifier: Path, target: Path) -
 
     :raises NotServable: SGLang would not compute what was trained.
     """
-    from safetensors.torch import save_file
-
     if isinstance(checkpoint, Path):
         checkpoint = read_checkpoint(checkpoint)
     architecture = (read_config(verifier).get("architectures") or ["?"])[0]
@@ -175,7 +196,7 @@ def export_sglang(checkpoint: Checkpoint | Path, verifier: Path, target: Path) -
         raise UserError(f"{checkpoint.config_path}: unusable draft config ({type(exc).__name__}: {excerpt(exc)})") from exc
     weights = sglang_weights(checkpoint.weights)
     target.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(target / "model.safetensors"), metadata={"format": "pt"})
+    save_weights(weights, target / "model.safetensors")
     (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     sglang_ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     return {
@@ -282,14 +303,23 @@ def export(cfg: ExportConfig) -> dict[str, Any]:
 def write_failure(exc: OSError, out: Path, checkpoint: Path) -> str:
     """What a failed write of the drafter folder tells its user: which folder, how much space, what is kept."""
     kept = f"an earlier export in {out} is untouched" if out.exists() else f"nothing was left in {out.parent}"
+    written = out_path(Path(exc.filename), out) if exc.filename else out
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         free = shutil.disk_usage(out.parent).free
         needed = sum(p.stat().st_size for p in checkpoint.glob("*") if p.is_file())
         return (
-            f"no space left on the device of {out.parent}: {free} bytes free, the export needs about {2 * needed} "
-            f"bytes beside any earlier export (two copies of {checkpoint}'s weights); {kept}. Free space and export again"
+            f"no space left on the device of {out.parent} (writing {written}): {free} bytes free, the export needs about "
+            f"{2 * needed} bytes beside any earlier export (two copies of {checkpoint}'s weights); {kept}. Free space and export again"
         )
-    return f"cannot write the drafter folder {out}: {exc.strerror or exc} ({exc.filename or out}); {kept}"
+    return f"cannot write the drafter folder {out}: {exc.strerror or exc} ({written}); {kept}"
+
+
+def out_path(path: Path, out: Path) -> Path:
+    """``path`` inside the staging folder of ``out`` as the path it was to have in ``out`` (staging is gone by now)."""
+    for parent in path.parents:
+        if parent.parent == out.parent and parent.name.startswith(f".{out.name}.staging-"):
+            return out / path.relative_to(parent)
+    return path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,13 +1,13 @@
 """export under faults: a damaged checkpoint or a full disk leaves the earlier export as it was.
 
 Each fault is real: a config.json cut in half, weights truncated on disk, a layer config taken
-out of the checkpoint, a tmpfs too small for a second copy. The drafter folder is compared file
+out of the checkpoint, a tmpfs too small for a second copy, or one where the speculators folder
+fits and SGLang's does not (safetensors' Rust writer reports that as its own error, not an OSError). The drafter folder is compared file
 by file (inode, mtime, bytes) before and after, and no staging folder may be left beside it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -21,7 +21,9 @@ from eagleflow.errors import UserError
 from eagleflow.export.step import ExportConfig, export
 from eagleflow.export.manifest import ServedDrafter
 
+from training_data import folder_snapshot as snapshot
 from training_data import random_speculators_checkpoint
+from training_data import staging_leftovers as leftovers
 
 AUX = [2, 4, 5]
 
@@ -29,18 +31,6 @@ AUX = [2, 4, 5]
 @pytest.fixture(scope="module")
 def checkpoint(random_tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return random_speculators_checkpoint(random_tiny_model, tmp_path_factory.mktemp("ck") / "checkpoint", False, AUX, 256)
-
-
-def snapshot(folder: Path) -> dict[str, tuple[int, int, str]]:
-    """Every file under ``folder``: (inode, mtime_ns, sha256) by relative path."""
-    return {
-        str(p.relative_to(folder)): (p.stat().st_ino, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
-        for p in sorted(folder.rglob("*")) if p.is_file()
-    }
-
-
-def leftovers(out: Path) -> list[str]:
-    return sorted(p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}."))
 
 
 def damaged_copy(checkpoint: Path, dest: Path, fault: str) -> Path:
@@ -92,19 +82,29 @@ def test_a_damaged_checkpoint_is_named_and_the_earlier_export_is_untouched(
     assert set(snapshot(out)) == set(before) and leftovers(out) == []
 
 
+PAGE = 4096  # tmpfs hands out whole pages
+
+
+def exported_then_filled(disk: Path, checkpoint: Path, verifier: Path, room: dict[str, float]) -> tuple[Path, Path]:
+    """An export in ``disk/drafter``, then a filler file leaving free ``room[sub]`` times the pages of
+    each of its subfolders (``""``: the whole export), plus a few pages; returns the drafter and the filler."""
+    out = disk / "drafter"
+    export(ExportConfig(checkpoint=checkpoint, verifier=verifier, out=out))
+    pages = {sub: sum(-(-p.stat().st_size // PAGE) * PAGE for p in (out / sub).rglob("*") if p.is_file()) for sub in room}
+    left = int(sum(share * pages[sub] for sub, share in room.items())) + 4 * PAGE
+    filler = disk / "filler"
+    with open(filler, "wb") as handle:
+        handle.write(b"\0" * max(shutil.disk_usage(disk).free - left, 0))
+    return out, filler
+
+
 def test_disk_full_during_export_says_no_space_keeps_the_earlier_export_and_the_retry_completes(
     checkpoint: Path, random_tiny_model: Path, small_tmpfs
 ) -> None:
     disk = small_tmpfs("4m")
-    out = disk / "drafter"
-    export(ExportConfig(checkpoint=checkpoint, verifier=random_tiny_model, out=out))
-    before = snapshot(out)
-    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     # Leave room for half a second copy: the new folder is built beside the earlier one.
-    filler = disk / "filler"
-    with open(filler, "wb") as handle:
-        handle.write(b"\0" * max(shutil.disk_usage(disk).free - size // 2, 0))
-    free = shutil.disk_usage(disk).free
+    out, filler = exported_then_filled(disk, checkpoint, random_tiny_model, {"": 0.5})
+    before, free = snapshot(out), shutil.disk_usage(disk).free
     with pytest.raises(UserError) as caught:
         export(ExportConfig(checkpoint=checkpoint, verifier=random_tiny_model, out=out))
     message = str(caught.value)
@@ -114,6 +114,25 @@ def test_disk_full_during_export_says_no_space_keeps_the_earlier_export_and_the_
     filler.unlink()
     export(ExportConfig(checkpoint=checkpoint, verifier=random_tiny_model, out=out))
     assert set(snapshot(out)) == set(before) and leftovers(out) == []
+
+
+def test_disk_full_while_writing_the_sglang_folder_says_no_space_not_a_safetensors_error(
+    checkpoint: Path, random_tiny_model: Path, small_tmpfs
+) -> None:
+    disk = small_tmpfs("4m")
+    # Room for the speculators folder and half of SGLang's weights: the Rust writer runs out mid-file.
+    out, _ = exported_then_filled(disk, checkpoint, random_tiny_model, {"speculators": 1, "sglang": 0.5})
+    before, free = snapshot(out), shutil.disk_usage(disk).free
+    proc = subprocess.run(
+        [sys.executable, "-m", "eagleflow", "export", "--checkpoint", str(checkpoint), "--verifier", str(random_tiny_model),
+         "--out", str(out)], capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "SafetensorError" not in proc.stderr, proc.stderr[-2000:]
+    assert f"no space left on the device of {disk} (writing {out / 'sglang' / 'model.safetensors'}): " in proc.stderr
+    assert "bytes free, the export needs about" in proc.stderr and f"an earlier export in {out} is untouched" in proc.stderr
+    assert snapshot(out) == before and leftovers(out) == []
+    assert shutil.disk_usage(disk).free == free  # the half-written folder is gone
 
 
 def test_a_moved_drafter_folder_serves_its_own_files(checkpoint: Path, random_tiny_model: Path, tmp_path: Path) -> None:
