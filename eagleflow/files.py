@@ -1,5 +1,5 @@
-"""Atomic publication of files and folders (write beside the target, then rename over it), and
-:class:`FolderLock`, one worker per folder."""
+"""Atomic publication of files and folders (write beside the target, then rename over it),
+:class:`FolderLock`, one worker per folder, and :func:`open_under`, reading confined to a folder."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ import json
 import os
 import shutil
 import socket
+import stat
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from eagleflow.errors import UserError
 from sglang_patch.file_mode import published_file_mode
@@ -285,3 +286,86 @@ class FolderLock:
         data = json.dumps(info).encode()
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, data, 0)
+
+
+# ---------------------------------------------------------------------------------------
+# reading confined to a folder: what a reader for people (the run pages) may open
+
+_NOT_REGULAR = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+
+
+class RefusedFile(Exception):
+    """A file a confined reader does not open: ``reason`` says why, for people (never what lies outside)."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = path, reason
+
+
+def resolve_under(path: str | os.PathLike[str], root: Path) -> Path:
+    """``path`` with every symlink followed, or RefusedFile when that lands outside ``root`` (a resolved folder).
+
+    A link out, of the path or of any folder above it, is caught here and nothing beyond it is looked at.
+    """
+    try:
+        real = Path(path).resolve()
+    except (RuntimeError, OSError) as exc:  # a symlink loop (RuntimeError before Python 3.13)
+        raise RefusedFile(Path(path), f"cannot be resolved ({exc})") from exc
+    if not real.is_relative_to(root):
+        raise RefusedFile(Path(path), f"resolves outside {root} (a symbolic link out of it)")
+    return real
+
+
+def stat_under(path: str | os.PathLike[str], root: Path, max_bytes: int | None = None) -> os.stat_result:
+    """The status of the regular file ``path`` names, if it lies under ``root`` and holds at most ``max_bytes``.
+
+    FileNotFoundError when nothing is there; RefusedFile when it resolves outside ``root``, is not a
+    regular file (a device such as ``/dev/zero``, a FIFO, a socket or a folder: judged on its status, so
+    it is never opened, which could block or never end) or is larger than ``max_bytes`` (its size said).
+    """
+    return _checked(path, root, max_bytes)[1]
+
+
+def open_under(path: str | os.PathLike[str], root: Path, max_bytes: int | None = None) -> BinaryIO:
+    """``path`` opened for reading after :func:`stat_under`'s checks, made again on the opened file.
+
+    The resolved path is opened without following a link there and without blocking, and the open file
+    must be the one checked: one swapped in between (a link, a FIFO) is refused, never read.
+    """
+    real, info = _checked(path, root, max_bytes)
+    fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    opened = os.fstat(fd)
+    if (opened.st_dev, opened.st_ino) != (info.st_dev, info.st_ino) or not stat.S_ISREG(opened.st_mode):
+        os.close(fd)
+        raise RefusedFile(Path(path), "changed while it was being opened")
+    return os.fdopen(fd, "rb")
+
+
+def read_under(path: str | os.PathLike[str], root: Path, max_bytes: int, *, tail: bool = False) -> tuple[bytes, int]:
+    """At most ``max_bytes`` of ``path`` (:func:`open_under`) and the file's size: all of it, or with ``tail``
+    the last ``max_bytes`` of a larger file (a larger file without ``tail`` is RefusedFile)."""
+    with open_under(path, root, None if tail else max_bytes) as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size > max_bytes:
+            handle.seek(size - max_bytes)
+        return handle.read(max_bytes), size
+
+
+def _checked(path: str | os.PathLike[str], root: Path, max_bytes: int | None) -> tuple[Path, os.stat_result]:
+    real = resolve_under(path, root)
+    info = os.stat(real)
+    if not stat.S_ISREG(info.st_mode):
+        kind = next((name for test, name in _NOT_REGULAR if test(info.st_mode)), "something else")
+        raise RefusedFile(Path(path), f"is {kind}, not a regular file")
+    if max_bytes is not None and info.st_size > max_bytes:
+        raise RefusedFile(Path(path), f"is {size_text(info.st_size)}, over the bound of {size_text(max_bytes)}")
+    return real, info
+
+
+def size_text(num_bytes: int) -> str:
+    """``209.7 MB``: a file size for people (decimal units)."""
+    for unit, size in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.1f} {unit}"
+    return f"{num_bytes} bytes"

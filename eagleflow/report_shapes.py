@@ -164,6 +164,28 @@ class CaptureCheckShape(_Shape):
     tolerance: Annotated[_Tolerance, BeforeValidator(_empty_if_none)] = _Tolerance()
 
 
+def capture_check_summary(report: dict[str, Any]) -> dict[str, Any] | None:
+    """One capture check's verdict and figures from its report (of :class:`CaptureCheckShape`), or None for an empty one."""
+    if not report:
+        return None
+    final = report.get("final_slot") or {}
+    return {
+        "passed": bool(report.get("passed")),
+        "rows": report.get("rows_checked") if report.get("rows_checked") is not None else report.get("rows"),
+        "tokens": report.get("tokens"),
+        "engine": report.get("engine") or {},
+        "positions": final.get("positions"),
+        "worst": final.get("worst") or {},
+        "top1_agreement": final.get("top1_agreement"),
+        "normed_rms_range": ((report.get("slots") or [{}])[-1]).get("normed_rms_range"),
+        "embedding": report.get("embedding"),
+        "extraction_request": report.get("extraction_request") or {},
+        "slots": report.get("slots") or [],
+        "findings": [f.get("text", "") for f in report.get("findings") or []],
+        "tolerance": report.get("tolerance") or {},
+    }
+
+
 def shaped(model: type[BaseModel], data: dict[str, Any], path: Path, root: Path) -> dict[str, Any]:
     """``data`` checked against ``model`` as plain JSON, or ``{"error": …}`` naming the file and the first bad field."""
     try:

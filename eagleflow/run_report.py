@@ -2,25 +2,112 @@
 
 The one reader of a whole run folder (DESIGN.md §3.6), used by the UI plugin's pages and by
 ``make demo``'s summary. Light on purpose: no torch, so the Airflow API server can import it
-(pandas is imported only when a metrics file is read).
+(pandas is imported only when a metrics file is read). Every file is read through :class:`RunFiles`:
+only regular files under the output root, each up to the bound of its kind.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from eagleflow.errors import UserError
-from eagleflow.extract.manifest import ShardManifest
+from eagleflow.extract.manifest import _KINDS, ShardManifest
+from eagleflow.files import RefusedFile, open_under, read_under, resolve_under, size_text, stat_under
 from eagleflow.layout import RunLayout
-from eagleflow.report_shapes import CaptureCheckShape, EvaluationShape, finite, shaped
+from eagleflow.report_shapes import CaptureCheckShape, EvaluationShape, capture_check_summary, finite, shaped
 
 # The charts the plot step draws (its file stem, and a title for people): an EAGLE-3 drafter's, a block drafter's.
 CHARTS = (("loss", "Loss per TTT step"), ("acc", "Accuracy per TTT step"))
 BLOCK_CHARTS = (("loss", "Loss"), ("eal", "Expected accept length"), ("acc", "Accuracy per block slot"))
 EVAL_REPORT, EVAL_CHART, SWEEP_CHART = "report.json", "accept", "sweep"  # written by eagleflow.evaluate.step / .charts
+# What a page reads of a file, by kind: a JSON report or shard manifest is read whole up to a bound far above
+# any real one (KBs; a sweep's per-prompt lists a few MB) and refused beyond it; of a longer metrics.jsonl
+# only its end is read (where the latest records are), so a page costs the same at any length of training.
+JSON_MAX_BYTES = 8 * 10**6
+METRICS_TAIL_BYTES = 8 * 10**6
+
+
+class RunFiles:
+    """The one way a run's files are opened for people: the run pages, ``make demo``'s summary, the file route.
+
+    Every path is resolved (symlinks followed) and refused when it lands outside the output root (the
+    run folder's parent), when it is not a regular file (a device such as ``/dev/zero``, a FIFO or a
+    socket: judged on its status, never opened) or when it is over the bound of its kind, so a link or
+    a huge file in a run folder can neither show what lies outside nor stall the API server. The checks
+    are :func:`eagleflow.files.open_under`'s. A refused file counts as absent and is kept in ``refused``
+    (its path in the run: why), for the page to name.
+    """
+
+    def __init__(self, layout: RunLayout) -> None:
+        self.layout, self.output_root = layout, layout.root.parent.resolve()
+        self.refused: dict[str, str] = {}
+
+    def name(self, path: Path) -> str:
+        """``path`` as the page names it: relative to the run folder."""
+        return str(path.relative_to(self.layout.root)) if path.is_relative_to(self.layout.root) else str(path)
+
+    def refusal(self, path: Path) -> str | None:
+        """``<path in the run>: not read: <why>`` when ``path`` was refused, else None."""
+        reason = self.refused.get(self.name(path))
+        return f"{self.name(path)}: not read: {reason}" if reason else None
+
+    def open(self, path: Path, max_bytes: int | None = None) -> BinaryIO:
+        """``path`` opened after the checks (the file route streams it); FileNotFoundError or RefusedFile."""
+        try:
+            return open_under(path, self.output_root, max_bytes)
+        except RefusedFile as exc:
+            self.refused[self.name(path)] = exc.reason
+            raise
+
+    def stat(self, path: Path) -> os.stat_result | None:
+        """The status of a file the page links or checks without reading it now (a chart, a log); None when
+        it is absent or refused."""
+        try:
+            return stat_under(path, self.output_root)
+        except RefusedFile as exc:
+            self.refused[self.name(path)] = exc.reason
+        except OSError:
+            pass
+        return None
+
+    def folder(self, path: Path) -> bool:
+        """Whether ``path`` is a folder under the output root, to be listed (one resolving outside is refused)."""
+        try:
+            return resolve_under(path, self.output_root).is_dir()
+        except RefusedFile as exc:
+            self.refused[self.name(path)] = exc.reason
+            return False
+
+    def text(self, path: Path, max_bytes: int = JSON_MAX_BYTES, *, tail: bool = False) -> str | None:
+        """``path``'s text: the whole file up to ``max_bytes`` (with ``tail``, the whole lines in the last
+        ``max_bytes`` of a longer one); None when it is absent, refused or cannot be read (the last two named
+        in ``refused``)."""
+        try:
+            data, size = read_under(path, self.output_root, max_bytes, tail=tail)
+        except FileNotFoundError:
+            return None
+        except RefusedFile as exc:
+            self.refused[self.name(path)] = exc.reason
+            return None
+        except OSError as exc:
+            self.refused[self.name(path)] = f"cannot be read ({exc.strerror or exc})"
+            return None
+        if size > max_bytes:  # read from the middle of a line: that part is no line
+            data = data.partition(b"\n")[2]
+        return data.decode("utf-8", errors="replace")
+
+    def json(self, path: Path) -> dict[str, Any]:
+        """The JSON object in ``path``; {} when it is missing, torn, not an object, or refused (:meth:`refusal`)."""
+        text = self.text(path)
+        try:
+            data = json.loads(text) if text is not None else None
+        except ValueError:
+            return {}
+        return data if isinstance(data, dict) else {}
 
 
 @dataclass
@@ -39,6 +126,27 @@ class ShardSummary(ShardManifest):
     def tokens_per_s(self) -> float | None:
         return self.tokens / self.seconds if self.seconds > 0 and self.tokens else None
 
+    @classmethod
+    def from_text(cls, text: str) -> ShardSummary:
+        """:meth:`ShardManifest.read`'s parse and checks, on a manifest's text read through :class:`RunFiles`.
+
+        :raises ValueError: torn JSON, or JSON of another shape (naming the first field of a wrong type).
+        """
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+        types = {f.name: str(f.type) for f in fields(ShardManifest)}
+        values = {k: v for k, v in data.items() if k in types}
+        for key, value in values.items():
+            kind = _KINDS.get(types[key])
+            if kind is not None and not kind[1](value):
+                raise ValueError(f"field {key!r} is {type(value).__name__} {str(value)[:60]!r}, not {kind[0]}")
+        if "name" not in values:
+            raise ValueError("no 'name' field")
+        if "total_tokens" not in values:  # written before totals were recorded: the best it knows is its attempt's
+            values = {**values, "total_tokens": values.get("tokens", 0), "total_bytes": values.get("bytes", 0)}
+        return cls(**values)
+
     def as_json(self) -> dict[str, Any]:
         """The shard for a page: its size is its totals over every attempt; the rates are the latest attempt's."""
         return {
@@ -51,70 +159,86 @@ class ShardSummary(ShardManifest):
         }
 
 
-def read_shards(layout: RunLayout) -> list[ShardSummary]:
-    """Every ``shards/*.json`` manifest, ordered by first row; an unreadable one is shown as such."""
+def read_shards(layout: RunLayout, files: RunFiles | None = None) -> list[ShardSummary]:
+    """Every ``shards/*.json`` manifest, ordered by first row; an unreadable or refused one is shown as such."""
+    files = files or RunFiles(layout)
     shards: list[ShardSummary] = []
-    if not layout.shards.is_dir():
+    if not files.folder(layout.shards):
         return shards
     for path in layout.shards.glob("*.json"):
+        text = files.text(path)
+        refusal = files.refusal(path)
+        if text is None:  # refused, or gone since the glob
+            if refusal:
+                shards.append(ShardSummary(name=path.stem, state="unreadable", error=refusal))
+            continue
         try:
-            shards.append(ShardSummary.read(path))
-        except (OSError, ValueError, TypeError) as exc:
+            shards.append(ShardSummary.from_text(text))
+        except (ValueError, TypeError) as exc:
             shards.append(ShardSummary(name=path.stem, state="unreadable", error=f"{path.name}: {exc}"))
     return sorted(shards, key=lambda s: (s.start, s.name))
 
 
 class MetricsCache:
-    """``latest_metrics`` of a metrics file, re-read only when the file changes (it can be MBs)."""
+    """``latest_metrics`` of a metrics file, re-read only when the file changes (it can be MBs); of a file
+    over :data:`METRICS_TAIL_BYTES` only the end is read, and ``note`` says so."""
 
     def __init__(self) -> None:
-        self._entries: dict[Path, tuple[tuple[int, int], dict[str, Any]]] = {}
+        self._entries: dict[Path, tuple[tuple[int, int, int, int], dict[str, Any]]] = {}
 
-    def latest(self, path: Path) -> dict[str, Any] | None:
-        from eagleflow.metrics.reader import latest_metrics, read_metrics
+    def latest(self, path: Path, files: RunFiles) -> dict[str, Any] | None:
+        from eagleflow.metrics.reader import latest_metrics, parse_metrics
 
-        try:
-            stat = path.stat()
-        except OSError:
-            return None
-        key = (stat.st_mtime_ns, stat.st_size)
+        stat = files.stat(path)
+        if stat is None:
+            refusal = files.refusal(path)
+            return self._failed(refusal) if refusal else None
+        key = (stat.st_dev, stat.st_ino, stat.st_mtime_ns, stat.st_size)
         cached = self._entries.get(path)
         if cached and cached[0] == key:
             return cached[1]
+        text = files.text(path, METRICS_TAIL_BYTES, tail=True)
+        if text is None:
+            return self._failed(files.refusal(path) or f"{files.name(path)}: gone while it was read")
+        tail, name = stat.st_size > METRICS_TAIL_BYTES, files.name(path)
+        source = f"{name} (its last {size_text(METRICS_TAIL_BYTES)})" if tail else name
         try:
-            latest = latest_metrics(read_metrics(path))
+            latest = latest_metrics(parse_metrics(text, "auto", source))
         except UserError as exc:
-            latest = {"error": str(exc), "records": 0, "drafter": None, "train": None, "val": None, "ttt": [],
-                      "positions": []}
+            latest = self._failed(str(exc))
+        if tail:
+            latest["note"] = (f"{name} is {size_text(stat.st_size)}: these figures are from its last "
+                              f"{size_text(METRICS_TAIL_BYTES)} ({latest['records']:,} records)")
         self._entries[path] = (key, latest)
         return latest
 
+    @staticmethod
+    def _failed(error: str) -> dict[str, Any]:
+        return {"error": error, "records": 0, "drafter": None, "train": None, "val": None, "ttt": [], "positions": []}
 
-def readable_files(layout: RunLayout) -> list[Path]:
-    """The logs a reader of the run may open: training log, the engines' logs, metrics, reports."""
+
+def readable_files(layout: RunLayout, files: RunFiles | None = None) -> list[Path]:
+    """The logs a reader of the run may open: training log, the engines' logs, metrics, reports (only those
+    in folders under the output root are listed)."""
     from eagleflow.data.regenerate import SKIPPED_FILE, SUMMARY_FILE
 
+    files = files or RunFiles(layout)
+    engine_logs = layout.engine_logs if files.folder(layout.server) else []
+    checks = layout.capture_check_reports if files.folder(layout.capture_checks) else []
     return [
-        layout.regenerated / SUMMARY_FILE, layout.regenerated / SKIPPED_FILE, layout.train.log, *layout.engine_logs,
-        layout.train.metrics, *layout.capture_check_reports, layout.evaluation / EVAL_REPORT,
+        layout.regenerated / SUMMARY_FILE, layout.regenerated / SKIPPED_FILE, layout.train.log, *engine_logs,
+        layout.train.metrics, *checks, layout.evaluation / EVAL_REPORT,
     ]
 
 
-def _json_or_empty(path: Path) -> dict[str, Any]:
-    """The JSON object in ``path``; {} when it is missing, torn or not an object."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def evaluation_summary(layout: RunLayout) -> dict[str, Any] | None:
+def evaluation_summary(layout: RunLayout, files: RunFiles | None = None) -> dict[str, Any] | None:
     """The drafter's evaluation (accept length, speedup, estimate) and its chart, or None before one ran."""
+    files = files or RunFiles(layout)
     path = layout.evaluation / EVAL_REPORT
-    report = _json_or_empty(path)
+    report = files.json(path)
     if not report:
-        return None
+        refusal = files.refusal(path)
+        return {"error": refusal} if refusal else None
     report = shaped(EvaluationShape, report, path, layout.root)
     if "error" in report:
         return {"error": report["error"]}
@@ -123,25 +247,26 @@ def evaluation_summary(layout: RunLayout) -> dict[str, Any] | None:
     summary = {key: report.get(key) for key in keys}
     summary["sweep"] = [{"config": row["config"], "set": name, **figures}
                         for row in report["sweep"] for name, figures in row["sets"].items()]
-    summary["chart"], summary["sweep_chart"] = (_chart_files(layout, name) for name in (EVAL_CHART, SWEEP_CHART))
+    summary["chart"], summary["sweep_chart"] = (_chart_files(files, layout.evaluation, name) for name in (EVAL_CHART, SWEEP_CHART))
     return summary
 
 
-def _chart_files(layout: RunLayout, name: str) -> dict[str, Any]:
-    png, svg = layout.evaluation / f"{name}.png", layout.evaluation / f"{name}.svg"
+def _chart_files(files: RunFiles, folder: Path, name: str) -> dict[str, Any]:
+    """A chart's PNG and SVG in ``folder`` (paths in the run; None where there is none or it is refused) and its mtime."""
+    png, svg = (files.stat(folder / f"{name}.{suffix}") for suffix in ("png", "svg"))
     return {
-        "png": str(png.relative_to(layout.root)) if png.is_file() else None,
-        "svg": str(svg.relative_to(layout.root)) if svg.is_file() else None,
-        "mtime": int(png.stat().st_mtime) if png.is_file() else 0,
+        "png": f"{files.name(folder)}/{name}.png" if png else None,
+        "svg": f"{files.name(folder)}/{name}.svg" if svg else None,
+        "mtime": int(png.st_mtime) if png else 0,
     }
 
 
-def regeneration_summary(layout: RunLayout) -> dict[str, Any] | None:
+def regeneration_summary(layout: RunLayout, files: RunFiles | None = None) -> dict[str, Any] | None:
     """What regeneration did (``regenerated/regenerate.json``): rows, rows left out, conversations shortened to
     fit the context and the turns they lost; None when the run did not regenerate (or has not finished it)."""
     from eagleflow.data.regenerate import SUMMARY_FILE
 
-    summary = _json_or_empty(layout.regenerated / SUMMARY_FILE)
+    summary = (files or RunFiles(layout)).json(layout.regenerated / SUMMARY_FILE)
     if not summary:
         return None
     keys = ("rows", "skipped_rows", "shortened_conversations", "dropped_turns", "capped_answers", "context_length",
@@ -149,50 +274,30 @@ def regeneration_summary(layout: RunLayout) -> dict[str, Any] | None:
     return {key: summary.get(key) for key in keys}
 
 
-def capture_check_summaries(layout: RunLayout) -> list[dict[str, Any]]:
+def capture_check_summaries(layout: RunLayout, files: RunFiles | None = None) -> list[dict[str, Any]]:
     """Each engine's capture-check verdict and figures (``verify/<engine>/report.json``), in engine order."""
+    files = files or RunFiles(layout)
     summaries = []
-    for path in layout.capture_check_reports:
-        report = _json_or_empty(path)
+    for path in layout.capture_check_reports if files.folder(layout.capture_checks) else []:
+        report = files.json(path)
         if report:
             report = shaped(CaptureCheckShape, report, path, layout.root)
+        elif files.refusal(path):
+            report = {"error": files.refusal(path)}
         summary = {"error": report["error"]} if "error" in report else capture_check_summary(report)
         if summary:
             summaries.append({"name": path.parent.name, **summary})
     return summaries
 
 
-def capture_check_summary(report: dict[str, Any]) -> dict[str, Any] | None:
-    """One capture check's verdict and figures from its report (of :class:`CaptureCheckShape`), or None for an empty one."""
-    if not report:
-        return None
-    final = report.get("final_slot") or {}
-    return {
-        "passed": bool(report.get("passed")),
-        "rows": report.get("rows_checked") if report.get("rows_checked") is not None else report.get("rows"),
-        "tokens": report.get("tokens"),
-        "engine": report.get("engine") or {},
-        "positions": final.get("positions"),
-        "worst": final.get("worst") or {},
-        "top1_agreement": final.get("top1_agreement"),
-        "normed_rms_range": ((report.get("slots") or [{}])[-1]).get("normed_rms_range"),
-        "embedding": report.get("embedding"),
-        "extraction_request": report.get("extraction_request") or {},
-        "slots": report.get("slots") or [],
-        "findings": [f.get("text", "") for f in report.get("findings") or []],
-        "tolerance": report.get("tolerance") or {},
-    }
-
-
-def online_summary(layout: RunLayout, result: dict[str, Any]) -> dict[str, Any] | None:
+def online_summary(layout: RunLayout, result: dict[str, Any], files: RunFiles | None = None) -> dict[str, Any] | None:
     """Online training's figures (samples fetched, peak bytes on disk, the trainer's data wait): from the
     finished step's result, else the feed's live status; None for a run trained from disk."""
     from eagleflow.layout import FeedLayout
-    from eagleflow.train.online.settings import read_status
 
     figures = result.get("online")
     if not isinstance(figures, dict):
-        figures = read_status(FeedLayout(layout.train.online)) or None
+        figures = (files or RunFiles(layout)).json(FeedLayout(layout.train.online).status) or None
     if not figures:
         return None
     keys = ("fetched", "fetched_bytes", "cached", "peak_bytes", "window_bytes", "cache_bytes", "data_wait_s", "seconds")
@@ -215,11 +320,12 @@ def shard_totals(shards: list[ShardSummary]) -> dict[str, Any]:
 def run_headline(layout: RunLayout, metrics: MetricsCache | None = None) -> dict[str, Any]:
     """A run's figures at a glance, for the list of runs: extraction totals, the latest training and
     validation loss, the drafter's accept length and single-stream speedup (None where a stage has not run)."""
-    latest = (metrics or MetricsCache()).latest(layout.train.metrics) or {}
-    evaluation = evaluation_summary(layout) or {}
+    files = RunFiles(layout)
+    latest = (metrics or MetricsCache()).latest(layout.train.metrics, files) or {}
+    evaluation = evaluation_summary(layout, files) or {}
     single = ((evaluation.get("tokens_per_s") or {}).get("single_stream")) or {}
     return {
-        **shard_totals(read_shards(layout)),
+        **shard_totals(read_shards(layout, files)),
         "train_loss": (latest.get("train") or {}).get("loss"),
         "val_loss": (latest.get("val") or {}).get("loss"),
         "accept_length": (evaluation.get("accept_length") or {}).get("mean"),
@@ -227,41 +333,40 @@ def run_headline(layout: RunLayout, metrics: MetricsCache | None = None) -> dict
     }
 
 
-def training_charts(layout: RunLayout, drafter: str | None) -> dict[str, dict[str, Any]]:
+def training_charts(layout: RunLayout, drafter: str | None, files: RunFiles | None = None) -> dict[str, dict[str, Any]]:
     """The plot step's charts there are, in page order, each ``{png, svg, mtime, title}``: a block
     drafter's (its metrics say so, or an ``eal`` chart is there) or an EAGLE-3 drafter's."""
-    block = drafter == "block" or (drafter is None and (layout.charts / "eal.png").is_file())
+    files = files or RunFiles(layout)
+    block = drafter == "block" or (drafter is None and files.stat(layout.charts / "eal.png") is not None)
     charts = {}
     for name, title in BLOCK_CHARTS if block else CHARTS:
-        png, svg = layout.charts / f"{name}.png", layout.charts / f"{name}.svg"
-        if png.is_file():
-            charts[name] = {
-                "png": str(png.relative_to(layout.root)),
-                "svg": str(svg.relative_to(layout.root)) if svg.is_file() else None,
-                "mtime": int(png.stat().st_mtime),
-                "title": title,
-            }
+        chart = _chart_files(files, layout.charts, name)
+        if chart["png"]:
+            charts[name] = {**chart, "title": title}
     return charts
 
 
 def run_summary(layout: RunLayout, metrics: MetricsCache | None = None) -> dict[str, Any]:
-    """Everything a page or a summary shows about a run, as plain JSON (paths relative to the run)."""
-    shards = read_shards(layout)
-    latest = (metrics or MetricsCache()).latest(layout.train.metrics)
-    result = _json_or_empty(layout.train.result)
+    """Everything a page or a summary shows about a run, as plain JSON (paths relative to the run); ``refused``
+    names each file left unread and why (:class:`RunFiles`)."""
+    files = RunFiles(layout)
+    shards = read_shards(layout, files)
+    latest = (metrics or MetricsCache()).latest(layout.train.metrics, files)
+    result = files.json(layout.train.result)
     checkpoint = result.get("best_checkpoint") or result.get("checkpoint_dir")
     return {
         "run": layout.root.name,
         "shards": [s.as_json() for s in shards],
         "totals": shard_totals(shards),
         "metrics": latest,
-        "charts": training_charts(layout, (latest or {}).get("drafter")),
+        "charts": training_charts(layout, (latest or {}).get("drafter"), files),
         "checkpoint": checkpoint if isinstance(checkpoint, str) else None,
-        "online": online_summary(layout, result),
-        "regeneration": regeneration_summary(layout),
-        "capture_checks": capture_check_summaries(layout),
-        "evaluation": evaluation_summary(layout),
-        "files": [str(p.relative_to(layout.root)) for p in readable_files(layout) if p.is_file()],
+        "online": online_summary(layout, result, files),
+        "regeneration": regeneration_summary(layout, files),
+        "capture_checks": capture_check_summaries(layout, files),
+        "evaluation": evaluation_summary(layout, files),
+        "files": [files.name(p) for p in readable_files(layout, files) if files.stat(p)],
+        "refused": [f"{name}: {why}" for name, why in sorted(files.refused.items())],
     }
 
 
@@ -276,6 +381,7 @@ def list_runs(root: Path, metrics: MetricsCache | None = None) -> list[dict[str,
             layout = RunLayout.of(root, child.name)
         except UserError:
             continue
-        if child.is_dir() and (layout.shards.is_dir() or layout.train.root.is_dir()):
+        files = RunFiles(layout)  # a run folder that is a link out of the output root is not listed
+        if files.folder(layout.root) and (files.folder(layout.shards) or files.folder(layout.train.root)):
             runs.append({"name": child.name, "modified": child.stat().st_mtime, "headline": run_headline(layout, metrics)})
     return sorted(runs, key=lambda r: -r["modified"])

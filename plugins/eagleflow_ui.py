@@ -4,7 +4,7 @@ Routes (relative to the mount point):
 
 ``/``                                  the runs under the output root: each one's DAG run state and headline figures
 ``/runs/{run}``                        one run: its DAG run(s) in Airflow, shard table, charts, latest training metrics
-``/runs/{run}/files/{path}``           a chart or log of that run (only inside the output root)
+``/runs/{run}/files/{path}``           a chart or log of that run (only regular files under the output root)
 ``/api/runs/{run}``                    the same facts as JSON
 
 A run folder is matched to the DAG runs that write it (:func:`dag_runs_by_folder`, read from
@@ -14,6 +14,10 @@ Every route needs a logged-in Airflow user: the request is authenticated by the 
 own ``get_user`` (the ``_token`` cookie the UI sets at login, or an ``Authorization: Bearer``
 token), so the pages are exactly as private as the rest of the UI. Errors of every kind go
 through :func:`error_response`, which answers HTML to a browser and JSON to anything else.
+
+Every file is opened through :class:`eagleflow.run_report.RunFiles`, the pages' and the file route's
+alike: a path is resolved, symlinks followed, and refused when it lands outside the output root, is not
+a regular file (``/dev/zero``, a FIFO) or is over its kind's bound; a refused file is named on the page.
 
 The routes only gather facts from the core (:mod:`eagleflow.run_report`) and render the Jinja2
 templates in ``templates/`` beside this file. Settings are read when :func:`create_app` is
@@ -27,27 +31,30 @@ import json
 import math
 import os
 import time
-from pathlib import Path
-from typing import Any
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+from typing import Any, BinaryIO
 from urllib.parse import quote
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.templating import Jinja2Templates
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eagleflow.deploy import DAG_ID, OUTPUT_ROOT_ENV
 from eagleflow.errors import UserError
+from eagleflow.files import RefusedFile, resolve_under
 from eagleflow.layout import RunLayout
-from eagleflow.run_report import MetricsCache, list_runs, run_summary
+from eagleflow.run_report import MetricsCache, RunFiles, list_runs, run_summary
 
 CONFIG_SECTION, CONFIG_KEY = "eagleflow", "output_root"
 # What the file route serves: charts, manifests, metrics and logs; never hidden states or weights.
 SERVED_SUFFIXES = {".png": "image/png", ".svg": "image/svg+xml", ".json": "application/json",
                    ".jsonl": "text/plain; charset=utf-8", ".log": "text/plain; charset=utf-8",
                    ".txt": "text/plain; charset=utf-8", ".yaml": "text/plain; charset=utf-8"}
+CHUNK_BYTES = 1 << 16  # a served file is streamed, never held whole in memory
 REFRESH_SECONDS = 30
 UNFINISHED_DAG_RUN_STATES = ("queued", "running")  # the run page reloads while its DAG run is in one
 TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
@@ -270,7 +277,11 @@ def create_app(output_root: str | os.PathLike[str] | None = None) -> FastAPI:
                 f"[{CONFIG_SECTION}] {CONFIG_KEY} for the Airflow API server",
             )
         layout = RunLayout.of(root, run_name)  # UserError (-> 400) for anything but a plain folder name
-        if not layout.root.is_dir():
+        try:
+            real = resolve_under(layout.root, root)
+        except RefusedFile as exc:
+            raise PageError(404, f"run {run_name!r} is not under the output root {root}: its folder {exc.reason}") from exc
+        if not real.is_dir():
             raise PageError(404, f"no run {run_name!r} under the output root {root}")
         return layout
 
@@ -304,33 +315,43 @@ def create_app(output_root: str | os.PathLike[str] | None = None) -> FastAPI:
         return JSONResponse(summary_with_dag_runs(run_name))
 
     @app.get("/runs/{run_name}/files/{file_path:path}")
-    def run_file(run_name: str, file_path: str) -> FileResponse:
+    def run_file(run_name: str, file_path: str) -> StreamingResponse:
         layout = run_layout(run_name)
-        target = safe_file(layout.root, file_path, root)  # type: ignore[arg-type]
-        return FileResponse(target, media_type=SERVED_SUFFIXES[target.suffix.lower()])
+        handle = open_run_file(layout, file_path)
+        size = os.fstat(handle.fileno()).st_size
+        media_type = SERVED_SUFFIXES[PurePosixPath(file_path).suffix.lower()]
+        return StreamingResponse(_chunks(handle, size), media_type=media_type, headers={"content-length": str(size)})
 
     return app
 
 
-def safe_file(run_root: Path, relative: str, output_root: Path) -> Path:
-    """``run_root / relative`` if it is a servable file inside both the run and the output root.
+def open_run_file(layout: RunLayout, relative: str) -> BinaryIO:
+    """``relative`` in the run opened for serving, if it is a servable file there (:class:`RunFiles`' checks).
 
-    Resolving first means ``..``, absolute paths and symlinks that lead outside are all caught
-    the same way: 404, as for a file that does not exist (nothing is revealed about what is
-    outside). A file of a kind that is never served (weights, hidden states) is 404 too.
+    A path that leaves the run by its own ``..`` or is absolute, a file that does not exist, one that
+    resolves outside the output root or is not a regular file, and a kind of file that is never
+    served (weights, hidden states): all 404, with nothing said about what lies outside.
     """
     if "\x00" in relative:
         raise PageError(400, "file path contains a NUL byte")
+    missing = PageError(404, f"no file {relative!r} in run {layout.root.name!r}")
+    path = PurePosixPath(relative)
+    if path.is_absolute() or ".." in path.parts or not path.parts or path.suffix.lower() not in SERVED_SUFFIXES:
+        raise missing
     try:
-        target = (run_root / relative).resolve()
-    except (OSError, RuntimeError, ValueError) as exc:
-        raise PageError(400, f"bad file path {relative!r}: {exc}") from exc
-    run_real = run_root.resolve()
-    if not (target.is_relative_to(output_root) and target.is_relative_to(run_real)) or target == run_real:
-        raise PageError(404, f"no file {relative!r} in run {run_root.name!r}")
-    if not target.is_file() or target.suffix.lower() not in SERVED_SUFFIXES:
-        raise PageError(404, f"no file {relative!r} in run {run_root.name!r}")
-    return target
+        return RunFiles(layout).open(layout.root / path)
+    except RefusedFile as exc:
+        raise PageError(404, f"no file {relative!r} in run {layout.root.name!r}: it {exc.reason}") from exc
+    except OSError as exc:
+        raise missing from exc
 
 
-__all__: list[str] = ["create_app", "dag_run_url", "dag_runs_by_folder", "error_response", "require_airflow_user", "safe_file"]
+def _chunks(handle: BinaryIO, size: int) -> Iterator[bytes]:
+    """The first ``size`` bytes of ``handle`` (its size when opened: a log still being written ends there), in chunks."""
+    with handle:
+        while size > 0 and (chunk := handle.read(min(CHUNK_BYTES, size))):
+            size -= len(chunk)
+            yield chunk
+
+
+__all__: list[str] = ["create_app", "dag_run_url", "dag_runs_by_folder", "error_response", "open_run_file", "require_airflow_user"]
