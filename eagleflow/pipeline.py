@@ -11,10 +11,9 @@ field of the step's own config, and a field with a title is offered in the form
 run's folders and engines), and every operator turns that into the step's argv with
 :func:`eagleflow.config.model_to_argv`.
 
-Airflow validates a triggered run's conf against those JSON schemas before the run is
-created, so what a schema can say (types, bounds, distinct aux ids) is refused at trigger
-time. What needs the model folder (aux ids beyond the verifier's depth) is checked by
-:meth:`PipelineConfig.check_model` when a task starts, by the same rule.
+Airflow validates a triggered run's conf against those JSON schemas before the run is created, so what
+a schema can say (types, bounds, distinct aux ids) is refused at trigger time; the drafter family's rules
+and what needs the model folder are checked in the first task (:meth:`PipelineConfig.check_model`).
 """
 
 from __future__ import annotations
@@ -211,37 +210,29 @@ class PipelineConfig(BaseModel):
         cfg = build_model(cls, values, param_name)
         if cfg.run_name is None:
             cfg = cfg.model_copy(update={"run_name": run_name_from_run_id(run_id)})
-        # What the evaluation's own checks refuse (eval_server_extra_args against the engine, a prompt file
-        # without its set) fails the run's first task, not the last.
-        cfg.evaluate_config()
+        # What the evaluation's own checks refuse (eval_configs by the family's rules, first: its message names the
+        # rule; eval_server_extra_args against the engine; a prompt file without its set) fails the first task, not the last.
         cfg.check_drafter_family()
+        cfg.evaluate_config()
         return cfg
 
     def drafter_family(self) -> DrafterFamily:
         """The drafter family the run trains (Param draft_algorithm; :mod:`eagleflow.drafters`)."""
         from eagleflow.drafters import family
-
         return family(self.step_param("draft_algorithm"))
 
     def check_drafter_family(self) -> None:
-        """The drafter family's rules on the Params that depend on it (a block size, the serving configs)."""
+        """The drafter family's rules on the Params that depend on it (block size, draft vocabulary, serving configs)."""
         from eagleflow.drafters import check_family_settings
-        from eagleflow.evaluate.sweep import parse_configs
+        from eagleflow.evaluate.sweep import check_configs_param
 
-        try:
-            chosen = check_family_settings(self.step_param("draft_algorithm"), self.step_param("block_size"))
-        except ValueError as exc:
-            raise UserError(f"{param_name('block_size')}: {exc}") from exc
         vocab = self.step_param("draft_vocab_size")
-        if chosen.block and vocab != TrainConfig.model_fields["draft_vocab_size"].default:
-            raise UserError(
-                f"{param_name('draft_vocab_size')} {vocab}: draft_algorithm {chosen.name} trains the verifier's full vocabulary "
-                "(SGLang serves a block drafter through the target's own head); leave the draft vocabulary size empty"
-            )
         try:
-            parse_configs(self.step_param("eval_configs"), 1, 1, block=chosen.block)
+            chosen = check_family_settings(self.step_param("draft_algorithm"), self.step_param("block_size"),
+                                           None if vocab == TrainConfig.model_fields["draft_vocab_size"].default else vocab)
         except ValueError as exc:
-            raise UserError(f"{param_name('eval_configs')}: {exc} (draft_algorithm {chosen.name})") from exc
+            raise UserError(f"Param {exc}") from exc
+        check_configs_param(self.step_param("eval_configs"), chosen.name, chosen.block)
 
     @property
     def dump_queue_bytes(self) -> int | None:

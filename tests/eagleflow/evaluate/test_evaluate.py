@@ -34,8 +34,9 @@ def test_the_report_holds_the_sweep_per_prompt_set_with_trustworthy_speeds_and_t
 ) -> None:
     out = tmp_path / "eval"
     mt_bench = tmp_path / "mt_bench.jsonl"
+    # eval_rows (4) prompts: a set of fewer is refused, never cut short (issue 48).
     mt_bench.write_text(json.dumps({"turns": ["Count from one to five.", "Now count down again."]}) + "\n"
-                        + json.dumps({"messages": [{"role": "user", "content": "Say hello."}]}) + "\n")
+                        + "".join(json.dumps({"messages": [{"role": "user", "content": f"Say hello {n}."}]}) + "\n" for n in range(3)))
     proc = subprocess.run(
         evaluate_argv(trained_run, tiny_model, exported_drafters["trained"], out, "--eval-server-extra-args=" + ",".join(ENGINE_COMPUTE_FLAGS),
                       "--eval-sets=heldout,humaneval,file", f"--eval-prompts={mt_bench}", "--eval-rounds", "2",
@@ -52,7 +53,7 @@ def test_the_report_holds_the_sweep_per_prompt_set_with_trustworthy_speeds_and_t
     for label, row in rows.items():
         assert set(row["sets"]) == {"heldout", "humaneval", "mt_bench"}
         for name, figures in row["sets"].items():
-            assert figures["prompts"] == (2 if name == "mt_bench" else 4)
+            assert figures["prompts"] == 4
             speed = figures["speedup"]
             assert len(speed["rounds"]) == 2 and len(figures["tokens_per_s"]["rounds"]) == 2
             if row["steps"] == 0:
@@ -118,7 +119,7 @@ def test_held_out_prompts_come_from_the_validation_rows_and_stop_at_the_answer(t
     prompts = held_out_prompts(tmp_path / "dataset", 0.8, 1)
     assert [(p.row, p.input_ids) for p in prompts] == [(8, [8, 18])]  # row 9 answers from its first token: no prompt
     # More prompts than the held-out rows give is refused, naming the Param: never a silently smaller evaluation.
-    with pytest.raises(UserError, match=r"--eval-rows 5 \(Param eval_rows\): .* only 1 held-out prompts .* at most 1"):
+    with pytest.raises(UserError, match=r'^Param eval_rows \("Held-out prompts"\) 5: .* only 1 held-out prompts .* at most 1'):
         held_out_prompts(tmp_path / "dataset", 0.8, 5)
     with pytest.raises(UserError, match="no held-out prompt"):
         held_out_prompts(tmp_path / "dataset", 0.95, 5)

@@ -9,7 +9,8 @@ import pytest
 
 from eagleflow.errors import UserError
 from eagleflow.evaluate.config import EvaluateConfig
-from eagleflow.evaluate.prompts import ChatPrompts, conversation_turns, file_prompts
+from eagleflow.evaluate.prompt_file import conversation_turns
+from eagleflow.evaluate.prompts import ChatPrompts, file_prompts
 from eagleflow.evaluate.sweep import ServeConfig, fastest_per_batch_size, interleaved_turns, parse_configs, verdict
 from eagleflow.pipeline import PipelineConfig
 
@@ -29,13 +30,17 @@ def test_configs_parse_as_specforges_list_with_every_batch_sizes_baseline() -> N
 @pytest.mark.parametrize(
     ("text", "message"),
     [("1,3,1", "is not 'batch size,steps,topk,draft tokens'"), ("0,3,1,4", "batch size >= 1"),
-     ("1,3,1,5", "steps \\+ 1 = 4 for a chain"), ("1,2,2,8", "more than 1 \\+ the 6 candidates"), ("1,x,1,4", "is not")],
+     ("1,3,1,5", "steps \\+ 1 = 4 for a chain \\(topk 1\\): SGLang would serve 4 instead of 5"),
+     ("1,3,1,0", "steps \\+ 1 = 4 for a chain"), ("1,2,2,8", "more than 1 \\+ the 6 candidates"), ("1,x,1,4", "is not"),
+     # issue 48: topk 4 with 0 draft tokens ran as 3,4,4 and the report credited 1,3,4,0
+     ("1,3,4,0", "topk 4 needs --speculative-num-draft-tokens, the tree's size \\(2..37\\): SGLang has no default for a tree"),
+     ("1,3,4,1", "a tree verifies the bonus token and at least one draft \\(>= 2\\)")],
 )
 def test_a_bad_config_is_refused_naming_the_param(text: str, message: str, tmp_path: Path) -> None:
     params = {"model_path": str(tmp_path), "dataset_input": str(tmp_path / "d.jsonl"), "output_root": str(tmp_path),
               "eval_configs": f"1,3,1,4 {text}"}
-    with pytest.raises(UserError, match=f"Param eval_configs: .*{message}"):
-        PipelineConfig.from_params(params).evaluate_config()
+    with pytest.raises(UserError, match=f'^Param eval_configs \\("Serving configs to sweep"\\): {text!r}.*{message}.*draft_algorithm eagle3'):
+        PipelineConfig.from_params(params)
 
 
 def test_a_speedup_above_the_accept_length_is_disturbed_never_a_result() -> None:
@@ -74,8 +79,9 @@ def test_prompt_files_take_conversations_and_mt_bench_turns_and_name_a_bad_line(
     chat = ChatPrompts(tiny_model)
     path = tmp_path / "prompts.jsonl"
     path.write_text(json.dumps({"turns": ["Count to three."]}) + "\n\n" + json.dumps({"messages": [{"role": "assistant"}]}) + "\n")
-    with pytest.raises(UserError, match=r"prompts.jsonl line 3: expected 'messages'"):
-        file_prompts(chat, path, 5)
+    with pytest.raises(UserError, match=r"prompts.jsonl line 3: messages\[0\] has no 'content'$"):
+        file_prompts(chat, path, 1)  # every line is checked, also those past eval_rows
+    path.write_text(json.dumps({"turns": ["Count to three."]}) + "\n\n")
     (first,) = file_prompts(chat, path, 1)
     assert first.row == 1 and first.input_ids == chat.encode([{"role": "user", "content": "Count to three."}])
     with pytest.raises(ValueError, match="'file' prompt set .* and eval_prompts go together"):
