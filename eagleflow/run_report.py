@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from eagleflow.errors import UserError
-from eagleflow.extract.manifest import _KINDS, ShardManifest
+from eagleflow.extract.manifest import ShardManifest
 from eagleflow.files import RefusedFile, open_under, read_under, resolve_under, size_text, stat_under
 from eagleflow.layout import RunLayout
 from eagleflow.report_shapes import CaptureCheckShape, EvaluationShape, capture_check_summary, finite, shaped
@@ -125,27 +125,6 @@ class ShardSummary(ShardManifest):
     @property
     def tokens_per_s(self) -> float | None:
         return self.tokens / self.seconds if self.seconds > 0 and self.tokens else None
-
-    @classmethod
-    def from_text(cls, text: str) -> ShardSummary:
-        """:meth:`ShardManifest.read`'s parse and checks, on a manifest's text read through :class:`RunFiles`.
-
-        :raises ValueError: torn JSON, or JSON of another shape (naming the first field of a wrong type).
-        """
-        data = json.loads(text)
-        if not isinstance(data, dict):
-            raise ValueError(f"expected a JSON object, got {type(data).__name__}")
-        types = {f.name: str(f.type) for f in fields(ShardManifest)}
-        values = {k: v for k, v in data.items() if k in types}
-        for key, value in values.items():
-            kind = _KINDS.get(types[key])
-            if kind is not None and not kind[1](value):
-                raise ValueError(f"field {key!r} is {type(value).__name__} {str(value)[:60]!r}, not {kind[0]}")
-        if "name" not in values:
-            raise ValueError("no 'name' field")
-        if "total_tokens" not in values:  # written before totals were recorded: the best it knows is its attempt's
-            values = {**values, "total_tokens": values.get("tokens", 0), "total_bytes": values.get("bytes", 0)}
-        return cls(**values)
 
     def as_json(self) -> dict[str, Any]:
         """The shard for a page: its size is its totals over every attempt; the rates are the latest attempt's."""

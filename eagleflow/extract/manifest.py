@@ -97,7 +97,12 @@ class ShardManifest:
 
         :raises ValueError: torn JSON, or JSON of another shape (naming the first field of a wrong type).
         """
-        data = json.loads(Path(path).read_text())
+        return cls.from_text(Path(path).read_text())
+
+    @classmethod
+    def from_text(cls, text: str) -> ShardManifest:
+        """:meth:`read`'s parse and checks on a manifest's text (the run pages read it through their own guard)."""
+        data = json.loads(text)
         if not isinstance(data, dict):
             raise ValueError(f"expected a JSON object, got {type(data).__name__}")
         types = {f.name: str(f.type) for f in fields(cls)}
