@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from typing import TextIO
@@ -26,6 +27,18 @@ def format_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1000
     return f"{n:.1f} TB"
+
+
+def format_gb(n: float) -> str:
+    """A byte count as a value for a Param in GB, rounded up (two significant digits; whole GB from 100 GB on), no exponent:
+    ``33024`` -> ``0.000034``, ``1.5e9`` -> ``1.5``, ``123e9`` -> ``123``, ``7e8`` -> ``0.7`` (``{n / 1e9:.2f}`` said ``0.00`` below 5 MB)."""
+    gb = n / 1e9
+    if gb <= 0:
+        return "0"
+    decimals = max(0, 1 - math.floor(math.log10(gb)))
+    value = math.ceil(round(gb * 10**decimals, 9)) / 10**decimals  # round: 1.5 * 10 is 15.000000000000002
+    text = f"{value:.{decimals}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
 
 
 def format_table(rows: list[tuple[str, str]]) -> str:

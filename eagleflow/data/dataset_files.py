@@ -1,59 +1,129 @@
 """A prepared dataset's rows and columns read straight from its Arrow files, without ``datasets``.
 
-``save_to_disk`` writes ``state.json`` (the Arrow files, the format) and Arrow IPC stream files.
-Every step that reads a prepared dataset reads it here. ``datasets.load_from_disk`` costs a
+``save_to_disk`` writes ``state.json`` (the Arrow files, the format), ``dataset_info.json`` (the
+features) and Arrow IPC stream files. Every step that reads a prepared dataset reads it here. ``datasets.load_from_disk`` costs a
 second of imports, and another of torch's, because it restores the saved ``torch`` format; the
 training step checks a dataset while its speculators child imports both on the other core, and
 extraction and the capture check start once per shard. pyarrow (which ``datasets`` stores with)
 reads a column, a row range or the row count from the memory-mapped files in milliseconds. A
 dataset whose rows are an index over its files (``_indices_data_files``: a ``select`` not
 flattened) is read with ``datasets`` itself.
+
+Every read first checks that the folder is whole (:func:`check_dataset_files`): each file
+``datasets.load_from_disk`` opens (speculators reads the dataset that way, in the trainer) is
+there, not empty, whole JSON or a whole Arrow stream. A torn file is named before any work starts,
+instead of surfacing as a traceback of the trainer, or as a silently shorter dataset: an Arrow
+stream cut at a record batch's end reads without an error, only its end marker is missing.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from eagleflow.errors import UserError
+from eagleflow.errors import UserError, excerpt
 
 STATE_FILE = "state.json"
+INFO_FILE = "dataset_info.json"
+# What datasets.load_from_disk reads of state.json: one missing is a KeyError in the trainer.
+STATE_KEYS = ("_data_files", "_fingerprint", "_format_columns", "_format_kwargs", "_format_type", "_output_all_columns", "_split")
+# The end-of-stream marker a closed Arrow IPC stream writer leaves (continuation, then a 0 length).
+ARROW_STREAM_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+REMEDY = "the prepared dataset is not whole (a write cut short?); prepare it again (prepare-dataset)"
+
+
+def _torn(dataset: Path, name: str, what: str) -> UserError:
+    return UserError(f"--dataset {dataset}: {name} {what}; {REMEDY}")
+
+
+def _json_object(dataset: Path, name: str) -> dict[str, Any]:
+    path = Path(dataset) / name
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError as exc:
+        raise UserError(f"--dataset {dataset} is not a prepared dataset (no {name})") from exc
+    except OSError as exc:
+        raise UserError(f"--dataset {dataset}: cannot read {name} ({exc})") from exc
+    if not text.strip():
+        raise _torn(dataset, name, f"is empty ({len(text)} bytes)")
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise _torn(dataset, name, f"is not whole JSON ({len(text)} bytes: {exc})") from exc
+    if not isinstance(value, dict):
+        raise _torn(dataset, name, "is not a JSON object")
+    return value
 
 
 def dataset_state(dataset: Path) -> dict[str, Any]:
     """``state.json`` of a ``save_to_disk`` folder; UserError naming the folder when there is none."""
+    return _json_object(dataset, STATE_FILE)
+
+
+def check_dataset_files(dataset: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Refuse, naming the file, a folder whose ``state.json``, ``dataset_info.json`` or Arrow files are
+    missing, empty or cut short; return ``(state, info)``. Reads the two JSON files and the last bytes
+    of each Arrow file: milliseconds, whatever the dataset's size."""
+    state = dataset_state(dataset)
+    missing = [key for key in STATE_KEYS if key not in state]
+    if missing:
+        raise _torn(dataset, STATE_FILE, f"lacks {', '.join(missing)}")
+    files = [*(state.get("_data_files") or []), *(state.get("_indices_data_files") or [])]
+    if not state.get("_data_files") or not all(isinstance(f, dict) and isinstance(f.get("filename"), str) for f in files):
+        raise _torn(dataset, STATE_FILE, f"names no Arrow files (_data_files: {excerpt(state.get('_data_files'))})")
+    info = _json_object(dataset, INFO_FILE)
+    if not isinstance(info.get("features"), (dict, type(None))):
+        raise _torn(dataset, INFO_FILE, "has features that are not a JSON object")
+    for entry in files:
+        _check_arrow_stream(dataset, entry["filename"])
+    return state, info
+
+
+def _check_arrow_stream(dataset: Path, name: str) -> None:
+    path = Path(dataset) / name
     try:
-        state = json.loads((Path(dataset) / STATE_FILE).read_text())
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            handle.seek(max(0, size - len(ARROW_STREAM_END)))
+            tail = handle.read()
     except FileNotFoundError as exc:
-        raise UserError(f"--dataset {dataset} is not a prepared dataset (no {STATE_FILE})") from exc
-    except ValueError as exc:
-        raise UserError(f"--dataset {dataset}: {STATE_FILE} is not JSON ({exc})") from exc
-    if not isinstance(state, dict):
-        raise UserError(f"--dataset {dataset}: {STATE_FILE} is not a JSON object")
-    return state
+        raise _torn(dataset, name, f"is missing ({STATE_FILE} names it)") from exc
+    except OSError as exc:
+        raise UserError(f"--dataset {dataset}: cannot read {name} ({exc})") from exc
+    if size == 0:
+        raise _torn(dataset, name, "is empty (0 bytes)")
+    if tail != ARROW_STREAM_END:
+        raise _torn(dataset, name, f"is cut short ({size} bytes, without the Arrow stream's end marker)")
+
+
+def _check_features(dataset: Path, info: dict[str, Any], columns: list[str]) -> None:
+    """``datasets`` refuses features in ``dataset_info.json`` other than the Arrow files' columns."""
+    features = info.get("features")
+    if features is not None and sorted(features) != sorted(columns):
+        raise _torn(dataset, INFO_FILE, f"lists features {sorted(features)}, the Arrow files hold columns {sorted(columns)}")
 
 
 def _tables(dataset: Path) -> list[Any]:
     import pyarrow as pa
 
-    state = dataset_state(dataset)
+    state, info = check_dataset_files(dataset)
     if state.get("_indices_data_files"):
         import datasets
 
         return [datasets.load_from_disk(str(dataset)).with_format("arrow")[:]]
     tables = []
-    for entry in state.get("_data_files") or []:
+    for entry in state["_data_files"]:
         path = Path(dataset) / entry["filename"]
         try:
             # Not closed here: the table's buffers are views of the mapping.
             tables.append(pa.ipc.open_stream(pa.memory_map(str(path))).read_all())
         except (OSError, pa.ArrowInvalid) as exc:
-            raise UserError(f"--dataset {dataset}: cannot read {path.name} ({exc})") from exc
+            raise _torn(dataset, path.name, f"is not a readable Arrow stream ({exc})") from exc
+    _check_features(dataset, info, list(tables[0].column_names))
     return tables
-
-
 def dataset_shape(dataset: Path) -> tuple[int, list[str]]:
     """``(rows, column names)`` of a prepared dataset."""
     table = dataset_table(dataset)

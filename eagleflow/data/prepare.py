@@ -299,8 +299,16 @@ def prepare_dataset(cfg: PrepareConfig) -> dict[str, Any]:
     if marker.exists():
         summary = json.loads(marker.read_text())
         if summary.get("fingerprint") == print_fp:
-            print(f"dataset {cfg.out} is up to date ({summary['rows']} rows); nothing to do", flush=True)
-            return summary
+            from eagleflow.data.dataset_files import check_dataset_files
+            from eagleflow.errors import UserError
+
+            try:  # a torn folder under a current marker is prepared again
+                check_dataset_files(cfg.out)
+            except UserError as exc:
+                print(f"dataset {cfg.out}: {exc}; preparing it again", flush=True)
+            else:
+                print(f"dataset {cfg.out} is up to date ({summary['rows']} rows); nothing to do", flush=True)
+                return summary
     prepared = tokenize_rows(cfg, vocab_size)
     if prepared.bad and not cfg.skip_bad_rows:
         raise BadRows(cfg.input, prepared.bad)

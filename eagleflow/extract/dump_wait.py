@@ -22,6 +22,7 @@ The status files are :mod:`sglang_patch.handoff`'s; this module only reads them.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import threading
@@ -30,9 +31,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from eagleflow.engine import RowFailed, pid_alive
-from eagleflow.progress import format_bytes
+from eagleflow.progress import format_bytes, format_gb
 from sglang_patch.handoff import (
     DISK_FULL,
+    TOO_LARGE,
     WRITER_BEHIND,
     ErrorRecord,
     WriterStatus,
@@ -45,6 +47,8 @@ from sglang_patch.handoff import (
 CLOCK_MARGIN_S = 1.0  # a remote engine's clock may differ from ours by this much
 POLL_MAX_S = 0.02  # a dump is noticed at most this long after it appears
 STATUS_POLL_S = 0.5  # the writers rewrite their statuses about this often
+# How the engine's writer prints byte counts in its records: GB with two decimals ("0.00 GB" below 5 MB).
+_GB = r"\d+(?:\.\d+)?"
 
 
 class DiskFull(Exception):
@@ -129,9 +133,30 @@ def _judge(
     return next_note
 
 
+def record_reason(record: ErrorRecord) -> str:
+    """The engine's reason, its byte counts in units that show them (the record's details carry the bytes).
+
+    The writer prints GB with two decimals, so a budget below one sample of a small model read "needs
+    0.00 GB of dump buffer, more than the whole budget of 0.00 GB".
+    """
+    details, text = record.details, record.error
+    budget = details.get("budget_bytes")
+    if not isinstance(budget, int):
+        return text
+    needed, queued = details.get("needed_bytes"), details.get("queued_bytes")
+    if record.kind == TOO_LARGE and isinstance(needed, int):
+        text = re.sub(rf"needs {_GB} GB", f"needs {format_bytes(needed)}", text, count=1)
+        text = re.sub(rf"budget of {_GB} GB", f"budget of {format_bytes(budget)}", text, count=1)
+        at_least = f"{format_gb(needed)} GB"
+        return f"{text} to at least {at_least}" if text.endswith("dump_queue_gb)") else f"{text} (dump_queue_gb: at least {at_least})"
+    if record.kind == WRITER_BEHIND and isinstance(queued, int):
+        return re.sub(rf"{_GB} of {_GB} GB", f"{format_bytes(queued)} of {format_bytes(budget)}", text, count=1)
+    return text
+
+
 def raise_for_record(record: ErrorRecord) -> None:
     """Turn the engine's error record into what the shard does about it."""
-    reason = f"engine reported: {record.error}"
+    reason = f"engine reported: {record_reason(record)}"
     if record.kind == DISK_FULL:
         details = record.details
         raise DiskFull(reason, str(details.get("folder", "")), details.get("needed_bytes"), details.get("free_bytes"))

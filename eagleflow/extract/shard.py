@@ -43,13 +43,13 @@ from eagleflow.extract.config import ExtractConfig, parse_rows
 from eagleflow.extract.completion import drop_previous_files, previous_files_dir, set_aside_complete_shard
 from eagleflow.extract.dump_wait import DiskFull, remove_dead_writer_statuses
 from eagleflow.extract.manifest import FAILED, INTERRUPTED, SUCCESS, ShardManifest
+from eagleflow.extract.rid_journal import RidJournal
 from eagleflow.extract.row_fetch import RowFetcher, SampleShape
 from eagleflow.extract.sample_store import SampleState, sample_path, validate
 from eagleflow.files import DurabilityBarrier, FolderLock
 from eagleflow.layout import RunLayout, hidden_states_dir, shard_name
 from eagleflow.progress import Progress
 from eagleflow.results import emit_result
-from sglang_patch.request_ids import row_request_glob
 
 MAX_LISTED_FAILURES = 20
 MIN_ROWS_AWAITING_DUMPS = 4  # beside the requests in flight, rows whose dump is being written
@@ -67,6 +67,8 @@ class ShardExtractor:
         self.hidden_dir = hidden_states_dir(cfg.dataset)
         # --dataset is <run>/dataset in a run folder, so its manifests live beside it.
         self.manifest_path = cfg.manifest or RunLayout(cfg.dataset.parent).shard_manifest(self.name)
+        # The rids this shard sent: its own dumps in a folder other consumers may share (rid_journal).
+        self.rids = RidJournal(self.manifest_path.with_name(f".{self.name}.rids"), cfg.dump_dir)
         self.n_slots = len(resolve_aux_layer_ids(cfg.verifier, cfg.aux_layer_ids)) + 1
         self.hidden_size = config_int(cfg.verifier, "hidden_size")
         self.client = client or EngineClient(cfg.server, cfg.request_timeout)
@@ -122,7 +124,7 @@ class ShardExtractor:
         self._write_manifest()  # "running" from the start: a stale state of an earlier attempt would mislead
         watchdog = threading.Thread(target=self._watch_pid, daemon=True) if self.cfg.server_pid else None
         try:
-            self._remove_stale_dumps()
+            self._remove_stale_dumps(starting=True)
             todo = self._skip_complete(rows)
             print(
                 f"shard {self.name}: {len(rows)} rows, {self.report.skipped} already complete, {len(todo)} to extract "
@@ -153,7 +155,7 @@ class ShardExtractor:
             with self._lock:
                 self._stop.set()
             self._durable.close()
-            self._remove_stale_dumps()
+            self._remove_stale_dumps(starting=False)
             self.report.seconds = round(time.monotonic() - began, 3)
             self.report.state, self.report.error = self._final_state()
             try:
@@ -264,7 +266,16 @@ class ShardExtractor:
     def _extract_row(self, row: int, ids: list[int]) -> tuple[int, int]:
         """One row into ``hidden_states/hs_{row}`` (:class:`~eagleflow.extract.row_fetch.RowFetcher`); ``(tokens, bytes)``."""
         target = sample_path(self.hidden_dir, row)
-        result = self.fetcher.fetch(row, ids, target)
+        sent: list[str] = []
+
+        def on_rid(rid: str | None) -> None:  # None: the last rid sent was collected
+            if rid is None:
+                self.rids.collected(sent[-1])
+            else:
+                sent.append(rid)
+                self.rids.sent(rid)
+
+        result = self.fetcher.fetch(row, ids, target, on_rid=on_rid)
         self._durable.add(target)
         return result
 
@@ -288,11 +299,15 @@ class ShardExtractor:
                 self._stop_shard(FAILED, reason, ServerGone(reason))
                 return
 
-    def _remove_stale_dumps(self) -> None:
-        """Dumps of this shard's rows left by a killed attempt or an aborted rid: nobody will collect them."""
-        for row in range(self.start, self.end):
-            for stale in self.cfg.dump_dir.glob(row_request_glob(row)):
-                stale.unlink(missing_ok=True)
+    def _remove_stale_dumps(self, starting: bool) -> None:
+        """Dumps this shard sent for and nobody will collect (a killed attempt's, an aborted rid's): by its
+        journal of rids, never by row, so another run's or an online trainer's dumps of the same rows stay."""
+        if starting:
+            left = self.rids.open()
+            if left:
+                print(f"shard {self.name}: removed the dumps of {left} request(s) an earlier attempt left", flush=True)
+        else:
+            self.rids.close()
         remove_dead_writer_statuses(self.cfg.dump_dir)
 
     def _write_manifest(self) -> None:

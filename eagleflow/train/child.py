@@ -90,6 +90,7 @@ class TrainLog:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.handle = open(path, "a", encoding="utf-8", errors="replace")  # noqa: SIM115 - closed in close()
+        self.start = os.fstat(self.handle.fileno()).st_size  # where this attempt's lines begin
 
     def write(self, text: str) -> None:
         sys.stdout.write(text)

@@ -56,10 +56,11 @@ def no_space_reason(paths: TrainLayout, force: bool = False) -> str | None:
     )
 
 
-def child_failed_message(returncode: int, paths: TrainLayout, nodes: int = 1) -> str:
-    """The step's error when the speculators child exited with ``returncode``."""
+def child_failed_message(returncode: int, paths: TrainLayout, nodes: int = 1, cause: str | None = None) -> str:
+    """The step's error when the speculators child exited with ``returncode``: the cause first (a full disk,
+    else ``cause``: :func:`~eagleflow.train.failure.failure_cause`), the exit status after it."""
     said = f"speculators exited with status {returncode}; see {paths.log}"
     if nodes > 1:  # a peer that stopped makes the ranks here fail at their next collective
         said += f" and the other nodes' logs in {paths.node_log('node-1').parent}; a retry resumes from the last checkpoint"
-    reason = no_space_reason(paths)
+    reason = no_space_reason(paths) or cause
     return f"{reason} ({said})" if reason else said

@@ -338,7 +338,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except Exception:
+        stopped = _feed_failure() if ours.online else None
+        if stopped is None:
+            raise  # a fault of the trainer's own: its traceback is the report
+        # The feed stopped (it said why, naming the engine or row): the trainer's traceback through the
+        # data loader, where the missing sample surfaced, would only bury that.
+        print(f"error: online feed stopped: {stopped}; a retry resumes from the last checkpoint", file=sys.stderr, flush=True)
+        return 1
     return 0
+
+
+def _feed_failure() -> str | None:
+    """Why this process's online feed stopped (None: it did not, or never started)."""
+    from eagleflow.train.online.backend import current_feed
+
+    feed = current_feed()
+    return feed.failure if feed is not None else None
 
 
 if __name__ == "__main__":

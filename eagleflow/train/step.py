@@ -26,7 +26,7 @@ from eagleflow.drafters import family
 from eagleflow.export import serving_target
 from eagleflow.files import atomic_write_json
 from eagleflow.layout import FeedLayout, TrainLayout, hidden_states_dir
-from eagleflow.progress import format_bytes
+from eagleflow.progress import format_bytes, format_gb
 from eagleflow.results import emit_result
 from eagleflow.train.child import (
     TrainerChild, TrainingFailed, TrainLog, child_command, child_env, entry_argv, online_flags, resolve_device, run_child,
@@ -34,6 +34,7 @@ from eagleflow.train.child import (
 )
 from eagleflow.train.config import TrainConfig
 from eagleflow.train.disk_space import NO_SPACE_ERRNOS, child_failed_message, no_space_reason
+from eagleflow.train.failure import failure_cause
 from eagleflow.train.lock import TrainFolderLock
 from eagleflow.train.nodes import follow_node_0, lead_nodes
 from eagleflow.train.resume import best_checkpoint, epoch_dirs, prepare_checkpoints
@@ -47,7 +48,8 @@ from sglang_patch.sample_format import HiddenStatesDtype, sample_file_bytes
 def check_dataset(cfg: TrainConfig, hidden_size: int) -> tuple[int, HiddenStatesDtype]:
     """Fail early, naming the file or row, on what speculators would trip over mid-run.
 
-    Checks: the folder is a ``datasets`` folder saved in torch format (speculators compares
+    Checks: the folder is a whole ``datasets`` folder (every file speculators' ``load_from_disk``
+    opens: ``eagleflow.data.dataset_files.check_dataset_files``) saved in torch format (speculators compares
     each row's ``input_ids`` with ``torch.equal``), both the train and the validation split get
     at least one row, and (from disk) every row has its ``hs_{row}`` file, all in one storage
     dtype (read from each header: the dtype decides how speculators reads them), the first file
@@ -57,13 +59,13 @@ def check_dataset(cfg: TrainConfig, hidden_size: int) -> tuple[int, HiddenStates
     """
     from eagleflow.data import dataset_column, dataset_shape, dataset_state
 
+    rows, columns = dataset_shape(cfg.dataset)  # first: it checks every file is whole, naming a torn one
     format_type = dataset_state(cfg.dataset).get("_format_type")
     if format_type != "torch":
         raise UserError(
             f"--dataset {cfg.dataset} is saved in format {format_type!r}; speculators reads rows as torch "
             f"tensors, so the dataset must be saved after set_format('torch') (re-run prepare-dataset)"
         )
-    rows, columns = dataset_shape(cfg.dataset)
     missing_columns = {"input_ids", "loss_mask", "seq_len"} - set(columns)
     if missing_columns:
         raise UserError(f"--dataset {cfg.dataset} lacks column(s) {sorted(missing_columns)}")
@@ -88,7 +90,7 @@ def check_online_window(cfg: TrainConfig, hidden_size: int, lengths: list[int]) 
         raise UserError(
             f"the online window ({format_bytes(window)}: Param dump_queue_gb, flag --online-window-gb) is smaller than "
             f"the largest sample, row {longest} ({lengths[longest]} tokens, {format_bytes(needed)} as "
-            f"{cfg.hidden_states_dtype}); raise it to at least {needed / 1e9:.3g} GB or lower max_len"
+            f"{cfg.hidden_states_dtype}); raise it to at least {format_gb(needed)} GB or lower max_len"
         )
 
 
@@ -106,11 +108,13 @@ def _check_hidden_state_files(cfg: TrainConfig, hidden_size: int, rows: int) -> 
         )
     stored_as: dict[HiddenStatesDtype | None, list[int]] = {}
     first_shape: tuple[int, ...] = ()
+    torn = ""  # why the first unreadable file is (a truncated write names its bytes)
     for row in range(rows):
         try:
             header = read_header(hs_dir / sample_file_name(row))
-        except (OSError, ValueError):
+        except (OSError, ValueError) as exc:
             dtype = None
+            torn = torn or f"; {exc}"
         else:
             dtype = header.storage_dtype(HIDDEN_STATES_KEY)
             if row == 0 and dtype is not None:
@@ -121,7 +125,7 @@ def _check_hidden_state_files(cfg: TrainConfig, hidden_size: int, rows: int) -> 
             f"{dtype or 'unreadable or another dtype'}: rows {_rows_text(found)}" for dtype, found in stored_as.items()
         )
         raise UserError(
-            f"--dataset {cfg.dataset}: the hidden-state files are not all stored alike ({kinds}); "
+            f"--dataset {cfg.dataset}: the hidden-state files are not all stored alike ({kinds}){torn}; "
             "re-extract the odd rows with the run's hidden_states_dtype"
         )
     (dtype,) = stored_as
@@ -246,6 +250,7 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
             raise UserError("--hidden-states-source engine needs --engine-urls and --dump-dir (the run's engines)")
     lock = TrainFolderLock(paths.lock, cfg.lock_wait)
     lock.acquire()  # before the folder is touched: resume moves checkpoints aside
+    began = time.time()
     log = TrainLog(paths.log)
     trainer: TrainerChild | None = None
     try:
@@ -304,7 +309,8 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
                 name = signal.Signals(forwarded).name
                 raise TrainingFailed(f"training stopped by {name}; rerun the step to resume", 128 + forwarded)
             if returncode != 0:
-                raise TrainingFailed(child_failed_message(returncode, paths, cfg.train_nodes), returncode)
+                cause = failure_cause(paths, log.start, began, online)  # the gone engine, the torn file: not just the status
+                raise TrainingFailed(child_failed_message(returncode, paths, cfg.train_nodes, cause), returncode)
             done = epoch_dirs(paths.checkpoints)
             if not done or max(done) + 1 < cfg.epochs:
                 last = max(done) + 1 if done else 0

@@ -83,7 +83,9 @@ class SampleFeed:
         self._awaiting: dict[int, int] = {}  # row -> bytes, published in ready/ and not yet consumed
         self._cached: dict[int, int] = {}  # row -> bytes, kept in cache/ (or on its way there)
         self._cache_reserved = 0
-        self._journal: dict[str, dict[str, str]] = {}  # row -> {rid, url, dump_dir} of its request in flight
+        # rid -> {row, rid, url, dump_dir}: each request sent and not collected (an aborted retry's dump may still come)
+        self._journal: dict[str, dict[str, Any]] = {}
+        self._latest: dict[int, str] = {}  # row -> the rid of its attempt under way
         self._threads: list[threading.Thread] = []
         self.failure: str | None = None
         self.fetched = 0
@@ -292,11 +294,13 @@ class SampleFeed:
 
     # --- the journal and the monitor ---------------------------------------------------
     def _journal_rid(self, row: int, engine: _Engine, rid: str | None) -> None:
+        """``rid`` is about to be sent for ``row``; None: the row's last rid was collected (its files are gone)."""
         with self._cond:
             if rid is None:
-                self._journal.pop(str(row), None)
+                self._journal.pop(self._latest.pop(row, ""), None)
             else:
-                self._journal[str(row)] = {"rid": rid, "url": engine.endpoint.url, "dump_dir": str(engine.endpoint.dump_dir)}
+                self._latest[row] = rid
+                self._journal[rid] = {"row": row, "rid": rid, "url": engine.endpoint.url, "dump_dir": str(engine.endpoint.dump_dir)}
             self._write_journal()
 
     def _write_journal(self) -> None:

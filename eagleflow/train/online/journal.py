@@ -1,5 +1,8 @@
 """The online feed's journal of requests in flight, and settling what a stopped trainer left in it.
 
+The journal names each request by its rid, and only those rids' files are removed: the dump folder
+is the engine's, and an extraction (of this run or another) may have dumps of the same rows in it.
+
 Light (no torch): the training step settles the journal after its child exits, however it exited.
 """
 
@@ -13,8 +16,7 @@ from pathlib import Path
 from eagleflow.engine import HUNG_PROBE_SECONDS, EngineClient, ServerInfo, check_ready
 from eagleflow.files import atomic_write_json
 from eagleflow.layout import FeedLayout
-from sglang_patch.handoff import read_writer_statuses
-from sglang_patch.request_ids import row_request_glob
+from sglang_patch.handoff import dump_path, error_path, read_writer_statuses
 
 SETTLE_WAIT_S = 30.0  # how long a left-over request's dump is awaited before it is removed anyway
 
@@ -23,7 +25,8 @@ def settle_journal(layout: FeedLayout, say: Callable[[str], None] = print, wait:
     """Abort the requests an earlier trainer left in its journal and remove their dumps; return how many.
 
     A dump the engine's writer still holds is awaited (up to ``wait`` seconds) so it is removed
-    once written, not left behind; a gone engine's requests are simply forgotten.
+    once written, not left behind; a gone engine's requests are simply forgotten. The journal maps
+    each entry (keyed by rid; by row in journals of earlier releases) to its ``rid``, ``url`` and ``dump_dir``.
     """
     try:
         journal = json.loads(layout.journal.read_text())
@@ -43,19 +46,18 @@ def settle_journal(layout: FeedLayout, say: Callable[[str], None] = print, wait:
         check_ready(ServerInfo.at(url), timeout=min(wait, HUNG_PROBE_SECONDS))
     barrier = time.time()
     deadline = time.monotonic() + wait
-    for row, entry in journal.items():
-        dump_dir, prefix = Path(entry["dump_dir"]), row_request_glob(int(row))[:-1]
-        while time.monotonic() < deadline and _may_still_come(dump_dir, prefix, barrier):
+    for entry in journal.values():
+        dump_dir, rid = Path(entry["dump_dir"]), str(entry["rid"])
+        while time.monotonic() < deadline and _may_still_come(dump_dir, rid, barrier):
             time.sleep(0.1)
-        for leftover in dump_dir.glob(row_request_glob(int(row))):
-            leftover.unlink(missing_ok=True)
+        dump_path(dump_dir, rid).unlink(missing_ok=True)  # exactly this request's files: never a row's others
+        error_path(dump_dir, rid).unlink(missing_ok=True)
     atomic_write_json(layout.journal, {})
     say(f"online feed: settled {len(journal)} request(s) an earlier trainer left (aborted, dumps removed)")
     return len(journal)
 
 
-def _may_still_come(dump_dir: Path, prefix: str, barrier: float) -> bool:
-    """A live writer holds a dump of the row (any attempt at it: rids start with ``prefix``), or has not
-    rewritten its status since ``barrier``."""
+def _may_still_come(dump_dir: Path, rid: str, barrier: float) -> bool:
+    """A live writer holds the dump of ``rid``, or has not rewritten its status since ``barrier``."""
     live = [status for status in read_writer_statuses(dump_dir) if status.fresh]
-    return any(status.updated < barrier or any(rid.startswith(prefix) for rid in status.pending) for status in live)
+    return any(status.updated < barrier or rid in status.pending for status in live)
