@@ -146,13 +146,15 @@ def fp8_copy(dataset: Path, dest: Path) -> Path:
 def test_an_fp8_dataset_trains_with_the_fp8_backend(trained_data: Path, tiny_model: Path, tmp_path: Path) -> None:
     dataset = fp8_copy(trained_data, tmp_path / "dataset")
     out = tmp_path / "train"
-    proc = subprocess.run(train_argv(dataset, tiny_model, out, "--epochs", "1"), capture_output=True, text=True, timeout=900)
+    # Two epochs: one showed the learning on one machine's build of the tiny verifier and not on another's
+    # (first/last 5 steps 0.113 -> 0.187 here, at this commit and the one before alike).
+    proc = subprocess.run(train_argv(dataset, tiny_model, out, "--epochs", "2"), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     log = (out / "train.log").read_text()
     assert "hidden states stored as fp8" in log and "speculators 0.9.0" in log
     command = next(line for line in log.splitlines() if line.startswith("[eagleflow] command: "))
     assert "--hidden-states-backend fp8" in command and "--noise-std 0.05 --" in command
-    train, _ = assert_records(out / "metrics.jsonl", 1)
+    train, _ = assert_records(out / "metrics.jsonl", 2)
     first = np.mean([r["full_acc_0"] for r in train[:5]])
     last = np.mean([r["full_acc_0"] for r in train[-5:]])
     assert last > first + 0.1, (first, last)
