@@ -250,6 +250,9 @@ def test_the_only_engine_gone_past_engine_wait_stops_training_naming_it_and_the_
     output, _ = step.communicate(timeout=300)
     assert step.returncode != 0, output[-3000:]
     assert f"no engine answered for 3s (engine_wait): engine-0 at {engine.url}" in output
+    # The step's last line, what the task summary shows, names the gone engine, not only the child's status.
+    assert output.strip().splitlines()[-1].startswith("error: online feed stopped: no engine answered for 3s"), output[-1500:]
+    assert "Traceback" not in output, output[-3000:]
     assert sorted((p.name, p.stat().st_size) for p in (checkpoints / "0").iterdir()) == kept, "the finished epoch is kept"
 
     # The engine comes back (on its port); the retry resumes from the last checkpoint and finishes.

@@ -138,32 +138,5 @@ def rows_only(dataset: Path, dest: Path, rows: int) -> Path:
     return dest
 
 
-@pytest.mark.e2e
-def test_the_only_engine_killed_for_good_is_named_on_the_steps_last_line(
-    trained_data: Path, tiny_model: Path, tmp_path: Path, process_groups: list[int]
-) -> None:
-    dataset = rows_only(trained_data, tmp_path / "dataset", ONLINE_ROWS)
-    dumps = tmp_path / "dumps"
-    engine = launch_engine(tiny_model, dumps, tmp_path / "engine.log", aux=AUX)
-    process_groups.append(engine.pid)
-    out = tmp_path / "train"
-    argv = train_argv(
-        dataset, tiny_model, out, "--hidden-states-source", "engine", f"--engine-urls={engine.url}",
-        "--engine-names=engine-0", "--dump-dir", str(dumps), "--epochs", "1", "--engine-wait=2",
-    )
-    step = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    status = FeedLayout(TrainLayout(out).online).status
-    deadline = time.monotonic() + 300
-    while step.poll() is None and json.loads(status.read_text() if status.exists() else "{}").get("fetched", 0) < 3:
-        assert time.monotonic() < deadline, "the feed fetched no samples"
-        time.sleep(0.05)
-    os.killpg(engine.pid, signal.SIGKILL)  # mid-epoch, for good: it never comes back
-    os.waitpid(engine.pid, 0)
-    stdout, stderr = step.communicate(timeout=300)
-    assert step.returncode == 1, stdout[-3000:] + stderr[-3000:]
-    line = last_line(stderr)
-    assert line.startswith(f"error: online feed stopped: no engine answered for 2s (engine_wait): engine-0 at {engine.url}: "), line
-    assert "a retry resumes from the last checkpoint (speculators exited with status 1; see " in line, line
-    assert "Traceback" not in stdout + stderr, stdout[-3000:]
-    assert processes_on(out) == []
-    assert not list(dumps.glob("row*")), "the feed's requests are settled"
+
+
