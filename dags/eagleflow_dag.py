@@ -14,13 +14,16 @@ The story of DESIGN.md §1, top to bottom:
    (on an engine that is up) and clearable alone;
 5. stop_server (teardown, one instance per engine) stops the engines, even when a shard fails;
 6. build_vocab, train_drafter and plot_metrics turn the hidden states into a drafter of the family
-   draft_algorithm names (eagle3, eagle3.1 or the block drafter dflash) and charts (train_drafter: one
-   instance per training node, node-0, …, planned by plan_train_nodes).
+   draft_algorithm names (eagle3, eagle3.1 or the block drafter dflash) and charts, or into each drafter
+   the drafters Param lists, all from the one capture (plan_drafters; train_drafter: one instance per
+   drafter and training node, eagle3, dflash/node-1, …, planned by plan_train_nodes; the others one
+   instance per drafter).
    Online (hidden_states_source engine) no shard is extracted (each instance is skipped, saying
    why), the engines stay up, train_drafter asks them for each sample while it trains, and
    stop_server_after_training stops them once it is done, however it ended;
-7. export_drafter writes the drafter as SGLang and vLLM load it, and evaluate_drafter serves it,
-   measuring accept length and speedup on held-out prompts.
+7. export_drafter writes each drafter as SGLang and vLLM load it, evaluate_drafter serves it, measuring
+   accept length and speedup on held-out prompts, and compare_drafters puts the drafters side by side
+   and names the fastest for each batch size.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from operators.dataset import (
     PrepareDatasetOperator,
     RegenerateOperator,
 )
-from operators.drafter import EvaluateOperator, ExportOperator
+from operators.drafter import CompareOperator, EvaluateOperator, ExportOperator
 from operators.extract import (
     PLAN_SHARDS_TASK_ID,
     SHARD_MAP_INDEX_TEMPLATE,
@@ -53,10 +56,12 @@ from operators.server import (
     StopServerOperator,
 )
 from operators.train import (
+    DRAFTER_MAP_INDEX_TEMPLATE,
     NODE_MAP_INDEX_TEMPLATE,
     TRAIN_RETRIES,
     TRAIN_RETRY_DELAY,
     BuildVocabOperator,
+    PlanDraftersOperator,
     PlanTrainNodesOperator,
     PlotOperator,
     TrainOperator,
@@ -113,8 +118,10 @@ with DAG(
 
     # none_failed: online, every shard is skipped and training goes on without them.
     build_vocab = BuildVocabOperator(task_id="build_vocab", trigger_rule="none_failed")
-    # One instance per training node (node-0, …), all at once: they meet in the run folder and train as one torchrun group.
-    plan_train_nodes = PlanTrainNodesOperator(task_id="plan_train_nodes")
+    # One instance per drafter (the drafters Param; one by default) and training node, all at once: a drafter's
+    # nodes meet in its folder and train as one torchrun group; each drafter is cleared and retried on its own.
+    plan_drafters = PlanDraftersOperator(task_id="plan_drafters")
+    plan_train_nodes = PlanTrainNodesOperator(task_id="plan_train_nodes", drafters=plan_drafters.output)
     train_drafter = TrainOperator.partial(
         task_id="train_drafter", engines=wait_server_ready.output, map_index_template=NODE_MAP_INDEX_TEMPLATE,
         retries=TRAIN_RETRIES, retry_delay=TRAIN_RETRY_DELAY, **on_gpu
@@ -124,9 +131,15 @@ with DAG(
         task_id="stop_server_after_training", map_index_template=ENGINE_MAP_INDEX_TEMPLATE, after_training=True,
         trigger_rule="all_done", **on_gpu
     ).expand(engine=plan_engines.output)
-    plot_metrics = PlotOperator(task_id="plot_metrics")
-    export_drafter = ExportOperator(task_id="export_drafter")
-    evaluate_drafter = EvaluateOperator(task_id="evaluate_drafter", **on_gpu)
+    # all_done: one drafter's failure holds back no other drafter; each instance checks its own drafter's
+    # upstream result, and compare_drafters fails the run naming a drafter that was not measured.
+    per_drafter = {"map_index_template": DRAFTER_MAP_INDEX_TEMPLATE, "trigger_rule": "all_done"}
+    plot_metrics = PlotOperator.partial(task_id="plot_metrics", **per_drafter).expand(drafter=plan_drafters.output)
+    export_drafter = ExportOperator.partial(task_id="export_drafter", **per_drafter).expand(drafter=plan_drafters.output)
+    evaluate_drafter = EvaluateOperator.partial(task_id="evaluate_drafter", **per_drafter, **on_gpu).expand(
+        drafter=plan_drafters.output
+    )
+    compare_drafters = CompareOperator(task_id="compare_drafters", drafters=plan_drafters.output, trigger_rule="all_done")
 
     regenerate_dataset >> prepare_dataset >> dataset_stats >> check_disk >> plan_shards
     engine_setups = [launch_server, wait_server_ready, verify_capture]
@@ -135,4 +148,4 @@ with DAG(
     check_disk >> extract_shard
     [extract_shard, stop_server] >> build_vocab >> plan_train_nodes >> train_drafter >> plot_metrics
     train_drafter >> stop_server_after_training
-    train_drafter >> export_drafter >> evaluate_drafter
+    train_drafter >> export_drafter >> evaluate_drafter >> compare_drafters

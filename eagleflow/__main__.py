@@ -39,6 +39,7 @@ STEPS: dict[str, tuple[str, str]] = {
     "plot": ("eagleflow.metrics.plot", "draw loss and accuracy charts from training metrics"),
     "export": ("eagleflow.export.step", "write the drafter folders SGLang and vLLM serve from a checkpoint"),
     "evaluate": ("eagleflow.evaluate.step", "serve the drafter, measure accept length and speedup on held-out prompts"),
+    "compare": ("eagleflow.evaluate.compare", "every drafter of the run side by side: accept length, speedup, size, training time"),
 }
 
 

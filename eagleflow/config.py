@@ -63,6 +63,17 @@ EngineKind = Annotated[
         "reference: the transformers reference engine (CPU or GPU), for demos, tests and checking the hook",
     ),
 ]
+# A finished step whose inputs did not change reuses its result (eagleflow.reuse); this forces the work again.
+RedoFinished = Annotated[
+    bool,
+    Field(
+        False,
+        title="Redo finished steps",
+        description="Export, evaluate and chart again even when a step's inputs (checkpoint, drafter, dataset, "
+        "settings) are those its finished result was made from; off, such a step reuses its result at once",
+    ),
+]
+
 TpSize = Annotated[
     int, Field(8, ge=1, description="SGLang --tp-size: GPUs per engine (the reference engine ignores it)")
 ]

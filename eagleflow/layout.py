@@ -13,7 +13,10 @@
       train/                       the training step's folder (:class:`TrainLayout`)
       train-progress/*.png, *.svg
       drafter/                     the exported drafter: sglang/, speculators/, export.json
-      eval/                        its evaluation: report.json, accept.{png,svg}
+      eval/                        its evaluation: report.json, accept.{png,svg}; compare.json and
+                                   compare.{png,svg}: every drafter of the run side by side
+      drafters/<name>/             with the drafters Param, each drafter's own train/,
+                                   train-progress/, drafter/ and eval/ (one capture, several drafters)
 
 The training step also runs on its own (``python -m eagleflow train --out DIR``), so the
 names inside its folder belong to :class:`TrainLayout`, which :attr:`RunLayout.train` returns.
@@ -119,11 +122,20 @@ def plan_shards(num_rows: int, shard_size: int) -> list[dict[str, int | str]]:
     ]
 
 
+DRAFTERS_DIR = "drafters"
+
+
 @dataclass(frozen=True)
 class RunLayout:
-    """Paths of one run's artefacts under ``<output_root>/<run_name>``."""
+    """Paths of one run's artefacts under ``<output_root>/<run_name>``.
+
+    ``drafter_name`` picks one drafter of a run that trains several (the ``drafters`` Param): its
+    training, charts, export and evaluation live in ``drafters/<name>/``; None is the run's one
+    drafter, whose folders sit in the run folder itself (as every run made before the Param).
+    """
 
     root: Path
+    drafter_name: str | None = None
 
     @classmethod
     def of(cls, output_root: str | Path, run_name: str) -> RunLayout:
@@ -133,6 +145,25 @@ class RunLayout:
         except ValueError as exc:
             raise UserError(str(exc)) from exc
         return cls(Path(output_root).absolute() / run_name)
+
+    def for_drafter(self, name: str | None) -> RunLayout:
+        """The same run seen from drafter ``name`` (None: the run's one drafter, in the run folder)."""
+        if name is not None:
+            try:
+                check_run_name(name)
+            except ValueError as exc:
+                raise UserError(f"drafter name: {exc}") from exc
+        return RunLayout(self.root, name)
+
+    @property
+    def drafter_root(self) -> Path:
+        """The folder of this layout's drafter: ``drafters/<name>``, or the run folder for the run's one drafter."""
+        return self.root if self.drafter_name is None else self.root / DRAFTERS_DIR / self.drafter_name
+
+    @property
+    def comparison(self) -> Path:
+        """``eval/compare.json``: every drafter of the run measured side by side (one per run)."""
+        return self.root / "eval" / "compare.json"
 
     @property
     def dataset(self) -> Path:
@@ -198,20 +229,20 @@ class RunLayout:
     @property
     def drafter(self) -> Path:
         """The exported drafter: sglang/, speculators/, export.json."""
-        return self.root / "drafter"
+        return self.drafter_root / "drafter"
 
     @property
     def evaluation(self) -> Path:
         """The evaluation's report.json and charts (and its engines' logs)."""
-        return self.root / "eval"
+        return self.drafter_root / "eval"
 
     @property
     def train(self) -> TrainLayout:
-        return TrainLayout(self.root / "train")
+        return TrainLayout(self.drafter_root / "train")
 
     @property
     def charts(self) -> Path:
-        return self.root / "train-progress"
+        return self.drafter_root / "train-progress"
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from eagleflow.data.prepare import PrepareConfig
 from eagleflow.data.regenerate import CONVERSATIONS_FILE, RegenerateConfig
 from eagleflow.data.stats import StatsConfig
 from eagleflow.data.vocab import VocabConfig
+from eagleflow.drafters.run_params import RunDrafters
 from eagleflow.evaluate.config import EvaluateConfig
 from eagleflow.extract.config import ExtractConfig
 from eagleflow.extract.verify_config import VerifyCaptureConfig
@@ -40,15 +41,15 @@ from eagleflow.step_params import FORM_SECTIONS, STEP_PARAM_GROUPS, STEP_PARAMS,
 from eagleflow.train.config import TrainConfig
 
 if TYPE_CHECKING:  # imported where used: the DAG file imports this module, and these pull in the heavier steps
-    from eagleflow.drafters import DrafterFamily
+    from eagleflow.evaluate.compare import CompareConfig
     from eagleflow.export.step import ExportConfig
     from eagleflow.metrics.plot import PlotConfig
 
 M = TypeVar("M", bound=BaseModel)
 
 
-class PipelineConfig(BaseModel):
-    """Every Param of the eagleflow DAG."""
+class PipelineConfig(RunDrafters):
+    """Every Param of the eagleflow DAG (the drafters Param: :class:`~eagleflow.drafters.run_params.RunDrafters`)."""
 
     engine: EngineKind = Field(title="Engine")
     model_path: str = Field(
@@ -212,27 +213,8 @@ class PipelineConfig(BaseModel):
             cfg = cfg.model_copy(update={"run_name": run_name_from_run_id(run_id)})
         # What the evaluation's own checks refuse (eval_configs by the family's rules, first: its message names the
         # rule; eval_server_extra_args against the engine; a prompt file without its set) fails the first task, not the last.
-        cfg.check_drafter_family()
-        cfg.evaluate_config()
+        cfg.check_drafters()
         return cfg
-
-    def drafter_family(self) -> DrafterFamily:
-        """The drafter family the run trains (Param draft_algorithm; :mod:`eagleflow.drafters`)."""
-        from eagleflow.drafters import family
-        return family(self.step_param("draft_algorithm"))
-
-    def check_drafter_family(self) -> None:
-        """The drafter family's rules on the Params that depend on it (block size, draft vocabulary, serving configs)."""
-        from eagleflow.drafters import check_family_settings
-        from eagleflow.evaluate.sweep import check_configs_param
-
-        vocab = self.step_param("draft_vocab_size")
-        try:
-            chosen = check_family_settings(self.step_param("draft_algorithm"), self.step_param("block_size"),
-                                           None if vocab == TrainConfig.model_fields["draft_vocab_size"].default else vocab)
-        except ValueError as exc:
-            raise UserError(f"Param {exc}") from exc
-        check_configs_param(self.step_param("eval_configs"), chosen.name, chosen.block)
 
     @property
     def dump_queue_bytes(self) -> int | None:
@@ -252,22 +234,17 @@ class PipelineConfig(BaseModel):
 
     @property
     def layout(self) -> RunLayout:
-        return RunLayout.of(self.output_root, self.run_name or "run")
-
-    def resolved_aux_layer_ids(self) -> list[int]:
-        """The aux ids to capture: given, or speculators' default for the verifier's depth, checked against it."""
-        from eagleflow.data.verifier import resolve_aux_layer_ids
-
-        return resolve_aux_layer_ids(self.model_path, self.aux_layer_ids, name="Param aux_layer_ids")
+        """The run's folders (a drafter's own, seen from one of several drafters)."""
+        return RunLayout.of(self.output_root, self.run_name or "run").for_drafter(self.drafter_name)
 
     def check_model(self) -> PipelineConfig:
-        """Check what needs the model folder (it exists, the aux ids fit its depth); returns self."""
-        self.resolved_aux_layer_ids()
+        """Check what needs the model folder (it exists, every drafter's aux ids fit its depth); returns self."""
+        self.captured_aux_layer_ids()
         return self
 
     def step_values(self, model: type[BaseModel]) -> dict[str, Any]:
-        """The Params given that set flags of the step whose config is ``model``."""
-        return {name: value for name, value in self.step_params.items() if param_feeds(name, model)}
+        """The Params given (a drafter's own over the run's) that set flags of the step whose config is ``model``."""
+        return {name: value for name, value in self.given_step_params().items() if param_feeds(name, model)}
 
     def step_config(self, model: type[M], **run_values: Any) -> M:
         """``model`` from the step's Params as given plus ``run_values`` (this run's folders, engine, aux ids);
@@ -293,7 +270,7 @@ class PipelineConfig(BaseModel):
     def stats_config(self) -> StatsConfig:
         """``dataset-stats``: the prepared dataset's rows, tokens and hidden-state bytes."""
         return self.step_config(
-            StatsConfig, dataset=self.layout.dataset, verifier=model_dir(self), aux_layer_ids=self.resolved_aux_layer_ids(),
+            StatsConfig, dataset=self.layout.dataset, verifier=model_dir(self), aux_layer_ids=self.captured_aux_layer_ids(),
             hidden_states_dtype=self.hidden_states_dtype,
         )
 
@@ -305,7 +282,7 @@ class PipelineConfig(BaseModel):
         """The capture check's config: its Params plus this run's dataset, verifier and aux ids, for engine ``engine`` at ``server_url``."""
         return self.step_config(
             VerifyCaptureConfig, dataset=self.layout.dataset, server=server_url, dump_dir=dump_dir, verifier=model_dir(self),
-            aux_layer_ids=self.resolved_aux_layer_ids(), hidden_states_dtype=self.hidden_states_dtype,
+            aux_layer_ids=self.captured_aux_layer_ids(), hidden_states_dtype=self.hidden_states_dtype,
             out=self.layout.capture_check(engine),
         )
 
@@ -314,7 +291,7 @@ class PipelineConfig(BaseModel):
         return self.step_config(
             ExtractConfig, dataset=self.layout.dataset, server=server.url, engine_name=server.name, dump_dir=server.dump_dir,
             rows=f"{int(shard['start'])}:{int(shard['end'])}", verifier=model_dir(self),
-            aux_layer_ids=self.resolved_aux_layer_ids(), hidden_states_dtype=self.hidden_states_dtype,
+            aux_layer_ids=self.captured_aux_layer_ids(), hidden_states_dtype=self.hidden_states_dtype,
             manifest=self.layout.shard_manifest(str(shard["name"])), server_pid=server.pid if server.is_local else None,
         )
 
@@ -333,6 +310,7 @@ class PipelineConfig(BaseModel):
             "verifier": model_dir(self),
             "out": self.layout.train.root,
             "aux_layer_ids": self.resolved_aux_layer_ids(),
+            "captured_aux_layer_ids": self.captured_aux_layer_ids(),
             "hidden_states_dtype": self.hidden_states_dtype,
             # What the engines' writers may hold, online training may hold ahead of the trainer.
             "online_window_gb": self.dump_queue_gb,
@@ -349,8 +327,8 @@ class PipelineConfig(BaseModel):
         return self.step_param("hidden_states_source") == "engine"
 
     def step_param(self, name: str) -> Any:
-        """Step Param ``name`` as given, else its step's default."""
-        return self.step_params.get(name, STEP_PARAMS[name].model_fields[name].default)
+        """Step Param ``name`` as given (a drafter's own first), else its step's default."""
+        return self.given_step_params().get(name, STEP_PARAMS[name].model_fields[name].default)
 
     def plot_config(self) -> PlotConfig:
         """``plot``: charts of the run's training metrics (a :class:`~eagleflow.metrics.plot.PlotConfig`)."""
@@ -372,8 +350,14 @@ class PipelineConfig(BaseModel):
             train_dir=layout.train.root, engine=self.engine, tp_size=self.tp_size, warmup_timeout=self.warmup_timeout,
         )
 
+    def compare_config(self, drafters: list[dict[str, Any]]) -> CompareConfig:
+        """``compare``: ``drafters`` (entries of :meth:`drafter_plan`) side by side in the run's ``eval/compare.json``."""
+        from eagleflow.evaluate.compare import CompareConfig
 
-PIPELINE_PARAMS = tuple(name for name in PipelineConfig.model_fields if name != "step_params")
+        return CompareConfig(run=self.layout.root, drafters=[d["folder"] for d in drafters if d.get("folder")])
+
+
+PIPELINE_PARAMS = tuple(name for name in PipelineConfig.model_fields if name not in ("step_params", "drafter_name", "drafter_settings"))
 
 
 def param_name(field: str) -> str:

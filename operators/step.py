@@ -39,6 +39,12 @@ def pipeline_config(context: Context, check_model: bool = True) -> PipelineConfi
     return cfg.check_model() if check_model else cfg
 
 
+def drafter_config(context: Context, drafter: dict[str, Any] | None) -> PipelineConfig:
+    """The run's config seen from ``drafter`` (an entry of ``plan_drafters``; None: the run's one drafter)."""
+    cfg = pipeline_config(context)
+    return cfg.for_drafter(drafter) if drafter else cfg
+
+
 class StepFailed(Exception):
     """The step's child process exited non-zero; ``returncode`` and ``tail`` say how."""
 

@@ -10,14 +10,18 @@ from datetime import timedelta
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
+from operators.drafter import DrafterStepOperator
 from operators.links import EagleflowRunLink
-from operators.step import EagleflowStepOperator, StepFailed, pipeline_config
+from operators.step import EagleflowStepOperator, StepFailed, drafter_config, pipeline_config
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-# One train_drafter instance per training node, named node-0, node-1, … (given to partial(), as every map_index_template).
+# One train_drafter instance per drafter and training node, named by both (eagle3, dflash/node-1; a run's
+# one drafter: node-0, …), given to partial(), as every map_index_template.
 NODE_MAP_INDEX_TEMPLATE = "{{ task.node['name'] }}"
+# plot_metrics, export_drafter and evaluate_drafter: one instance per drafter, named by it.
+DRAFTER_MAP_INDEX_TEMPLATE = "{{ task.drafter['name'] }}"
 # A stopped or failed training resumes from its last checkpoint; with several nodes every node's
 # instance fails when one stops, and their retries meet again.
 TRAIN_RETRIES = 2
@@ -41,30 +45,56 @@ class BuildVocabOperator(EagleflowStepOperator):
                 f"stop_after_extraction: the hidden states are in {cfg.layout.hidden_states}; trigger a run with "
                 f"run_name {cfg.layout.root.name!r} and stop_after_extraction off to train from them"
             )
-        family = cfg.drafter_family()
-        if family.block:  # succeeds with nothing to do: training follows it
-            reason = f"draft_algorithm {family.name} trains the verifier's full vocabulary: no draft vocabulary to build"
+        # Each size a drafter of the run reads (block drafters read the full vocabulary: none).
+        sizes: dict[int, list[str]] = {}
+        for drafter in cfg.drafter_plan():
+            seen = cfg.for_drafter(drafter)
+            if not seen.drafter_family().block:
+                sizes.setdefault(int(seen.step_param("draft_vocab_size")), []).append(drafter["name"])
+        if not sizes:  # succeeds with nothing to do: training follows it
+            reason = "block drafters train the verifier's full vocabulary: no draft vocabulary to build"
             self.log.info(reason)
             return {"skipped": reason}
-        return super().execute(context)
-
-    def step_argv(self, context: Context) -> list[str]:
         from eagleflow.config import model_to_argv
 
-        return model_to_argv(pipeline_config(context).vocab_config())
+        results = {}
+        for size, names in sorted(sizes.items()):
+            self.log.info("Draft vocabulary of %d ids, for %s", size, ", ".join(names))
+            vocab = cfg.vocab_config().model_copy(update={"draft_vocab_size": size})
+            results[str(size)] = self.run_step(self.step, model_to_argv(vocab))
+        return results if len(results) > 1 else next(iter(results.values()))
+
+
+class PlanDraftersOperator(BaseOperator):
+    """The run's drafters, ``[{name, folder, settings}]`` (``drafters`` Param): export, evaluation and charts are mapped over them."""
+
+    def execute(self, context: Context) -> list[dict[str, Any]]:
+        drafters = pipeline_config(context, check_model=False).drafter_plan()
+        self.log.info("Drafters: %s", ", ".join(d["name"] for d in drafters))
+        return drafters
 
 
 class PlanTrainNodesOperator(BaseOperator):
-    """The training nodes, ``[{name, rank}]`` (``train_nodes`` Param): train_drafter is mapped over them."""
+    """Each drafter's training nodes, ``[{name, rank, drafter}]`` (``train_nodes`` Param): train_drafter is mapped over them.
+
+    :param drafters: the run's drafters (templated; ``plan_drafters``' XCom).
+    """
+
+    template_fields: Sequence[str] = ("drafters",)
+
+    def __init__(self, *, drafters: Any = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.drafters = drafters
 
     def execute(self, context: Context) -> list[dict[str, Any]]:
         from eagleflow.train.config import TrainConfig
-        from eagleflow.train.nodes import node_plan
+        from eagleflow.train.nodes import drafter_node_plan
 
         cfg = pipeline_config(context, check_model=False)
-        nodes = node_plan(cfg.step_values(TrainConfig).get("train_nodes", TrainConfig.model_fields["train_nodes"].default))
+        count = cfg.step_values(TrainConfig).get("train_nodes", TrainConfig.model_fields["train_nodes"].default)
+        nodes = drafter_node_plan(list(self.drafters or cfg.drafter_plan()), count)
         if len(nodes) > 1:
-            self.log.info("Training on %d nodes (%s): the gpu pool needs a slot for each", len(nodes), ", ".join(n["name"] for n in nodes))
+            self.log.info("Training instances: %s; the gpu pool needs a slot for each", ", ".join(n["name"] for n in nodes))
         return nodes
 
 
@@ -79,7 +109,7 @@ class TrainOperator(EagleflowStepOperator):
 
     :param engines: every engine's ``{url, pid, host, log_path, dump_dir, name}`` from the
         readiness sensors (templated; used online).
-    :param node: this instance's training node ``{name, rank}`` (templated; one of ``plan_train_nodes``).
+    :param node: this instance's training node ``{name, rank, drafter}`` (templated; one of ``plan_train_nodes``).
     """
 
     template_fields: Sequence[str] = ("engines", "node")
@@ -102,7 +132,7 @@ class TrainOperator(EagleflowStepOperator):
         from eagleflow.config import model_to_argv
         from eagleflow.engine.pool import engines_from_xcom, unreachable_reason
 
-        cfg = pipeline_config(context)
+        cfg = drafter_config(context, (self.node or {}).get("drafter"))
         if not cfg.online:
             return model_to_argv(cfg.train_config(node_rank=int((self.node or {}).get("rank", 0))))
         engines = engines_from_xcom(self.engines)
@@ -116,10 +146,8 @@ class TrainOperator(EagleflowStepOperator):
         return model_to_argv(cfg.train_config(reachable))
 
 
-class PlotOperator(EagleflowStepOperator):
-    """Loss and accuracy charts (PNG + SVG) under ``<run>/train-progress/`` (``plot``)."""
-
-    operator_extra_links = (EagleflowRunLink(),)
+class PlotOperator(DrafterStepOperator):
+    """A drafter's loss and accuracy charts (PNG + SVG) under its ``train-progress/`` (``plot``), once its training finished."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(step="plot", **kwargs)
@@ -127,4 +155,4 @@ class PlotOperator(EagleflowStepOperator):
     def step_argv(self, context: Context) -> list[str]:
         from eagleflow.config import model_to_argv
 
-        return model_to_argv(pipeline_config(context).plot_config())
+        return model_to_argv(drafter_config(context, self.drafter).plot_config())

@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 
 
 def main() -> int:
-    from eagleflow.demo import DEMO_DFLASH_PARAMS, DEMO_RUN_NAME, demo_params, make_demo_inputs, run_summary
+    from eagleflow.demo import DEMO_COMPARE_DRAFTERS, DEMO_DFLASH_PARAMS, DEMO_RUN_NAME, demo_params, make_demo_inputs, run_summary
     from eagleflow.progress import format_bytes
     from sglang_patch.sample_format import DEFAULT_HIDDEN_STATES_DTYPE, HIDDEN_STATES_DTYPES
 
@@ -56,7 +56,11 @@ def main() -> int:
                         help="train from the live engine, no extraction (the Param hidden_states_source engine)")
     parser.add_argument("--draft-algorithm", choices=["eagle3", "dflash"], default="eagle3",
                         help="the drafter family to train (the Param draft_algorithm; dflash: a block drafter)")
+    parser.add_argument("--compare", action="store_true",
+                        help="train the EAGLE-3 and the DFlash from one capture and compare them (the Param drafters)")
     args = parser.parse_args()
+    if args.compare and (args.online or args.draft_algorithm != "eagle3"):
+        parser.error("--compare trains both families from extracted hidden states: without --online or --draft-algorithm")
     dtype = args.hidden_states_dtype
 
     began = time.monotonic()
@@ -77,11 +81,14 @@ def main() -> int:
         + (["regenerated"] if args.regenerate else [])
         + (["online"] if args.online else [])
         + ([args.draft_algorithm] if args.draft_algorithm != "eagle3" else [])
+        + (["compare"] if args.compare else [])
     )
     conf = {**demo_params(DEMO_DIR), "run_name": "-".join([DEMO_RUN_NAME, *variant]), "hidden_states_dtype": dtype,
             "regenerate_responses": args.regenerate}
     if args.draft_algorithm == "dflash":
         conf.update(DEMO_DFLASH_PARAMS)
+    if args.compare:
+        conf["drafters"] = DEMO_COMPARE_DRAFTERS
     if args.online:
         # A window of a few samples: the disk holds megabytes whatever the dataset's size.
         conf.update(hidden_states_source="engine", dump_queue_gb=ONLINE_WINDOW_GB)
@@ -91,7 +98,7 @@ def main() -> int:
     from eagleflow.pipeline import PipelineConfig
 
     cfg = PipelineConfig.from_params(conf)
-    summary = run_summary(cfg.layout.root, cfg.model_path, cfg.resolved_aux_layer_ids(), cfg.hidden_states_dtype)
+    summary = run_summary(cfg.layout.root, cfg.model_path, cfg.captured_aux_layer_ids(), cfg.hidden_states_dtype)
     print("\n[demo] task states: " + ", ".join(f"{k}={v}" for k, v in sorted(states.items())))
     print(f"[demo] DAG run {run.run_id}: {run.state} in {time.monotonic() - began:.0f}s")
     regeneration = summary.get("regeneration")
@@ -145,6 +152,8 @@ def main() -> int:
             flags = " ".join(best["sglang_flags"]) or "(no drafter)"
             print(f"  fastest      batch size {batch_size}: {best['config']} ({best['mean_speedup']:.2f}x); SGLang: {flags}")
     complete = (online or {}).get("fetched", 0) > 0 if args.online else summary.get("validated_rows") == summary["rows"] > 0
+    if args.compare:
+        return 0 if str(run.state) == "success" and complete and print_comparison(summary.get("comparison")) and check and check["passed"] else 1
     evaluated = bool(evaluation) and (evaluation["accept_length"]["mean"] or 0) > 1
     # Greedy speculative decoding is lossless: every config answers every prompt as the baseline does.
     lossy = [f"{row['config']} {row['set']}" for row in (evaluation or {}).get("sweep", [])
@@ -154,6 +163,45 @@ def main() -> int:
     evaluated = evaluated and not lossy
     checked = bool(check) and check["passed"]
     return 0 if str(run.state) == "success" and complete and evaluated and checked else 1
+
+
+def print_comparison(comparison: dict | None) -> bool:
+    """Print the run's comparison (eval/compare.json); whether every drafter was measured, drafted and lossless."""
+    import json
+    from pathlib import Path
+
+    if not comparison or not comparison.get("drafters"):
+        print("  compare      no comparison was written")
+        return False
+    compared = json.loads(Path(comparison["path"]).read_text()) if comparison.get("path") else comparison
+    good = not compared.get("missing")
+    print(f"  compare      {'drafter':<8} {'config':<9} {'set':<10} {'accept len':>10} {'p50/p90':>9} {'speedup':>8} {'range':>11}  "
+          f"{'params':>8} {'MB':>6} {'trained':>8}")
+    for drafter in compared["drafters"]:
+        for config in drafter["configs"]:
+            for name, figures in config["sets"].items():
+                a, speed = figures["accept_length"], figures["speedup"]
+                print(f"               {drafter['label']:<8} {config['config']:<9} {name:<10} {(a['mean'] or 1.0):>10.2f} "
+                      f"{(a['p50'] or 0):>4.1f}/{(a['p90'] or 0):<4.1f} {(speed['median'] or 0):>7.2f}x "
+                      f"{(speed['min'] or 0):>5.2f}-{(speed['max'] or 0):.2f}x {drafter['parameters'] or 0:>8} "
+                      f"{(drafter['bytes'] or 0) / 1e6:>6.2f} {drafter['train_seconds'] or 0:>7.0f}s")
+                good = good and (a["mean"] or 0) > 1
+        report = json.loads(Path(drafter["report"]).read_text())
+        lossy = [f"{row['config']}" for row in report.get("sweep", []) for s in row["sets"].values()
+                 if s.get("same_tokens_as_baseline") is not None and s["same_tokens_as_baseline"] < 1]
+        if lossy:
+            print(f"  LOSSY        {drafter['label']}: answers differ from the baseline's in {', '.join(lossy)}")
+            good = False
+    for batch_size, best in (compared.get("fastest") or {}).items():
+        print(f"  fastest      batch size {batch_size}: {best['drafter']} {best['config']} ({best['mean_speedup']:.2f}x); "
+              f"SGLang: {' '.join(best['sglang_flags'])}")
+    winner = compared.get("winner")
+    if winner:
+        print(f"  winner       {winner['drafter']} ({winner['algorithm']}) {winner['config']} at batch size {winner['batch_size']}: "
+              f"{winner['mean_speedup']:.2f}x")
+    for missing in compared.get("missing", []):
+        print(f"  MISSING      {missing['drafter']}: {missing['reason']}")
+    return good
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ __all__, __getattr__ = lazy_exports(
     __name__,
     {
         "run": [
-            "DEMO_DFLASH_PARAMS", "DEMO_PARAMS", "DEMO_ROWS", "DEMO_RUN_NAME", "demo_params", "demo_paths", "make_demo_inputs",
+            "DEMO_COMPARE_DRAFTERS", "DEMO_DFLASH_PARAMS", "DEMO_PARAMS", "DEMO_ROWS", "DEMO_RUN_NAME", "demo_params", "demo_paths", "make_demo_inputs",
             "run_summary"
         ],
     },

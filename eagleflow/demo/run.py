@@ -71,6 +71,15 @@ DEMO_DFLASH_PARAMS: dict[str, Any] = {
 }
 
 
+# scripts/demo.py --compare: the EAGLE-3 of DEMO_PARAMS and the DFlash of DEMO_DFLASH_PARAMS from one capture,
+# measured side by side (its block at the same batch sizes as the EAGLE-3's chain: 1 and 2 in flight).
+DEMO_COMPARE_DRAFTERS: list[Any] = [
+    "eagle3",
+    {"name": "dflash", **{k: v for k, v in DEMO_DFLASH_PARAMS.items() if k not in ("draft_vocab_size", "eval_configs")},
+     "eval_configs": "1,1,1,8 2,1,1,8"},
+]
+
+
 def demo_paths(demo_dir: str | Path) -> dict[str, str]:
     """Where the demo's inputs and runs live under ``demo_dir``."""
     demo_dir = Path(demo_dir).absolute()
@@ -121,6 +130,7 @@ def run_summary(
         "regeneration": facts["regeneration"],
         "capture_checks": facts["capture_checks"],
         "evaluation": facts["evaluation"],
+        "comparison": facts.get("comparison"),
         "online": facts["online"],
         "charts": sorted(str(p) for p in layout.charts.glob("*.*")),
     }

@@ -105,7 +105,7 @@ def engine_command(cfg: PipelineConfig, port: int, gpu_offset: int = 0) -> tuple
         taken by this run's other engines on the same machine.
     """
     layout = cfg.layout
-    aux_ids = cfg.resolved_aux_layer_ids()
+    aux_ids = cfg.captured_aux_layer_ids()
     if cfg.engine == "reference":
         from eagleflow.engine.reference.config import ReferenceEngineConfig
 

@@ -8,5 +8,5 @@
 
 from eagleflow import lazy_exports
 
-# Nothing of evaluation is used by another stage.
-__all__, __getattr__ = lazy_exports(__name__, {})
+# What another stage uses of evaluation: the serving configs' rules (the drafters' settings are checked by them).
+__all__, __getattr__ = lazy_exports(__name__, {"sweep": ["check_configs_param"]})

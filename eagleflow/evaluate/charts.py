@@ -1,5 +1,6 @@
-"""The evaluation's charts: ``accept.{png,svg}`` (the headline accept lengths and speeds) and
-``sweep.{png,svg}`` (speedup by config and prompt set, with each figure's spread over rounds)."""
+"""The evaluation's charts: ``accept.{png,svg}`` (the headline accept lengths and speeds),
+``sweep.{png,svg}`` (speedup by config and prompt set, with each figure's spread over rounds) and the
+run's ``compare.{png,svg}`` (every drafter's fastest config per batch size, :mod:`eagleflow.evaluate.compare`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from eagleflow.evaluate.report import CHART, SWEEP_CHART
+
+COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b"]
 
 
 def _save(figure: Any, out_dir: Path, name: str) -> dict[str, str]:
@@ -68,7 +71,6 @@ def write_sweep_chart(report: dict[str, Any], out_dir: Path) -> dict[str, str]:
     figure = _figure((max(6.0, 1.4 * len(rows) + 3), 4.2))
     axes = figure.subplots(1, 1)
     width = 0.8 / max(len(sets), 1)
-    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b"]
     for index, name in enumerate(sets):
         xs, heights, low, high = [], [], [], []
         for position, row in enumerate(rows):
@@ -78,7 +80,7 @@ def write_sweep_chart(report: dict[str, Any], out_dir: Path) -> dict[str, str]:
             heights.append(value or 0.0)
             low.append(max((value or 0.0) - figure_["min"], 0.0) if value else 0.0)
             high.append(max(figure_["max"] - value, 0.0) if value else 0.0)
-        bars = axes.bar(xs, heights, width=width, label=name, color=colors[index % len(colors)], yerr=[low, high], capsize=3)
+        bars = axes.bar(xs, heights, width=width, label=name, color=COLORS[index % len(COLORS)], yerr=[low, high], capsize=3)
         for bar, row in zip(bars, rows, strict=True):
             if row["sets"][name]["speedup"]["disturbed"]:
                 axes.annotate("disturbed", (bar.get_x() + bar.get_width() / 2, 0.02), rotation=90, ha="center", fontsize=7)
@@ -88,3 +90,42 @@ def write_sweep_chart(report: dict[str, Any], out_dir: Path) -> dict[str, str]:
     axes.set(xlabel="config: batch size, steps, topk, draft tokens", ylabel="speedup")
     axes.legend(fontsize=8)
     return _save(figure, out_dir, SWEEP_CHART)
+
+
+def write_compare_chart(comparison: dict[str, Any], out_dir: Path, name: str) -> dict[str, str]:
+    """``<name>.{png,svg}``: per batch size, each drafter's fastest config, its speedup (mean of the prompt sets' medians,
+    whiskers: the lowest and highest round) and accept length, grouped bars; the winner starred, a missing figure said."""
+    drafters = comparison["drafters"]
+    sizes = sorted({config["batch_size"] for d in drafters for config in d["configs"]})
+    figure = _figure((max(8.0, 2.4 * len(sizes) * max(len(drafters), 1) ** 0.5 + 4), 4.4))
+    speed_axes, accept_axes = figure.subplots(1, 2)
+    width = 0.8 / max(len(drafters), 1)
+    winner = comparison.get("winner") or {}
+    for index, drafter in enumerate(drafters):
+        xs = [position + (index - (len(drafters) - 1) / 2) * width for position in range(len(sizes))]
+        best = [drafter["fastest"].get(str(size)) for size in sizes]
+        speeds = [b["mean_speedup"] if b else 0.0 for b in best]
+        low = [max(s - b["spread"][0], 0.0) if b else 0.0 for s, b in zip(speeds, best, strict=True)]
+        high = [max(b["spread"][1] - s, 0.0) if b else 0.0 for s, b in zip(speeds, best, strict=True)]
+        style = {"width": width, "color": COLORS[index % len(COLORS)], "label": f"{drafter['label']} ({drafter['algorithm']})"}
+        speed_axes.bar(xs, speeds, yerr=[low, high], capsize=3, **style)
+        accept_axes.bar(xs, [(b["accept_length"] or 0.0) if b else 0.0 for b in best], **style)
+        for x, size, b, top in zip(xs, sizes, best, [s + h for s, h in zip(speeds, high, strict=True)], strict=True):
+            if b is None:  # every config of this drafter at this batch size was disturbed (or it was not measured there)
+                speed_axes.annotate("no figure", (x, 0.02), rotation=90, ha="center", fontsize=7)
+                continue
+            won = winner.get("drafter") == drafter["label"] and winner.get("batch_size") == size
+            speed_axes.annotate(("★ winner\n" if won else "") + b["config"], (x, top), xytext=(0, 3), textcoords="offset points",
+                                ha="center", va="bottom", fontsize=7, fontweight="bold" if won else "normal")
+    speed_axes.axhline(1.0, color="0.3", linestyle="--", linewidth=1, label="baseline")
+    for axes, title, label in ((speed_axes, "speedup of the fastest config\n(mean of the prompt sets' medians, whiskers: "
+                                "min-max round)", "speedup"),
+                               (accept_axes, "its accept length\n(mean over the prompt sets, bonus token included)", "accept length")):
+        axes.set_xticks(range(len(sizes)), [f"batch size {size}" for size in sizes])
+        axes.set_title(title, fontsize=10)
+        axes.set(ylabel=label)
+        axes.margins(y=0.15)
+    handles, labels = speed_axes.get_legend_handles_labels()  # below both panels: the labels stay clear of the bars
+    figure.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize=8, frameon=False)
+    figure.suptitle(f"Drafters of run {Path(comparison['run']).name} side by side", fontweight="bold")
+    return _save(figure, out_dir, name)

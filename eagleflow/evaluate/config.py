@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
-from eagleflow.config import EngineKind, TpSize, WarmupTimeout
+from eagleflow.config import EngineKind, RedoFinished, TpSize, WarmupTimeout
 from eagleflow.errors import UserError
 
 PromptSetName = Literal["heldout", "humaneval", "file"]
@@ -62,6 +62,7 @@ class EvaluateConfig(BaseModel):
         "as separate arguments, never through a shell; the capture engines take server_extra_args",
     )
     warmup_timeout: WarmupTimeout
+    redo_finished: RedoFinished
 
     @field_validator("eval_prompts", mode="before")
     @classmethod

@@ -27,7 +27,7 @@ import dataclasses
 import importlib.metadata
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagleflow.config import add_model_arguments, model_from_args
 from eagleflow.engine import EngineClient, free_port, interrupted_by_signals, serving_engine_command
@@ -43,6 +43,9 @@ from eagleflow.export import ServedDrafter
 from eagleflow.files import atomic_write_json
 from eagleflow.layout import TrainLayout
 from eagleflow.results import emit_result
+
+if TYPE_CHECKING:
+    from eagleflow.reuse import MadeFrom
 
 REPORT_FILE = "report.json"
 
@@ -195,8 +198,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, EvaluateConfig)
 
 
+def made_from(cfg: EvaluateConfig) -> MadeFrom:
+    """What an evaluation is made from: its settings, the exported drafter, the dataset's rows (not their states), the prompt file."""
+    from eagleflow.reuse import MadeFrom, file_identities, settings_of
+
+    inputs = [cfg.drafter, cfg.dataset, cfg.verifier / "config.json", *([cfg.eval_prompts] if cfg.eval_prompts else [])]
+    if cfg.train_dir is not None:
+        inputs.append(TrainLayout(cfg.train_dir).result)  # its split and last validation metrics
+    files = file_identities(inputs, skip=["hidden_states"])
+    return MadeFrom("evaluate", cfg.out.absolute(), {"settings": settings_of(cfg, "out", "redo_finished"), "files": files})
+
+
 def main(args: argparse.Namespace) -> int:
     cfg = model_from_args(EvaluateConfig, args)
+    made = made_from(cfg)
+    result = made.reuse_or_none([cfg.out / REPORT_FILE], cfg.redo_finished)
+    if result is not None:
+        emit_result(result)
+        return 0
     try:
         with interrupted_by_signals():
             report = evaluate(cfg)
@@ -204,12 +223,12 @@ def main(args: argparse.Namespace) -> int:
         # running_engine's finally stopped the engine on the way here.
         print(f"evaluate: stopped ({exc}); its engine is stopped and no report was written; rerun the step to evaluate", flush=True)
         return 1
-    emit_result(
-        {
-            "report": str(cfg.out / REPORT_FILE),
-            "accept_length": report["accept_length"]["mean"],
-            "speedup": report["tokens_per_s"]["single_stream"]["speedup"],
-            "fastest": {bs: best["config"] for bs, best in report["fastest"].items()},
-        }
-    )
+    result = {
+        "report": str(cfg.out / REPORT_FILE),
+        "accept_length": report["accept_length"]["mean"],
+        "speedup": report["tokens_per_s"]["single_stream"]["speedup"],
+        "fastest": {bs: best["config"] for bs, best in report["fastest"].items()},
+    }
+    made.save(result)
+    emit_result(result)
     return 0

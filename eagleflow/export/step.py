@@ -42,7 +42,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from eagleflow.config import add_model_arguments, model_from_args
+from eagleflow.config import RedoFinished, add_model_arguments, model_from_args
 from eagleflow.data import config_int, read_config
 from eagleflow.errors import UserError, excerpt
 from eagleflow.export.dflash_drafter import checkpoint_dflash_weights
@@ -76,6 +76,7 @@ class ExportConfig(BaseModel):
     train_dir: Path | None = Field(None, description="training folder; its best checkpoint is exported (result.json)")
     checkpoint: Path | None = Field(None, description="a speculators checkpoint folder to export instead of --train-dir's best")
     serve_with: ServingEngine
+    redo_finished: RedoFinished
 
 
 def chosen_checkpoint(cfg: ExportConfig) -> Path:
@@ -327,8 +328,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from eagleflow.reuse import MadeFrom, file_identities, settings_of
+
     cfg = model_from_args(ExportConfig, args)
-    manifest = export(cfg)
     out = cfg.out.absolute()
-    emit_result({"drafter": str(out), "sglang": str(out / manifest["sglang"]["path"]) if "path" in manifest["sglang"] else None})
+    checkpoint = chosen_checkpoint(cfg)
+    made = MadeFrom("export", out, {"settings": settings_of(cfg, "out", "redo_finished"), "checkpoint": str(checkpoint),
+                                    "files": file_identities([checkpoint, cfg.verifier / "config.json"])})
+    result = made.reuse_or_none([out / "export.json"], cfg.redo_finished)
+    if result is None:
+        manifest = export(cfg)
+        result = {"drafter": str(out), "sglang": str(out / manifest["sglang"]["path"]) if "path" in manifest["sglang"] else None}
+        made.save(result)
+    emit_result(result)
     return 0

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from eagleflow.config import add_model_arguments, model_from_args
+from eagleflow.config import RedoFinished, add_model_arguments, model_from_args
 from eagleflow.errors import UserError
 from eagleflow.files import atomic_path
 from eagleflow.metrics.reader import block_positions, drafter_of, read_metrics, ttt_steps
@@ -63,6 +63,7 @@ class PlotConfig(BaseModel):
     smooth: int = Field(
         0, ge=0, description="smoothing window in logged steps; 0 picks one from the number of records"
     )
+    redo_finished: RedoFinished
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,8 +72,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Read the metrics, write the four chart files, print their paths as the step's result."""
-    emit_result(run(model_from_args(PlotConfig, args)))
+    """Read the metrics, write the chart files, print their paths as the step's result (reused when the metrics did not change)."""
+    from eagleflow.reuse import MadeFrom, file_identities, settings_of
+
+    cfg = model_from_args(PlotConfig, args)
+    made = MadeFrom("plot", cfg.out.absolute(), {"settings": settings_of(cfg, "out", "redo_finished"), "files": file_identities([cfg.metrics])})
+    result = made.reuse_or_none([], cfg.redo_finished)
+    if result is None or not all(Path(p).exists() for p in result.get("png", []) + result.get("svg", [])):
+        result = run(cfg)
+        made.save(result)
+    emit_result(result)
     return 0
 
 

@@ -165,7 +165,11 @@ def speculators_flags(
     ]
     if release.noise_std_flag:
         flags += ["--noise-std", str(cfg.noise_std)]
-    if stored_dtype == "fp8" and cfg.hidden_states_source == "disk":
+    if cfg.sample_slots is not None and cfg.hidden_states_source == "disk":
+        from eagleflow.train.slots_backend import slots_flags
+
+        flags += slots_flags(cfg.sample_slots)  # one capture, several drafters: this one's slots (fp8 dequantised too)
+    elif stored_dtype == "fp8" and cfg.hidden_states_source == "disk":
         flags += ["--hidden-states-backend", "fp8"]  # dequantises to bf16 as it loads each sample (online: the feed's backend does)
     if cfg.draft_config is not None:
         flags += ["--draft-config", str(cfg.draft_config.absolute())]

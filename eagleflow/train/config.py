@@ -42,7 +42,12 @@ class TrainConfig(BaseModel):
     verifier: Path = Field(description="verifier model folder (config.json + safetensors)")
     out: Path = Field(description="training folder: checkpoints/, metrics.jsonl, train.log, result.json")
     aux_layer_ids: AuxLayerIds = Field(
-        description="captured layer ids, as given to extraction (speculators --target-layer-ids)"
+        description="the drafter's aux layer ids (speculators --target-layer-ids)"
+    )
+    captured_aux_layer_ids: AuxLayerIds | None = Field(
+        None,
+        description="the layer ids the samples were captured for, when more than this drafter's (one capture for "
+        "several drafters): the drafter reads its own layers' slots; empty: --aux-layer-ids",
     )
     epochs: int = Field(5, ge=1, title="Epochs", description="training epochs; resume with the same count")
     lr: float = Field(3e-5, gt=0, title="Learning rate", description="peak learning rate (AdamW)")
@@ -202,4 +207,22 @@ class TrainConfig(BaseModel):
             raise ValueError(f"--node-rank {self.node_rank} is not one of --train-nodes {self.train_nodes} (0..{self.train_nodes - 1})")
         if self.train_nodes > 1 and self.hidden_states_source == "engine":
             raise ValueError("--train-nodes above 1 trains from the extracted files only (--hidden-states-source disk)")
+        self.sample_slots  # noqa: B018 - this drafter's layers must be among those captured
         return self
+
+    @property
+    def captured(self) -> list[int]:
+        """The layer ids each sample holds (the capture's, else this drafter's own)."""
+        return list(self.captured_aux_layer_ids or self.aux_layer_ids)
+
+    @property
+    def sample_slots(self) -> list[int] | None:
+        """The slots of a sample this drafter reads, when the capture holds more than its layers (else None: all)."""
+        from eagleflow.drafters import slots_of
+
+        if self.captured == list(self.aux_layer_ids):
+            return None
+        try:
+            return slots_of(self.aux_layer_ids, self.captured)
+        except ValueError as exc:
+            raise ValueError(f"--aux-layer-ids: {exc} (--captured-aux-layer-ids)") from exc

@@ -62,6 +62,23 @@ def node_plan(nodes: int) -> list[dict[str, Any]]:
     return [{"name": node_name(rank), "rank": rank} for rank in range(nodes)]
 
 
+def drafter_node_plan(drafters: list[dict[str, Any]], nodes: int) -> list[dict[str, Any]]:
+    """Each drafter's training nodes, ``[{name, rank, drafter}]``: what the DAG maps train_drafter over.
+
+    Named by drafter and node (``dflash``, or ``dflash/node-1`` with several nodes); a run's one
+    drafter (no ``drafters`` Param) keeps the node names alone (``node-0``).
+    """
+    plan = []
+    for drafter in drafters:
+        for node in node_plan(nodes):
+            if drafter.get("folder") is None:
+                name = node["name"]
+            else:
+                name = drafter["name"] if nodes == 1 else f"{drafter['name']}/{node['name']}"
+            plan.append({**node, "name": name, "drafter": drafter})
+    return plan
+
+
 def node_address(configured: str | None) -> str:
     """The address the other nodes reach this one at: given, else ``$EAGLEFLOW_NODE_ADDRESS``, else the host's name."""
     from eagleflow.deploy import NODE_ADDRESS_ENV

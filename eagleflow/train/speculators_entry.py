@@ -267,10 +267,13 @@ def run(
     undo = [let_interrupts_through_logging()]
     if "LOCAL_RANK" in os.environ:  # under torchrun
         undo.append(distributed_setup_shim(not torch.cuda.is_available(), collective_timeout))
+    from eagleflow.train.slots_backend import register_slots_backend
+
+    register_slots_backend()  # before speculators' config module reads the registry
     if online:
         from eagleflow.train.online.backend import install_hooks, register_backend
 
-        register_backend()  # before speculators' config module reads the registry
+        register_backend()
     undo.append(install(Path(metrics_path), summary_path, online=online))
     if online:
         undo.append(install_hooks())

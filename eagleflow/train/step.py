@@ -53,7 +53,7 @@ def check_dataset(cfg: TrainConfig, hidden_size: int) -> tuple[int, HiddenStates
     each row's ``input_ids`` with ``torch.equal``), both the train and the validation split get
     at least one row, and (from disk) every row has its ``hs_{row}`` file, all in one storage
     dtype (read from each header: the dtype decides how speculators reads them), the first file
-    with ``len(aux_layer_ids) + 1`` slots of the verifier's hidden size. Online
+    with ``len(captured) + 1`` slots of the verifier's hidden size. Online
     (``--hidden-states-source engine``) there are no files: the largest sample must fit in the
     online window. Returns the rows and the storage dtype.
     """
@@ -82,7 +82,7 @@ def check_dataset(cfg: TrainConfig, hidden_size: int) -> tuple[int, HiddenStates
 
 def check_online_window(cfg: TrainConfig, hidden_size: int, lengths: list[int]) -> None:
     """Refuse, before training, a window too small for the largest sample (it could never be fetched)."""
-    n_slots = len(cfg.aux_layer_ids) + 1
+    n_slots = len(cfg.captured) + 1
     longest = max(range(len(lengths)), key=lengths.__getitem__)
     needed = sample_file_bytes(lengths[longest], n_slots, hidden_size, cfg.hidden_states_dtype)
     window = online_window_bytes(cfg)
@@ -129,11 +129,11 @@ def _check_hidden_state_files(cfg: TrainConfig, hidden_size: int, rows: int) -> 
             "re-extract the odd rows with the run's hidden_states_dtype"
         )
     (dtype,) = stored_as
-    expected = [len(cfg.aux_layer_ids) + 1, hidden_size]
+    expected = [len(cfg.captured) + 1, hidden_size]
     if list(first_shape[1:]) != expected:
         raise UserError(
-            f"{hs_dir / sample_file_name(0)} has hidden_states of shape {list(first_shape)}; --aux-layer-ids "
-            f"{cfg.aux_layer_ids} and the verifier's hidden size need [seq_len, {expected[0]}, {expected[1]}] "
+            f"{hs_dir / sample_file_name(0)} has hidden_states of shape {list(first_shape)}; the captured layer ids "
+            f"{cfg.captured} and the verifier's hidden size need [seq_len, {expected[0]}, {expected[1]}] "
             "(aux slots + the final state)"
         )
     return dtype  # type: ignore[return-value]  # None was refused above
@@ -147,7 +147,8 @@ def feed_settings(cfg: TrainConfig, paths: TrainLayout, hidden_size: int) -> Fee
         dataset=cfg.dataset,
         folder=paths.online,
         engines=[EngineEndpoint(name=n, url=u, dump_dir=cfg.dump_dir.absolute()) for n, u in zip(names, cfg.engine_urls)],
-        n_slots=len(cfg.aux_layer_ids) + 1,
+        n_slots=len(cfg.captured) + 1,
+        slots=cfg.sample_slots,
         hidden_size=hidden_size,
         hidden_states_dtype=cfg.hidden_states_dtype,
         prefetch=cfg.online_prefetch,
@@ -262,7 +263,7 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
             trainer = TrainerChild(child_command(device, paths, None, noise, online), child_env(device), log, lock)
         text = text_config(cfg.verifier)
         hidden, layers, vocab = int(text["hidden_size"]), int(text["num_hidden_layers"]), int(text["vocab_size"])
-        resolve_aux_layer_ids(cfg.verifier, cfg.aux_layer_ids)
+        resolve_aux_layer_ids(cfg.verifier, cfg.captured)
         rows, stored = check_dataset(cfg, hidden)
         if cfg.draft_vocab_size > vocab and not family(cfg.draft_algorithm).block:  # block drafters: the full vocabulary
             raise UserError(f"--draft-vocab-size {cfg.draft_vocab_size} exceeds the verifier vocabulary ({vocab})")
@@ -273,7 +274,10 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
             f"device {device.kind}" + (f" x{device.gpus}" if device.kind == "cuda" else "") + f"; speculators {release.version}"
         )
 
+        if cfg.sample_slots is not None:
+            log.say(f"one capture for several drafters: layers {cfg.captured}; this drafter reads {cfg.aux_layer_ids} (slots {cfg.sample_slots})")
         resume = prepare_checkpoints(cfg, paths, log)
+        trained_seconds = previous_train_seconds(paths)  # what the attempt that trained took, kept by a rerun with nothing to do
         if resume is not None and resume.epoch + 1 >= cfg.epochs:
             log.say(f"all {cfg.epochs} epochs are done; nothing to train")
             if cfg.train_nodes > 1:
@@ -319,6 +323,7 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
                     f"rerun the step to resume",
                     1,
                 )
+            trained_seconds = round(time.time() - began, 1)
         best = best_checkpoint(paths)
         if best is None:
             raise TrainingFailed(f"no checkpoint in {paths.checkpoints}", 1)
@@ -327,6 +332,7 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
             "best_checkpoint": str(best),
             "metrics_path": str(paths.metrics),
             "log_path": str(paths.log),
+            "train_seconds": trained_seconds,
         }
         if online:
             result["online"] = online_summary(FeedLayout(paths.online), log)
@@ -345,6 +351,15 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
             settle_journal(FeedLayout(paths.online), log.say)
         log.close()
         lock.release()
+
+
+def previous_train_seconds(paths: TrainLayout) -> float | None:
+    """The wall seconds the finished training in ``paths`` took (its result.json), None when unknown."""
+    try:
+        seconds = json.loads(paths.result.read_text()).get("train_seconds")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(seconds) if isinstance(seconds, (int, float)) else None
 
 
 def online_summary(layout: FeedLayout, log: TrainLog) -> dict[str, Any]:

@@ -79,8 +79,11 @@ class RunInputs:
             **overrides,
         }
 
-    def check_every_row(self, dataset: Path) -> None:
-        """Every row's file passes ``validate_dataset`` and speculators' own reader loads it with the row's tokens."""
+    def check_every_row(self, dataset: Path, captured: list[int] | None = None) -> None:
+        """Every row's file passes ``validate_dataset`` and speculators' own reader loads it with the row's tokens.
+
+        :param captured: the layer ids the run captured (several drafters: their union), else the default ones.
+        """
         from datasets import load_from_disk
         from speculators.train.data import ArrowDataset
 
@@ -88,7 +91,7 @@ class RunInputs:
         from eagleflow.extract.sample_store import validate_dataset
 
         hidden = config_int(str(self.model), "hidden_size")
-        slots = len(resolve_aux_layer_ids(self.model, None)) + 1
+        slots = len(captured or resolve_aux_layer_ids(self.model, None)) + 1
         rows = load_from_disk(str(dataset))
         assert len(rows) == self.rows
         assert validate_dataset(dataset, slots, hidden) == []

@@ -24,6 +24,7 @@ def test_the_dag_tells_the_story(eagleflow_dag) -> None:
         "plan_engines", "launch_server", "wait_server_ready", "regenerate_dataset", "prepare_dataset", "dataset_stats",
         "check_disk", "plan_shards", "verify_capture", "extract_shard", "stop_server", "build_vocab", "plan_train_nodes",
         "train_drafter", "stop_server_after_training", "plot_metrics", "export_drafter", "evaluate_drafter",
+        "plan_drafters", "compare_drafters",
     }
     # The capture check is a setup too: clearing a shard re-checks the restarted engine.
     assert all(tasks[name].is_setup for name in ("launch_server", "wait_server_ready", "verify_capture"))
@@ -47,18 +48,26 @@ def test_the_dag_tells_the_story(eagleflow_dag) -> None:
     assert tasks["build_vocab"].upstream_task_ids == {"extract_shard", "stop_server"}
     assert tasks["build_vocab"].trigger_rule == "none_failed"  # online, every shard is skipped
     # the engines' list: online, training asks them
-    assert tasks["plan_train_nodes"].upstream_task_ids == {"build_vocab"}
+    assert tasks["plan_drafters"].upstream_task_ids == set()  # the drafters Param alone
+    assert tasks["plan_train_nodes"].upstream_task_ids == {"build_vocab", "plan_drafters"}
     assert tasks["train_drafter"].upstream_task_ids == {"plan_train_nodes", "wait_server_ready"}
-    # one instance per training node, named after it, all retried when one stops (they resume together)
+    # one instance per drafter and training node, named after them, all of a drafter's nodes retried when one
+    # stops (they resume together)
     assert tasks["train_drafter"].map_index_template == "{{ task.node['name'] }}"
     assert tasks["train_drafter"].retries >= 1
     # online, the engines stop after training, however it ended (disk: stop_server stopped them)
     assert tasks["stop_server_after_training"].upstream_task_ids == {"plan_engines", "train_drafter"}
     assert tasks["stop_server_after_training"].trigger_rule == "all_done"
     assert not tasks["stop_server_after_training"].is_teardown  # so clearing train_drafter relaunches no engine
-    assert tasks["plot_metrics"].upstream_task_ids == {"train_drafter"}
-    assert tasks["export_drafter"].upstream_task_ids == {"train_drafter"}
-    assert tasks["evaluate_drafter"].upstream_task_ids == {"export_drafter"}
+    # one instance per drafter, named after it; the comparison waits for every evaluation, however it ended
+    for name in ("plot_metrics", "export_drafter", "evaluate_drafter"):
+        assert tasks[name].map_index_template == "{{ task.drafter['name'] }}"
+        assert tasks[name].trigger_rule == "all_done"  # one drafter's failure holds back no other
+    assert tasks["plot_metrics"].upstream_task_ids == {"train_drafter", "plan_drafters"}
+    assert tasks["export_drafter"].upstream_task_ids == {"train_drafter", "plan_drafters"}
+    assert tasks["evaluate_drafter"].upstream_task_ids == {"export_drafter", "plan_drafters"}
+    assert tasks["compare_drafters"].upstream_task_ids == {"evaluate_drafter", "plan_drafters"}
+    assert tasks["compare_drafters"].trigger_rule == "all_done"
     assert tasks["extract_shard"].map_index_template == "{{ task.shard['name'] }}"
     # a shard whose engine or worker went away is retried (on an engine that is up)
     assert tasks["extract_shard"].retries >= 1
@@ -144,8 +153,11 @@ def test_remote_server_mode_launches_and_stops_nothing_and_extracts_everything(
     run = eagleflow_dag.test(run_conf=conf)
     tis = {(ti.task_id, ti.map_index): ti for ti in run.get_task_instances()}
     assert str(run.state) == "success", {k: ti.state for k, ti in tis.items()}
-    after_extraction = ("build_vocab", "plan_train_nodes", "train_drafter", "plot_metrics", "export_drafter", "evaluate_drafter")
+    after_extraction = ("build_vocab", "plan_train_nodes", "train_drafter", "compare_drafters")
     assert {task: tis[(task, -1)].state for task in after_extraction} == dict.fromkeys(after_extraction, "skipped")
+    # One instance per drafter (the run's one), each skipped: its drafter was never trained.
+    per_drafter = ("plot_metrics", "export_drafter", "evaluate_drafter")
+    assert {task: tis[(task, 0)].state for task in per_drafter} == dict.fromkeys(per_drafter, "skipped")
     assert tis[("launch_server", 0)].xcom_pull(task_ids="launch_server", map_indexes=0) == {
         "url": outside_engine.url, "pid": None, "host": "", "log_path": "", "dump_dir": outside_engine.dump_dir,
         "name": "engine-0",
@@ -203,7 +215,7 @@ def test_online_mode_skips_every_shard_trains_from_the_engine_and_stops_it_after
         # Said explicitly: dag.test() keeps an earlier test's run_conf in the shared DAG's params.
         "server_urls": [], "server_dump_dir": None, "stop_after_extraction": False,
     }
-    run = eagleflow_dag.test(run_conf=conf, mark_success_pattern="plot_metrics|evaluate_drafter")
+    run = eagleflow_dag.test(run_conf=conf, mark_success_pattern="plot_metrics|evaluate_drafter|compare_drafters")
     tis = {(ti.task_id, ti.map_index): ti for ti in run.get_task_instances()}
     states = {f"{task}[{index}]": ti.state for (task, index), ti in tis.items()}
     assert str(run.state) == "success", states

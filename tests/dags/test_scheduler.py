@@ -1,9 +1,13 @@
 """The DAG under a real Airflow: scheduler, dag-processor, triggerer and api-server as subprocesses.
 
-Runs through the REST API. One, with the reference engine told to fail one row of the middle
-shard: the run fails on that shard only; clearing that one mapped instance through the API
-re-runs it with its setups (engine launch and readiness) and teardown, and the run then
-succeeds without touching any other shard's files; speculators' own reader loads every row.
+Runs through the REST API. One trains two drafters (an EAGLE-3 and a DFlash reading other layers)
+from one capture, with the reference engine told to fail one row of the middle shard: the run
+fails on that shard only; clearing that one mapped instance through the API re-runs it with its
+setups (engine launch and readiness) and teardown without touching any other shard's files
+(speculators' own reader loads every row of the union capture); then the DFlash's training is
+refused by a stray trainer holding its folder while the EAGLE-3 is trained, exported, measured and
+compared alone, and clearing only the DFlash's training instance trains, exports and measures it,
+while the EAGLE-3's instances reuse their results and both are compared.
 Another run has its scheduler killed (with its LocalExecutor workers) while a shard extracts,
 and restarted: the run finishes without a finished row being rewritten.
 (Two engines in one run, one of them killed, run in ``test_celery.py``, on the Celery deployment.)
@@ -28,34 +32,45 @@ SHARD_NAMES = [f"rows_{s}-{s + SHARD_SIZE}" for s in range(0, ROWS, SHARD_SIZE)]
 # One engine: its setups (the capture check is one: a restarted engine is checked again) and
 # teardown are the single instance (map index 0) of each engine task.
 SETUPS_AND_TEARDOWN = [("launch_server", 0), ("wait_server_ready", 0), ("verify_capture", 0), ("stop_server", 0)]
-DOWNSTREAM = [
-    (task, -1) for task in ("build_vocab", "plan_train_nodes", "train_drafter", "plot_metrics", "export_drafter", "evaluate_drafter")
-]
+# Two drafters from one capture: the DFlash reads other layers (the capture holds the union).
+EAGLE3_LAYERS, DFLASH_LAYERS = [2, 4, 5], [1, 3, 5, 7]
+DRAFTERS = ["eagle3", {"name": "dflash", "draft_algorithm": "dflash", "block_size": 4, "num_layers": 1, "mask_token_id": 0,
+                       "max_anchors": 16, "aux_layer_ids": DFLASH_LAYERS}]
+EAGLE3, DFLASH = 0, 1  # map indexes of each drafter's instances (one training node)
+PER_DRAFTER = ("plot_metrics", "export_drafter", "evaluate_drafter")
+DOWNSTREAM = [(task, -1) for task in ("build_vocab", "plan_train_nodes", "train_drafter")]
+# Run whatever training's outcome, each instance skipped while its own drafter is not trained.
+DRAFTER_INSTANCES = [(task, i) for task in PER_DRAFTER for i in (EAGLE3, DFLASH)]
+COMPARE = [("compare_drafters", -1)]
 # Runs whatever training's outcome (it stops an online run's engines; here, disk mode, nothing).
 AFTER_TRAINING = [("stop_server_after_training", 0)]
 UNTOUCHED = [
-    (task, -1) for task in ("plan_engines", "regenerate_dataset", "prepare_dataset", "dataset_stats", "check_disk", "plan_shards")
+    (task, -1)
+    for task in ("plan_engines", "regenerate_dataset", "prepare_dataset", "dataset_stats", "check_disk", "plan_shards", "plan_drafters")
 ]
 RUN_TIMEOUT = 600.0
 
 
 def _conf(inputs: Any, output_root: Path, run_name: str) -> dict[str, Any]:
     """Params of the run: shards of 10 rows (row 13 is refused once by the engine: ``inject_faults``)."""
-    return inputs.conf(output_root, run_name, shard_size=SHARD_SIZE)
+    return inputs.conf(output_root, run_name, shard_size=SHARD_SIZE, drafters=DRAFTERS)
 
 
-def _file_identities(hidden_states: Path) -> dict[str, tuple[int, int]]:
+def _file_identities(folder: Path, pattern: str = "hs_*.safetensors") -> dict[str, tuple[int, int]]:
     """``{file name: (inode, mtime_ns)}``: a rewrite (even by rename) changes one of them."""
-    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in sorted(hidden_states.glob("hs_*.safetensors"))}
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in sorted(folder.glob(pattern))}
 
 
 def _tries(tis: dict[tuple[str, int], dict[str, Any]]) -> dict[tuple[str, int], int]:
     return {key: ti["try_number"] for key, ti in tis.items()}
 
 
-def test_failed_shard_cleared_through_the_api_reruns_alone(airflow_stack: Any, run_inputs: Any, tmp_path: Path) -> None:
+def test_failed_shard_cleared_through_the_api_reruns_alone_then_one_drafter_cleared_alone(
+    airflow_stack: Any, run_inputs: Any, tmp_path: Path
+) -> None:
     from eagleflow.layout import RunLayout
     from eagleflow.engine.process import pid_alive
+    from eagleflow.train.lock import TrainFolderLock
 
     started = time.monotonic()
     inputs = run_inputs(ROWS)
@@ -79,6 +94,10 @@ def test_failed_shard_cleared_through_the_api_reruns_alone(airflow_stack: Any, r
         assert tis[key]["state"] == "success", airflow_stack.describe(run_id)
     for key in DOWNSTREAM:
         assert tis[key]["state"] == "upstream_failed", airflow_stack.describe(run_id)
+    for key in DRAFTER_INSTANCES:
+        assert tis[key]["state"] == "skipped", airflow_stack.describe(run_id)
+    # The comparison, the run's last word, names the drafters it could not measure.
+    assert tis[COMPARE[0]]["state"] == "failed", airflow_stack.describe(run_id)
     # A row the engine refused fails its shard for good: no retry, only a clear redoes it.
     assert tis[("extract_shard", FAILED_SHARD)]["try_number"] == 1, airflow_stack.describe(run_id)
 
@@ -95,6 +114,11 @@ def test_failed_shard_cleared_through_the_api_reruns_alone(airflow_stack: Any, r
     assert len(before) == ROWS - 1 and f"hs_{FAIL_ROW}.safetensors" not in before, sorted(before)
     tries_before = _tries(tis)
 
+    # A stray trainer (say, a training started by hand) holds the DFlash's training folder from now on.
+    stray = TrainFolderLock(layout.for_drafter("dflash").train.lock, 0)
+    layout.for_drafter("dflash").train.root.mkdir(parents=True)
+    stray.acquire()
+
     # --- clear that one mapped instance, as the UI's "Clear" with downstream does -------------
     clear = {
         "dag_run_id": run_id,
@@ -105,25 +129,38 @@ def test_failed_shard_cleared_through_the_api_reruns_alone(airflow_stack: Any, r
     }
     planned = airflow_stack.request("POST", f"/dags/{DAG_ID}/clearTaskInstances", json={**clear, "dry_run": True})
     planned_keys = {(ti["task_id"], ti["map_index"]) for ti in planned["task_instances"]}
-    expected_keys = {("extract_shard", FAILED_SHARD), *SETUPS_AND_TEARDOWN, *DOWNSTREAM, *AFTER_TRAINING}
+    expected_keys = {("extract_shard", FAILED_SHARD), *SETUPS_AND_TEARDOWN, *DOWNSTREAM, *DRAFTER_INSTANCES, *COMPARE, *AFTER_TRAINING}
     assert planned_keys == expected_keys, sorted(planned_keys)
     airflow_stack.request("POST", f"/dags/{DAG_ID}/clearTaskInstances", json={**clear, "dry_run": False})
 
-    # --- second pass: the run finishes green ----------------------------------------------------
+    # --- second pass: the shard is whole; the EAGLE-3 is trained, exported, measured; the DFlash's folder is held ---
     state = airflow_stack.wait_for_run(run_id, RUN_TIMEOUT)
     tis = airflow_stack.task_instances(run_id)
-    assert state == "success", airflow_stack.describe(run_id)
+    assert state == "failed", airflow_stack.describe(run_id)
     assert {tis[("extract_shard", i)]["rendered_map_index"] for i in range(3)} == set(SHARD_NAMES)
-    assert all(ti["state"] == "success" for ti in tis.values()), airflow_stack.describe(run_id)
+    assert {tis[("extract_shard", i)]["state"] for i in range(3)} == {"success"}
+    # One train_drafter instance per drafter, named by it; the held one refused at once (bad input: no retry).
+    assert tis[("train_drafter", EAGLE3)]["rendered_map_index"] == "eagle3"
+    assert tis[("train_drafter", DFLASH)]["rendered_map_index"] == "dflash"
+    assert (tis[("train_drafter", EAGLE3)]["state"], tis[("train_drafter", DFLASH)]["state"]) == ("success", "failed")
+    refused = airflow_stack.task_log(run_id, "train_drafter", tis[("train_drafter", DFLASH)]["try_number"], DFLASH)
+    assert "Two trainers on one checkpoints/ folder would overwrite each other" in refused, refused[-3000:]
+    for task in PER_DRAFTER:
+        assert tis[(task, EAGLE3)]["rendered_map_index"] == "eagle3"
+        assert (tis[(task, EAGLE3)]["state"], tis[(task, DFLASH)]["state"]) == ("success", "skipped"), airflow_stack.describe(run_id)
+    assert tis[COMPARE[0]]["state"] == "failed"
+    compare_log = airflow_stack.task_log(run_id, "compare_drafters", tis[COMPARE[0]]["try_number"])
+    assert "not measured in this run: dflash" in compare_log, compare_log[-3000:]
+    assert [d["label"] for d in json.loads(layout.comparison.read_text())["drafters"]] == ["eagle3"]
 
-    # Exactly the cleared instances ran again; everything else kept its single try. train_drafter,
-    # never expanded before the clear (its upstream had failed), is now its one node's instance.
+    # Exactly the cleared instances ran again; everything else kept its single try. The per-drafter
+    # tasks, never expanded before the clear (their upstream had failed), are now one instance per drafter.
     tries_after = _tries(tis)
-    tries_after[("train_drafter", -1)] = tries_after.pop(("train_drafter", 0))
-    rerun = {key for key in tries_after if tries_after[key] != tries_before[key]}
+    for task in ("train_drafter",):
+        assert tries_after.pop((task, EAGLE3)) == tries_after.pop((task, DFLASH)) == tries_before[(task, -1)] + 1
+    tries_after[("train_drafter", -1)] = tries_before[("train_drafter", -1)] + 1
+    rerun = {key for key in tries_after if tries_after[key] != tries_before.get(key)}
     assert rerun == expected_keys, airflow_stack.describe(run_id)
-    for key in expected_keys:
-        assert tries_after[key] == tries_before[key] + 1, (key, tries_before[key], tries_after[key])
 
     # The setups really started a fresh engine (the old one had been stopped), and the
     # teardown stopped it again: no engine is left behind.
@@ -141,11 +178,49 @@ def test_failed_shard_cleared_through_the_api_reruns_alone(airflow_stack: Any, r
     # Nothing else in the folder: no temporary or partial file was left behind.
     assert sorted(p.name for p in layout.hidden_states.iterdir()) == sorted(after)
 
-    inputs.check_every_row(layout.dataset)
-    plots = airflow_stack.xcom(run_id, "plot_metrics")
-    assert plots["png"] and all(Path(p).is_file() for p in plots["png"] + plots["svg"]), plots
-    evaluation = airflow_stack.xcom(run_id, "evaluate_drafter")
-    assert evaluation["accept_length"] >= 1.0 and Path(evaluation["report"]).is_file(), evaluation
+    # --- third pass: the stray trainer is gone; only the DFlash's training is cleared, with its downstream ---
+    stray.release()
+    eagle3 = layout.for_drafter("eagle3")
+    eagle3_results = {**_file_identities(eagle3.drafter / "sglang", "*"), **_file_identities(eagle3.evaluation, "report.json")}
+    tries_before = _tries(tis)
+    clear = {**clear, "task_ids": [["train_drafter", DFLASH]]}
+    planned = airflow_stack.request("POST", f"/dags/{DAG_ID}/clearTaskInstances", json={**clear, "dry_run": True})
+    cleared = {(ti["task_id"], ti["map_index"]) for ti in planned["task_instances"]}
+    # Airflow relates no per-drafter instance to one training instance: it clears every drafter's; the EAGLE-3's
+    # training is not among them.
+    assert cleared == {("train_drafter", DFLASH), *DRAFTER_INSTANCES, *COMPARE, *AFTER_TRAINING}, sorted(cleared)
+    airflow_stack.request("POST", f"/dags/{DAG_ID}/clearTaskInstances", json={**clear, "dry_run": False})
+    state = airflow_stack.wait_for_run(run_id, RUN_TIMEOUT)
+    tis = airflow_stack.task_instances(run_id)
+    assert state == "success", airflow_stack.describe(run_id)
+    assert all(ti["state"] == "success" for ti in tis.values()), airflow_stack.describe(run_id)
+    assert {key for key, tries in _tries(tis).items() if tries != tries_before[key]} == cleared
+    # The EAGLE-3's instances finished at once on the results they had made (files untouched), saying so;
+    # the DFlash was trained, exported and measured.
+    for task in PER_DRAFTER:
+        log = airflow_stack.task_log(run_id, task, tis[(task, EAGLE3)]["try_number"], EAGLE3)
+        assert "reusing the finished result" in log, (task, log[-2000:])
+        log = airflow_stack.task_log(run_id, task, tis[(task, DFLASH)]["try_number"], DFLASH)
+        assert "reusing the finished result" not in log, (task, log[-2000:])
+    assert {**_file_identities(eagle3.drafter / "sglang", "*"), **_file_identities(eagle3.evaluation, "report.json")} == eagle3_results
+    dflash = layout.for_drafter("dflash")
+    trained = json.loads(dflash.train.result.read_text())
+    assert trained["train_seconds"] > 0
+    assert json.loads((dflash.drafter / "export.json").read_text())["sglang"]["algorithm"] == "DFLASH"
+    for drafter, layers in ((eagle3, EAGLE3_LAYERS), (dflash, DFLASH_LAYERS)):
+        # Each trained on its own layers of the one capture.
+        assert json.loads(drafter.train.config.read_text())["aux_layer_ids"] == layers
+    comparison = json.loads(layout.comparison.read_text())
+    assert [d["label"] for d in comparison["drafters"]] == ["eagle3", "dflash"], comparison
+    assert comparison["winner"]["drafter"] in ("eagle3", "dflash") and comparison["winner"]["sglang_flags"], comparison
+    assert not comparison["missing"], comparison
+
+    inputs.check_every_row(layout.dataset, captured=sorted(set(EAGLE3_LAYERS + DFLASH_LAYERS)))
+    for index in (EAGLE3, DFLASH):
+        plots = airflow_stack.xcom(run_id, "plot_metrics", index)
+        assert plots["png"] and all(Path(p).is_file() for p in plots["png"] + plots["svg"]), plots
+        evaluation = airflow_stack.xcom(run_id, "evaluate_drafter", index)
+        assert evaluation["accept_length"] >= 1.0 and Path(evaluation["report"]).is_file(), evaluation
     print(f"scheduler test: first pass {first_pass:.0f}s, total {time.monotonic() - started:.0f}s")
 
 

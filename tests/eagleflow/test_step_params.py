@@ -105,7 +105,9 @@ def test_every_run_param_changes_what_a_step_or_the_plan_gets(tmp_path: Path, ra
                "output_root": str(tmp_path / "elsewhere"), "run_name": "s", "regenerate_responses": True,
                "aux_layer_ids": [1, 3], "hidden_states_dtype": "fp8", "shard_size": 500, "dump_queue_gb": 2.0,
                "server_port": 30005, "tp_size": 4, "server_extra_args": ["--threads", "2"], "warmup_timeout": 60.0,
-               "num_engines": 2, "server_urls": remote["server_urls"]}
+               "num_engines": 2, "server_urls": remote["server_urls"],
+               # a second drafter reading another layer: the capture takes the union
+               "drafters": ["eagle3", {"name": "wide", "aux_layer_ids": [1, 2, 4]}]}
     assert set(changes) | ENGINE_RECORD_ONLY | TASKS_ONLY == set(PIPELINE_PARAMS)
     for name, value in changes.items():
         extra = {"server_dump_dir": remote["server_dump_dir"]} if name == "server_urls" else {}

@@ -37,6 +37,7 @@ import torch
 
 from hs_connectors import HiddenStatesBackend, HiddenStatesTransfer
 from eagleflow.train.online.feed import SampleFeed
+from eagleflow.train.slots_backend import select_slots
 from eagleflow.train.online.settings import BACKEND_NAME, SETTINGS_FLAG, FeedSettings
 from sglang_patch.sample_file import HIDDEN_STATES_KEY, SCALES_KEY
 
@@ -90,7 +91,7 @@ class EngineTransfer(HiddenStatesTransfer):
             from hs_connectors.fp8_utils import dequantize_fp8_tensor
 
             sample[HIDDEN_STATES_KEY] = dequantize_fp8_tensor(sample[HIDDEN_STATES_KEY], sample.pop(SCALES_KEY))
-        return sample
+        return select_slots(sample, self.settings.slots)  # type: ignore[return-value]  # a sample in, a sample out
 
     def get_generated(self, hs_transfer_params: dict[str, Any]) -> dict[str, torch.Tensor] | None:
         raise RuntimeError(

@@ -38,6 +38,7 @@ class FeedSettings(BaseModel):
     folder: Path
     engines: list[EngineEndpoint] = Field(min_length=1)
     n_slots: int
+    slots: list[int] | None = None  # the slots this drafter reads, when the capture holds more (None: all)
     hidden_size: int
     hidden_states_dtype: HiddenStatesDtype
     prefetch: int = Field(ge=1)

@@ -124,6 +124,26 @@ def test_export_from_the_training_folder_by_cli(checkpoints, random_tiny_model: 
     with safe_open(str(tmp_path / "drafter" / "sglang" / "model.safetensors"), "pt") as exported:
         names = set(exported.keys())
     assert names.isdisjoint(sglang_drafter.NOT_EXPORTED) and {"layers.1.hidden_norm.weight", "d2t"} <= names
+
+    def export_again(checkpoint: Path) -> subprocess.CompletedProcess[str]:
+        (train / "result.json").write_text(json.dumps({"best_checkpoint": str(checkpoint)}))
+        return subprocess.run(
+            [sys.executable, "-m", "eagleflow", "export", "--train-dir", str(train), "--verifier", str(random_tiny_model),
+             "--out", str(tmp_path / "drafter")], capture_output=True, text=True, timeout=300,
+        )
+
+    # The same checkpoint again (a cleared task): reused at once, saying so, its files untouched.
+    written = (tmp_path / "drafter" / "sglang" / "model.safetensors").stat().st_mtime_ns
+    proc = export_again(checkpoints[False])
+    assert proc.returncode == 0 and "export: reusing the finished result" in proc.stdout, proc.stdout + proc.stderr
+    assert (tmp_path / "drafter" / "sglang" / "model.safetensors").stat().st_mtime_ns == written
+    # Its files rewritten (a retrained drafter): exported again.
+    import shutil
+
+    retrained = shutil.copytree(checkpoints[False], tmp_path / "retrained")
+    proc = export_again(retrained)
+    assert proc.returncode == 0 and "reusing" not in proc.stdout, proc.stdout + proc.stderr
+    assert json.loads((tmp_path / "drafter" / "export.json").read_text())["checkpoint"] == str(retrained)
     # No training folder: a clear error, nothing written.
     proc = subprocess.run(
         [sys.executable, "-m", "eagleflow", "export", "--train-dir", str(tmp_path / "none"), "--verifier",

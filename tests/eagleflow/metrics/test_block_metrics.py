@@ -227,7 +227,7 @@ def test_plot_draws_loss_eal_and_slot_accuracy(recorded: tuple[Path, str], tmp_p
 
     # An EAGLE-3 run plotted into the same folder replaces the charts, and leaves no eal chart behind.
     code, result, _ = run_plot(FIXTURES / "metrics.jsonl", out, capsys)
-    assert code == 0 and sorted(p.name for p in out.iterdir()) == ["acc.png", "acc.svg", "loss.png", "loss.svg"]
+    assert code == 0 and sorted(p.name for p in out.iterdir()) == [".made-from.json", "acc.png", "acc.svg", "loss.png", "loss.svg"]
 
 
 def test_block_axes_hold_the_records(recorded: tuple[Path, str]) -> None:

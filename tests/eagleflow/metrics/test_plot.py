@@ -55,7 +55,7 @@ def test_plot_step_writes_four_valid_charts(tmp_path: Path, capsys: pytest.Captu
             prefixes = [f"loss-ttt{k}"] if name == "loss" else [f"acc-ttt{k}-full", f"acc-ttt{k}-cond"]
             for prefix in prefixes:
                 assert {f"{prefix}-raw", f"{prefix}-smoothed", f"{prefix}-val"} <= ids, (name, prefix)
-    assert sorted(p.name for p in out.iterdir()) == ["acc.png", "acc.svg", "loss.png", "loss.svg"]
+    assert sorted(p.name for p in out.iterdir()) == [".made-from.json", "acc.png", "acc.svg", "loss.png", "loss.svg"]
 
 
 def test_axes_hold_data_of_every_ttt_step() -> None:
@@ -113,7 +113,14 @@ def test_rerun_overwrites_and_partial_log_plots(tmp_path: Path, capsys: pytest.C
     assert code == 0 and "charts in" in output
     second = (out / "loss.svg").read_text()
     assert second != first and svg_ids(out / "loss.svg")
-    assert sorted(p.name for p in out.iterdir()) == ["acc.png", "acc.svg", "loss.png", "loss.svg"]  # no temp files
+    assert sorted(p.name for p in out.iterdir()) == [".made-from.json", "acc.png", "acc.svg", "loss.png", "loss.svg"]  # no temp files
+
+    # The same metrics again (a cleared task): the charts are reused, saying so; --redo-finished draws them again.
+    made = (out / "loss.svg").stat().st_mtime_ns
+    code, _, output = run_plot(partial, out, capsys)
+    assert code == 0 and "plot: reusing the finished result" in output and (out / "loss.svg").stat().st_mtime_ns == made
+    code, _, output = run_plot(partial, out, capsys, "--redo-finished")
+    assert code == 0 and "reusing" not in output and (out / "loss.svg").stat().st_mtime_ns != made
 
 
 def test_plot_errors_are_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

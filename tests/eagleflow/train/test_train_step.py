@@ -66,7 +66,9 @@ def test_two_epochs_learn_and_record_every_step(trained_run: TrainedRun, tiny_mo
         "best_checkpoint": str((out / "checkpoints" / "checkpoint_best").resolve()),
         "metrics_path": str(out / "metrics.jsonl"),
         "log_path": str(out / "train.log"),
+        "train_seconds": result["train_seconds"],
     }
+    assert 0 < result["train_seconds"] < 600, result  # the wall time of the attempt that trained (the comparison shows it)
     assert_checkpoint_set(out / "checkpoints", 2)
     train, val = assert_records(out / "metrics.jsonl", 2)
 

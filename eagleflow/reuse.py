@@ -1,0 +1,99 @@
+"""A finished step whose inputs did not change finishes at once: its result is reused, and it says so.
+
+Export, evaluation and the charts are minutes to hours of work that a clear in Airflow (a
+complete shard cleared with its downstream tasks, or the other drafters' instances when one
+drafter's training is cleared) would redo for nothing. Each of those steps records, beside its
+result, what it was made from (:class:`MadeFrom`): its settings and the identity of each input
+file (path, size, modification time). The next run of the step with the same record reuses the
+result in one log line; a changed checkpoint, drafter, dataset or setting redoes the work, and
+so does ``--redo-finished`` (Param ``redo_finished``).
+
+Identity by size and modification time, not a content hash: hashing a checkpoint or a dataset
+costs as much as reading it, and every writer here replaces files (atomic rename), which gives
+them a new modification time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eagleflow.files import atomic_write_json
+
+RECORD = ".made-from.json"
+
+
+def file_identities(paths: Iterable[Path], skip: Iterable[str] = ()) -> list[list[Any]]:
+    """``[[path, size, mtime_ns], …]`` of each file in ``paths`` (folders walked, in order; ``skip``: sub-folder names)."""
+    skipped = set(skip)
+    found: list[list[Any]] = []
+    for path in paths:
+        path = Path(path).absolute()
+        if path.is_dir():
+            for root, dirs, files in os.walk(path):
+                dirs[:] = sorted(d for d in dirs if d not in skipped)
+                found += [_identity(Path(root) / name) for name in sorted(files) if name != RECORD]
+        else:
+            found.append(_identity(path))
+    return found
+
+
+def _identity(path: Path) -> list[Any]:
+    try:
+        stat = path.stat()
+    except OSError:
+        return [str(path), None, None]  # missing: differs from any file once there is one
+    return [str(path), stat.st_size, stat.st_mtime_ns]
+
+
+@dataclass(frozen=True)
+class MadeFrom:
+    """What the result in ``folder`` is made from: ``inputs`` (settings and file identities), JSON-able."""
+
+    step: str
+    folder: Path
+    inputs: Mapping[str, Any]
+
+    @property
+    def record(self) -> Path:
+        return self.folder / RECORD
+
+    def reusable(self, outputs: Iterable[Path]) -> dict[str, Any] | None:
+        """The recorded result when it was made from these same inputs and its ``outputs`` are all there, else None."""
+        try:
+            stored = json.loads(self.record.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(stored, dict) or stored.get("inputs") != json.loads(json.dumps(self.inputs, default=str)):
+            return None
+        if not all(Path(p).exists() for p in outputs):
+            return None
+        result = stored.get("result")
+        return result if isinstance(result, dict) else None
+
+    def reuse_or_none(self, outputs: Iterable[Path], redo: bool) -> dict[str, Any] | None:
+        """The result to reuse (saying so in one line), or None when the step must do its work."""
+        if redo:
+            self.record.unlink(missing_ok=True)
+            return None
+        result = self.reusable(outputs)
+        if result is not None:
+            print(
+                f"{self.step}: reusing the finished result in {self.folder}: made from the same inputs and settings "
+                "(Param redo_finished, flag --redo-finished, makes it again)",
+                flush=True,
+            )
+        return result
+
+    def save(self, result: Mapping[str, Any]) -> None:
+        """Record that ``result`` was made from :attr:`inputs` (after the result itself is written)."""
+        atomic_write_json(self.record, {"step": self.step, "inputs": json.loads(json.dumps(self.inputs, default=str)), "result": dict(result)})
+
+
+def settings_of(config: Any, *leave_out: str) -> dict[str, Any]:
+    """A step config's settings as JSON, less ``leave_out`` (the output folder, the redo switch)."""
+    return {k: v for k, v in json.loads(config.model_dump_json()).items() if k not in leave_out}
