@@ -347,6 +347,26 @@ class FeedLayout:
         """Why the feed stopped (an engine gone too long, a row the engines cannot give, a full disk)."""
         return self.root / "failed.json"
 
+    @property
+    def staging(self) -> Path:
+        """A lead feed's fetched samples before they are handed to every trainer (one sample per fetcher)."""
+        return self.root / "staging"
+
+    @property
+    def passes(self) -> Path:
+        """Several drafters online: each pass's order as this trainer reads it (``<k>.json``), compared with the lead's."""
+        return self.root / "passes"
+
+    @property
+    def heartbeat(self) -> Path:
+        """Several drafters online: this trainer's feed is alive (``updated``), or has finished (``finished``)."""
+        return self.root / "heartbeat.json"
+
+    @property
+    def dropped(self) -> Path:
+        """Several drafters online: the lead stopped handing this trainer samples, and why (it goes on alone on retry)."""
+        return self.root / "dropped.json"
+
     def sample(self, folder: Path, row: int) -> Path:
         """Row ``row``'s file in ``folder`` (:attr:`ready` or :attr:`cache`), named as in a dataset."""
         return folder / sample_file_name(row)

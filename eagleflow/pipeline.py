@@ -319,6 +319,9 @@ class PipelineConfig(RunDrafters):
         if engines:  # one hand-off folder for all of a run's engines
             values.update(engine_urls=[e.url for e in engines], engine_names=[e.name for e in engines],
                           dump_dir=Path(engines[0].dump_dir))
+            plan = self.drafter_plan()
+            if len(plan) > 1:  # several drafters: one prefill per sample for all (eagleflow.train.online.share)
+                values["online_trainers"] = [self.for_drafter(d).layout.train.root for d in plan]
         return self.step_config(TrainConfig, **values)
 
     @property

@@ -118,10 +118,12 @@ class RunDrafters(BaseModel):
         from eagleflow.step_params import StepParams
 
         plan = self.drafter_plan()
-        if len(plan) > 1 and self.run_step_param("hidden_states_source") == "engine":
+        epochs = {d["name"]: self.for_drafter(d).step_param("epochs") for d in plan}
+        if len(set(epochs.values())) > 1 and self.run_step_param("hidden_states_source") == "engine":
+            # Online, every drafter reads each sample of one prefill, pass after pass: they train as many passes.
             raise UserError(
-                "Param drafters: online training (hidden_states_source engine) trains one drafter per run for now; "
-                "train several from extracted hidden states (hidden_states_source disk), or one per run"
+                f"Param drafters: online (hidden_states_source engine) every drafter trains the same number of epochs, "
+                f"as they share each sample: {', '.join(f'{n} {e}' for n, e in epochs.items())}"
             )
         for drafter in plan:
             seen = self.for_drafter(drafter)

@@ -165,6 +165,16 @@ class TrainConfig(BaseModel):
         description="engine mode: keep samples up to this many GB on disk for later epochs (0: every epoch asks the "
         "engines again)",
     )
+    online_trainers: list[Path] = Field(
+        default_factory=list,
+        description="engine mode with several drafters: every drafter's training folder, in the run's order; the "
+        "first one's feed asks the engines and hands each sample to the others (one prefill for all)",
+    )
+    online_peer_wait: float = Field(
+        600.0, gt=0,
+        description="engine mode with several drafters: seconds a pass waits for another drafter's trainer before "
+        "it goes on without it (that one then fetches its own samples)",
+    )
     online_window_gb: float | None = Field(
         None, gt=0,
         description="engine mode: disk the samples fetched ahead of the trainer may take (dumps + ready samples; one "

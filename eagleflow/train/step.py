@@ -38,9 +38,7 @@ from eagleflow.train.failure import failure_cause
 from eagleflow.train.lock import TrainFolderLock
 from eagleflow.train.nodes import follow_node_0, lead_nodes
 from eagleflow.train.resume import best_checkpoint, epoch_dirs, prepare_checkpoints
-from eagleflow.train.online.settings import (
-    EngineEndpoint, FeedSettings, online_cache_bytes, online_window_bytes, read_status,
-)
+from eagleflow.train.online.settings import feed_settings, online_window_bytes, read_status
 from eagleflow.train.speculators_support import check_online, installed_release
 from sglang_patch.sample_format import HiddenStatesDtype, sample_file_bytes
 
@@ -137,28 +135,6 @@ def _check_hidden_state_files(cfg: TrainConfig, hidden_size: int, rows: int) -> 
             "(aux slots + the final state)"
         )
     return dtype  # type: ignore[return-value]  # None was refused above
-
-
-def feed_settings(cfg: TrainConfig, paths: TrainLayout, hidden_size: int) -> FeedSettings:
-    """What the online feed in the speculators child needs (written to ``<train>/online/feed.json``)."""
-    names = cfg.engine_names or [f"engine-{i}" for i in range(len(cfg.engine_urls))]
-    assert cfg.dump_dir is not None  # TrainConfig requires it with --hidden-states-source engine
-    return FeedSettings(
-        dataset=cfg.dataset,
-        folder=paths.online,
-        engines=[EngineEndpoint(name=n, url=u, dump_dir=cfg.dump_dir.absolute()) for n, u in zip(names, cfg.engine_urls)],
-        n_slots=len(cfg.captured) + 1,
-        slots=cfg.sample_slots,
-        hidden_size=hidden_size,
-        hidden_states_dtype=cfg.hidden_states_dtype,
-        prefetch=cfg.online_prefetch,
-        window_bytes=online_window_bytes(cfg),
-        cache_bytes=online_cache_bytes(cfg),
-        request_timeout=cfg.request_timeout,
-        dump_wait=cfg.dump_wait,
-        max_retries=cfg.max_retries,
-        engine_wait=cfg.engine_wait,
-    )
 
 
 def _rows_text(rows: list[int]) -> str:

@@ -84,8 +84,8 @@ def test_a_drafters_bad_setting_is_refused_by_its_familys_rules_naming_the_draft
         PipelineConfig.from_params(base(tmp_path, random_tiny_model, drafters=[{"name": "d", "draft_algorithm": "dflash", "draft_vocab_size": 256}]))
     with pytest.raises(UserError, match=r"Param drafters \(e\) lr"):
         PipelineConfig.from_params(base(tmp_path, random_tiny_model, drafters=[{"name": "e", "lr": -1}]))
-    with pytest.raises(UserError, match=r"Param drafters: online training .* one drafter per run"):
-        PipelineConfig.from_params(base(tmp_path, random_tiny_model, drafters=["eagle3", "dflash"], hidden_states_source="engine"))
+    with pytest.raises(UserError, match=r"Param drafters: online .* the same number of epochs.*eagle3 5, d 2"):
+        PipelineConfig.from_params(base(tmp_path, random_tiny_model, drafters=["eagle3", {"name": "d", "epochs": 2}], hidden_states_source="engine"))
     cfg = PipelineConfig.from_params(base(tmp_path, random_tiny_model, drafters=[{"name": "far", "aux_layer_ids": [2, 30]}]))
     with pytest.raises(UserError, match=r"Param drafters \(far\) aux_layer_ids"):
         cfg.check_model()
@@ -111,3 +111,22 @@ def _server() -> Any:
     from eagleflow.engine.process import ServerInfo
 
     return ServerInfo(url="http://127.0.0.1:1", pid=None, host="h", log_path="l", dump_dir="/tmp/d", name="engine-0")
+
+
+def test_online_every_drafters_trainer_knows_the_others_and_the_first_leads(tmp_path: Path, random_tiny_model: Path) -> None:
+    """Several drafters online: each trainer's config lists every drafter's folder, in the run's order; the feed
+    settings make the first the lead handing samples to the others, and the others its followers."""
+    from eagleflow.engine.process import ServerInfo
+    from eagleflow.train.online.settings import shared_feed
+
+    cfg = PipelineConfig.from_params(base(tmp_path, random_tiny_model, drafters=["eagle3", {"name": "b", "lr": 1e-3}],
+                                          hidden_states_source="engine"))
+    engine = ServerInfo(url="http://127.0.0.1:1", pid=None, host="h", log_path="l", dump_dir=str(tmp_path / "d"), name="engine-0")
+    lead, follower = (cfg.for_drafter(d).train_config([engine]) for d in cfg.drafter_plan())
+    run = cfg.layout.root
+    assert lead.online_trainers == follower.online_trainers == [run / "drafters/eagle3/train", run / "drafters/b/train"]
+    assert shared_feed(lead) == {"followers": {"b": run / "drafters/b/train/online"}}
+    assert shared_feed(follower) == {"lead": run / "drafters/eagle3/train/online"}
+    # One drafter: a lone feed, as before.
+    single = PipelineConfig.from_params(base(tmp_path, random_tiny_model, hidden_states_source="engine"))
+    assert shared_feed(single.train_config([engine])) == {}

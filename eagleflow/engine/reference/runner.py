@@ -108,9 +108,7 @@ class ReferenceEngine:
         self.turns = ForwardTurns()  # one forward at a time; /abort_request drops a request still waiting
         self.prefix_cache = PrefixCache() if self.faults.settings.capture_fault == "radix-cache" else None  # TEST ONLY
         self._stats_lock = threading.Lock()
-        self._requests = 0
-        self._failed = 0
-        self._prompt_tokens = 0
+        self._requests = self._failed = self._prompt_tokens = 0
         self._last_stats = (time.monotonic(), 0, 0)
 
     @classmethod
@@ -225,6 +223,7 @@ class ReferenceEngine:
             "disable_radix_cache": True,  # there is no prefix cache: every prompt token is computed
             "chunked_prefill_size": -1,
             "version": "eagleflow-reference",
+            "eagleflow_captured_requests": self._requests - self._failed,  # not SGLang's: captured prefills answered
             **server_info_overrides(self.faults.settings.capture_fault),
         }
 

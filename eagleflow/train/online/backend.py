@@ -36,7 +36,9 @@ from typing import Any
 import torch
 
 from hs_connectors import HiddenStatesBackend, HiddenStatesTransfer
+from eagleflow.layout import FeedLayout
 from eagleflow.train.online.feed import SampleFeed
+from eagleflow.train.online.share import FollowerFeed, follower_wait_failure, join_lead
 from eagleflow.train.slots_backend import select_slots
 from eagleflow.train.online.settings import BACKEND_NAME, SETTINGS_FLAG, FeedSettings
 from sglang_patch.sample_file import HIDDEN_STATES_KEY, SCALES_KEY
@@ -44,7 +46,7 @@ from sglang_patch.sample_file import HIDDEN_STATES_KEY, SCALES_KEY
 POLL_MAX_S = 0.02
 WAIT_NOTE_EVERY_S = 30.0
 
-_feed: SampleFeed | None = None  # the trainer process's feed (rank-local), started by the backend
+_feed: SampleFeed | FollowerFeed | None = None  # the trainer process's feed (rank-local), started by the backend
 
 
 class EngineTransfer(HiddenStatesTransfer):
@@ -59,7 +61,8 @@ class EngineTransfer(HiddenStatesTransfer):
 
     def get_cached(self, file_idx: int) -> dict[str, torch.Tensor] | None:
         layout = self.settings.layout
-        cached, ready = layout.sample(layout.cache, file_idx), layout.sample(layout.ready, file_idx)
+        lead = FeedLayout(self.settings.lead) if self.settings.lead is not None else None  # a follower: the lead's cache
+        cached, ready = (lead or layout).sample((lead or layout).cache, file_idx), layout.sample(layout.ready, file_idx)
         began = time.monotonic()
         next_note = began + WAIT_NOTE_EVERY_S
         delay = 0.001
@@ -72,6 +75,8 @@ class EngineTransfer(HiddenStatesTransfer):
                 return sample
             if layout.failure.exists():
                 raise RuntimeError(f"online feed stopped: {_failure_text(layout.failure)}; rerun the step to resume")
+            if lead is not None and (why := follower_wait_failure(layout, lead)) is not None and not ready.exists():
+                raise RuntimeError(f"row {file_idx}: {why}; rerun the step to resume (it fetches alone then)")
             waited = time.monotonic() - began
             if waited > self.settings.stall_seconds:
                 raise RuntimeError(
@@ -143,7 +148,17 @@ def start_feed(settings: FeedSettings, say: Callable[[str], None]) -> SampleFeed
     return _feed
 
 
-def current_feed() -> SampleFeed | None:
+def start_follower(settings: FeedSettings, say: Callable[[str], None]) -> FollowerFeed:
+    """Start this process's follower feed (once): it takes the lead's samples; it stops when the process exits."""
+    global _feed
+    if _feed is None:
+        assert settings.lead is not None
+        _feed = FollowerFeed(settings.layout, FeedLayout(settings.lead), say).start()
+        atexit.register(_feed.stop)
+    return _feed  # type: ignore[return-value]
+
+
+def current_feed() -> SampleFeed | FollowerFeed | None:
     return _feed
 
 
@@ -164,7 +179,16 @@ class EngineBackend(HiddenStatesBackend):
         if not getattr(args, "eagleflow_feed", None):
             raise ValueError(f"--hidden-states-backend {BACKEND_NAME} needs {SETTINGS_FLAG} (the training step writes it)")
         settings = _rank_settings(FeedSettings.read(Path(args.eagleflow_feed)))
-        start_feed(settings, lambda line: print(f"[eagleflow] {line}", flush=True))
+
+        def say(line: str) -> None:
+            print(f"[eagleflow] {line}", flush=True)
+
+        if settings.lead is not None:  # several drafters: take the lead's samples when it runs this pass with us
+            if join_lead(settings.layout, FeedLayout(settings.lead), settings.peer_wait, say):
+                start_follower(settings, say)
+                return EngineTransfer(settings)
+            settings = settings.model_copy(update={"lead": None})
+        start_feed(settings, say)
         return EngineTransfer(settings)
 
     @staticmethod

@@ -13,6 +13,10 @@ fit in ``window_bytes`` (one row always may go), so dumps + ready samples never 
 plus one sample. With ``cache_bytes`` > 0 the first samples that fit go to ``cache/`` instead and
 stay for later epochs, which then ask the engines only for the rest.
 
+Several drafters (:mod:`~eagleflow.train.online.share`): the lead's feed stages each fetched sample,
+links it into every follower's ``ready/`` and then publishes its own; a sample's bytes count in the
+window until every copy is taken.
+
 Faults: an engine that goes away is passed over (its row goes to another engine) and probed
 until it answers again; when no engine answers for ``engine_wait`` seconds, or a row fails for
 good, or the disk is full, the feed stops and writes ``failed.json`` naming it, and the trainer
@@ -37,6 +41,7 @@ from eagleflow.files import atomic_write_json
 from eagleflow.progress import format_bytes
 from eagleflow.train.online.journal import settle_journal
 from eagleflow.train.online.settings import EngineEndpoint, FeedSettings, held_bytes
+from eagleflow.train.online.share import Followers, Heartbeat, record_pass
 
 PROBE_EVERY_S = 2.0  # a gone engine is asked again this often
 MONITOR_EVERY_S = 0.05  # bytes on disk are sampled this often (the peak goes to status.json)
@@ -93,6 +98,9 @@ class SampleFeed:
         self.peak_bytes = 0
         self.data_wait_s = 0.0  # the trainer's wait for batches (added by the loader wrapper)
         self._started = time.monotonic()
+        self._heartbeat = Heartbeat(self.layout, "lead" if settings.followers else "alone")
+        self.followers = Followers(settings.followers, settings.peer_wait, say) if settings.followers else None
+        self._passes = 0
 
     # --- life ------------------------------------------------------------------------
     def start(self) -> SampleFeed:
@@ -102,8 +110,14 @@ class SampleFeed:
             folder.mkdir(parents=True, exist_ok=True)
         settle_journal(layout, self.say)
         layout.failure.unlink(missing_ok=True)
-        for stale in layout.ready.iterdir():  # an earlier attempt's prefetch: its order is not this one's
+        for stale in [*layout.ready.iterdir(), *(layout.staging.iterdir() if layout.staging.exists() else [])]:
+            stale.unlink(missing_ok=True)  # an earlier attempt's prefetch: its order is not this one's
+        for stale in layout.passes.glob("*.json") if layout.passes.exists() else []:
             stale.unlink(missing_ok=True)
+        if self.followers is not None:
+            layout.staging.mkdir(parents=True, exist_ok=True)
+            self.followers.reset()
+        self._heartbeat.start()
         for cached in sorted(layout.cache.glob("hs_*.safetensors")):
             row = int(cached.name[3:].split(".")[0])
             self._cached[row] = cached.stat().st_size
@@ -135,13 +149,22 @@ class SampleFeed:
             thread.join(timeout=5.0)
         self._write_journal()
         settle_journal(self.layout, self.say)
-        for leftover in self.layout.ready.glob("*"):
+        for leftover in [*self.layout.ready.glob("*"), *self.layout.staging.glob("*")]:
             leftover.unlink(missing_ok=True)
         self._write_status()
+        self._heartbeat.stop()  # followers still take the links of the last pass; then they see it finished
 
     # --- what the trainer says ---------------------------------------------------------
     def plan(self, rows: list[int]) -> None:
-        """The next rows the trainer will read, in its order (one pass over a split)."""
+        """The next rows the trainer will read, in its order (one pass over a split).
+
+        With followers, each of them must read the pass alike: the trainer waits here for them
+        (at most ``peer_wait``; one that differs or does not come is dropped).
+        """
+        if self.followers is not None:
+            digest = record_pass(self.layout, self._passes, rows)
+            self.followers.handshake(self._passes, digest, self._stop)
+        self._passes += 1
         with self._cond:
             self._queue.extend(rows)
             self._cond.notify_all()
@@ -161,6 +184,7 @@ class SampleFeed:
             "data_wait_s": round(self.data_wait_s, 3),
             "seconds": round(time.monotonic() - self._started, 3),
             "failure": self.failure,
+            "shared_with": sorted(self.followers.active) if self.followers is not None else [],
             "updated": time.time(),
         }
 
@@ -187,7 +211,8 @@ class SampleFeed:
                             self._cache_reserved += size
                             self._cached[row] = size  # a later pass reads it from the cache, waiting if need be
                             return row, self.layout.sample(self.layout.cache, row), size
-                        return row, ready, size
+                        staged = self.followers is not None and bool(self.followers.active)
+                        return row, self.layout.sample(self.layout.staging, row) if staged else ready, size
                 self._cond.wait(timeout=MONITOR_EVERY_S)
         return None
 
@@ -195,9 +220,10 @@ class SampleFeed:
         return self._shape.file_bytes(self.lengths[row])
 
     def _release_consumed(self) -> None:
-        """Give back the bytes of ready samples the trainer has taken (deleted). Under ``_cond``."""
+        """Give back the bytes of ready samples every trainer has taken (deleted). Under ``_cond``."""
         for row, size in list(self._awaiting.items()):
-            if not self.layout.sample(self.layout.ready, row).exists():
+            ready = self.layout.sample(self.layout.ready, row)
+            if not ready.exists() and not (self.followers is not None and self.followers.holding(ready.name)):
                 del self._awaiting[row]
                 self._reserved -= size
 
@@ -213,6 +239,10 @@ class SampleFeed:
             except FeedFailed as exc:
                 self._fail(str(exc))
                 return
+            if target.parent == self.layout.staging:  # hand it to every follower, then to this trainer
+                assert self.followers is not None
+                self.followers.hand(target, target.name)
+                target.replace(self.layout.sample(self.layout.ready, row))
             with self._cond:
                 if target.parent == self.layout.cache:
                     self._cached[row] = target.stat().st_size
@@ -307,7 +337,8 @@ class SampleFeed:
         atomic_write_json(self.layout.journal, dict(self._journal))
 
     def _monitor(self) -> None:
-        folders = [self.layout.ready, self.layout.cache, *{e.endpoint.dump_dir for e in self._engines}]
+        folders = [self.layout.ready, self.layout.staging, self.layout.cache, *{e.endpoint.dump_dir for e in self._engines}]
+        folders += self.followers.folders() if self.followers is not None else []
         next_status = 0.0
         while not self._stop.is_set():
             self.peak_bytes = max(self.peak_bytes, held_bytes(folders))
@@ -315,6 +346,8 @@ class SampleFeed:
             if now >= next_status:
                 next_status = now + STATUS_EVERY_S
                 self._write_status()
+                if self.followers is not None:
+                    self.followers.check_alive()
             with self._cond:
                 self._release_consumed()
                 self._cond.notify_all()

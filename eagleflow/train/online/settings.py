@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
-from eagleflow.layout import FeedLayout
+from eagleflow.layout import FeedLayout, TrainLayout
 from sglang_patch.handoff import STATUS_PREFIX
 from sglang_patch.sample_format import HiddenStatesDtype
 
@@ -48,6 +48,11 @@ class FeedSettings(BaseModel):
     dump_wait: float
     max_retries: int
     engine_wait: float
+    # Several drafters online (eagleflow.train.online.share): the lead lists its followers' feed folders by
+    # drafter name; a follower names the lead's feed folder.
+    followers: dict[str, Path] = Field(default_factory=dict)
+    lead: Path | None = None
+    peer_wait: float = 600.0
 
     @property
     def layout(self) -> FeedLayout:
@@ -92,9 +97,11 @@ def read_status(layout: FeedLayout) -> dict[str, Any]:
 def held_bytes(folders: list[Path]) -> int:
     """Bytes of hidden states on disk in ``folders``: dumps, their temp files, ready and cached samples.
 
-    The engine writers' status and reserve files (``STATUS_PREFIX``…) are bookkeeping, not samples.
+    The engine writers' status and reserve files (``STATUS_PREFIX``…) are bookkeeping, not samples;
+    a sample linked into several trainers' folders counts once (one inode).
     """
     total = 0
+    seen: set[tuple[int, int]] = set()
     for folder in folders:
         try:
             entries = list(folder.iterdir())
@@ -104,7 +111,45 @@ def held_bytes(folders: list[Path]) -> int:
             if entry.name.startswith(STATUS_PREFIX):
                 continue
             try:
-                total += entry.stat().st_size
+                stat = entry.stat()
             except OSError:
-                pass  # consumed or renamed while we looked
+                continue  # consumed or renamed while we looked
+            if (stat.st_dev, stat.st_ino) not in seen:
+                seen.add((stat.st_dev, stat.st_ino))
+                total += stat.st_size
     return total
+
+
+def feed_settings(cfg: TrainConfig, paths: TrainLayout, hidden_size: int) -> FeedSettings:
+    """What the online feed in the speculators child needs (written to ``<train>/online/feed.json``)."""
+    names = cfg.engine_names or [f"engine-{i}" for i in range(len(cfg.engine_urls))]
+    assert cfg.dump_dir is not None  # TrainConfig requires it with --hidden-states-source engine
+    return FeedSettings(
+        dataset=cfg.dataset,
+        folder=paths.online,
+        engines=[EngineEndpoint(name=n, url=u, dump_dir=cfg.dump_dir.absolute()) for n, u in zip(names, cfg.engine_urls)],
+        n_slots=len(cfg.captured) + 1,
+        slots=cfg.sample_slots,
+        hidden_size=hidden_size,
+        hidden_states_dtype=cfg.hidden_states_dtype,
+        prefetch=cfg.online_prefetch,
+        window_bytes=online_window_bytes(cfg),
+        cache_bytes=online_cache_bytes(cfg),
+        request_timeout=cfg.request_timeout,
+        dump_wait=cfg.dump_wait,
+        max_retries=cfg.max_retries,
+        engine_wait=cfg.engine_wait,
+        peer_wait=cfg.online_peer_wait,
+        **shared_feed(cfg),
+    )
+
+
+def shared_feed(cfg: TrainConfig) -> dict[str, Any]:
+    """Several drafters online (:mod:`eagleflow.train.online.share`): the lead's followers, or a follower's lead."""
+    trainers = [Path(t).absolute() for t in cfg.online_trainers]
+    if len(trainers) < 2:
+        return {}
+    own = cfg.out.absolute()
+    if own == trainers[0]:
+        return {"followers": {t.parent.name: TrainLayout(t).online for t in trainers[1:] if t != own}}
+    return {"lead": TrainLayout(trainers[0]).online}

@@ -319,3 +319,111 @@ def test_a_request_aborted_mid_forward_has_its_late_dump_removed_by_the_settle(
     wait_for(lambda: all(s.updated > time.time() - 0.5 and not s.pending for s in read_writer_statuses(dumps)), "the writer idle")
     assert row_files(dumps) == [], "the aborted request's dump came after the abort and was removed"
     assert json.loads(layout.journal.read_text()) == {}
+
+
+def captured_requests(engine: ServerInfo) -> int:
+    """The prefills of captured requests the engine has answered, as it counts them."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{engine.url}/server_info", timeout=30) as answer:
+        return int(json.loads(answer.read())["eagleflow_captured_requests"])
+
+
+@pytest.mark.e2e
+def test_two_drafters_online_take_one_prefill_per_sample_per_epoch_within_one_window(
+    trained_data: Path, tiny_model: Path, tmp_path: Path, process_groups: list[int]
+) -> None:
+    """An EAGLE-3 (the lead) and a DFlash reading two of the three captured layers train side by side from
+    the engine: each sample is asked of the engine once per epoch (counted at the engine) and handed to
+    both trainers, and the disk holds at most one window plus one sample, however many trainers read it."""
+    sample = largest_sample(trained_data)
+    window = 2 * sample
+    dumps = tmp_path / "dumps"
+    engine = launch_engine(tiny_model, dumps, tmp_path / "engine.log", f"--dump-queue-bytes={window}", aux=AUX)
+    process_groups.append(engine.pid)
+    dataset = rows_only(trained_data, tmp_path / "dataset", FAULT_ROWS)
+    lead, follower = tmp_path / "drafters" / "eagle3" / "train", tmp_path / "drafters" / "dflash" / "train"
+    shared = [f"--online-trainers={lead},{follower}", "--online-peer-wait", "300", "--epochs", "2", f"--online-window-gb={window / 1e9}"]
+    dflash = ["--draft-algorithm", "dflash", "--draft-vocab-size", "1024", "--block-size", "4", "--num-layers", "1",
+              "--mask-token-id", "0", "--max-anchors", "16", "--aux-layer-ids", "2,6", "--captured-aux-layer-ids", "2,4,6"]
+    feeds = [FeedLayout(TrainLayout(out).online) for out in (lead, follower)]
+    watched = [dumps, feeds[0].ready, feeds[0].staging, feeds[1].ready]
+    peak, done = [0], threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], held_bytes(watched))
+            time.sleep(0.005)
+
+    before = captured_requests(engine)
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    trainers = [
+        subprocess.Popen(online_argv(dataset, tiny_model, lead, [engine], *shared), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+        subprocess.Popen(online_argv(dataset, tiny_model, follower, [engine], *shared, *dflash), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True),
+    ]
+    outputs = [t.communicate(timeout=900)[0] for t in trainers]
+    done.set()
+    watcher.join()
+    for trainer, output in zip(trainers, outputs):
+        assert trainer.returncode == 0, output[-4000:]
+
+    # One prefill per sample per epoch for both trainers, counted where it is paid.
+    assert captured_requests(engine) - before == 2 * FAULT_ROWS
+    assert "handing every sample to dflash too" in outputs[0], outputs[0][-3000:]
+    assert "no request of its own" in outputs[1], outputs[1][-3000:]
+    results = [find_result(output.splitlines()) for output in outputs]
+    assert results[0]["online"]["fetched"] == 2 * FAULT_ROWS and results[1]["online"]["fetched"] == 0
+    # Both learned from what they were handed: the EAGLE-3's per-step records, the DFlash's block metrics,
+    # the DFlash from its own two layers of the three captured.
+    assert_records(lead / "metrics.jsonl", 2, online=True)
+    records = [json.loads(line) for line in (follower / "metrics.jsonl").read_text().splitlines()]
+    assert {"eal", "full_acc"} <= set(records[-1]) and records[-1]["epoch"] == 1
+    assert json.loads(TrainLayout(follower).config.read_text())["aux_layer_ids"] == [2, 6]
+    # The disk: one window plus one sample for both (a handed sample is a link to the same bytes).
+    assert 0 < peak[0] <= window + sample, (peak[0], window, sample)
+    assert 0 < results[0]["online"]["peak_bytes"] <= window + sample
+    # Nothing left behind.
+    assert row_files(dumps) == []
+    assert [list(f.ready.iterdir()) for f in feeds] == [[], []] and list(feeds[0].staging.iterdir()) == []
+
+
+@pytest.mark.e2e
+def test_a_drafter_killed_mid_epoch_is_dropped_by_the_lead_and_its_retry_fetches_alone(
+    trained_data: Path, tiny_model: Path, tmp_path: Path, process_groups: list[int]
+) -> None:
+    """The follower's trainer killed while the lead hands it samples: the lead stops waiting for it once its
+    heartbeat goes silent, removes the links it held and finishes; the follower's retry fetches its own."""
+    from eagleflow.train.online.share import HEARTBEAT_STALE_S
+
+    dumps = tmp_path / "dumps"
+    engine = launch_engine(tiny_model, dumps, tmp_path / "engine.log", aux=AUX, faults={"write_delay": 0.05})
+    process_groups.append(engine.pid)
+    dataset = rows_only(trained_data, tmp_path / "dataset", FAULT_ROWS)
+    lead, follower = tmp_path / "drafters" / "eagle3" / "train", tmp_path / "drafters" / "eagle3-lr" / "train"
+    shared = [f"--online-trainers={lead},{follower}", "--online-peer-wait", "300", "--epochs", "2"]
+    lead_step = subprocess.Popen(online_argv(dataset, tiny_model, lead, [engine], *shared), stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+    follower_argv = online_argv(dataset, tiny_model, follower, [engine], *shared, "--lr", "1e-3")
+    follower_step = subprocess.Popen(follower_argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    feed = FeedLayout(TrainLayout(follower).online)
+    wait_for(lambda: fetched(lead) > 10 or lead_step.poll() is not None, "samples handed to both trainers")
+    killed = time.monotonic()
+    os.killpg(follower_step.pid, signal.SIGKILL)  # the trainer and its speculators child, no clean-up
+    follower_step.communicate(timeout=60)
+
+    output, _ = lead_step.communicate(timeout=600)
+    assert lead_step.returncode == 0, output[-4000:]
+    assert "no longer handing samples to eagle3-lr: its feed stopped" in output, output[-3000:]
+    assert time.monotonic() - killed >= HEARTBEAT_STALE_S - 1, "the lead waited for the silent trainer's heartbeat"
+    assert list(feed.ready.iterdir()) == [], "the links the killed trainer held were removed: nothing grows"
+    assert json.loads(feed.dropped.read_text())["why"] == "its feed stopped"
+
+    before = captured_requests(engine)
+    retry = run(follower_argv)
+    assert retry.returncode == 0, retry.stdout[-3000:] + retry.stderr[-3000:]
+    assert "fetching alone" in retry.stdout, retry.stdout[-3000:]
+    assert captured_requests(engine) - before == fetched(follower) >= FAULT_ROWS
+    assert_records(follower / "metrics.jsonl", 2, online=True)
+    assert row_files(dumps) == [] and list(feed.ready.iterdir()) == []
