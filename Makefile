@@ -32,7 +32,7 @@ test-fast: venv
 
 ## the main job on CPU: tiny verifier, synthetic data, the whole DAG through Airflow
 demo: venv
-	$(PY) scripts/demo.py
+	$(PY) scripts/demo.py --compare
 
 ## Airflow UI on 127.0.0.1:8080 with our DAG and plugin
 airflow: venv

@@ -18,7 +18,7 @@ capture hook needs anyway) and no network. What it measures:
 
 Rows 4 and 5 need inputs a bare GPU machine cannot make (a trained drafter needs speculators,
 which it may lack), so they come in a bundle made on a CPU machine with the full environment:
-``make demo`` (and ``python scripts/demo.py --draft-algorithm dflash`` for the block row), then
+``python scripts/demo.py`` (the EAGLE-3 demo run; and ``--draft-algorithm dflash`` for the block row), then
 ``python benchmarks/gpu_check.py --prepare`` writes ``.cache/gpu-check``
 (a few MB; the device tool carries it with ``carry: [".cache/gpu-check"]``). A row whose
 inputs or packages are missing says so and is skipped; without CUDA the whole check says why and
@@ -259,7 +259,7 @@ def speculative_rows(bundle: Path, device: str, block: bool = False) -> list[Row
     kind = "block decoding (DFlash)" if block else "speculative decoding"
     figure = f"{kind}, reference engine, {device}: tokens/s vs plain decoding"
     if not (bundle / BUNDLE_MANIFEST).is_file():
-        return [skipped(figure, f"no trained drafter in {bundle}: on a CPU machine with the full environment run `make demo`, then "
+        return [skipped(figure, f"no trained drafter in {bundle}: on a CPU machine with the full environment run `python scripts/demo.py`, then "
                                 "`python benchmarks/gpu_check.py --prepare`, and carry .cache/gpu-check")]
     if block and not json.loads((bundle / BUNDLE_MANIFEST).read_text()).get("block_drafter"):
         return [skipped(figure, "no DFlash drafter in the bundle: run `python scripts/demo.py --draft-algorithm dflash` before --prepare")]
@@ -343,7 +343,7 @@ def prepare(run: Path, verifier: Path, bundle: Path, block_run: Path | None = No
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prepare", action="store_true", help="make the bundle from a finished `make demo` run (on the CPU machine)")
+    parser.add_argument("--prepare", action="store_true", help="make the bundle from a finished `python scripts/demo.py` run (on the CPU machine)")
     parser.add_argument("--run", type=Path, default=DEMO_DIR / "runs" / "demo", help="the demo run folder --prepare reads")
     parser.add_argument("--block-run", type=Path, default=DEMO_DIR / "runs" / "demo-dflash",
                         help="the DFlash demo run folder --prepare reads too, when it finished")

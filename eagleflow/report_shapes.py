@@ -1,4 +1,5 @@
-"""The shapes of the reports the run page reads (``eval/report.json``, ``verify/<engine>/report.json``).
+"""The shapes of the reports the run page reads (``eval/report.json``, ``eval/compare.json``, ``verify/<engine>/report.json``,
+a drafter's ``train/result.json``).
 
 Every field is optional and a nested object defaults to an empty one, so a report of another shape
 (valid JSON, wrong types) is named on the page instead of failing it; keys the page does not read
@@ -101,6 +102,55 @@ class EvaluationShape(_Shape):
     rounds: int | None = None
     sweep: list[_SweepRow] = []
     fastest: dict[str, _Fastest] = {}
+
+
+class _ComparedConfig(_Shape):
+    config: str
+    batch_size: int
+    sglang_flags: list[str] = []
+    sets: dict[str, _SetFigures] = {}
+
+
+class _Best(_Fastest):
+    """A drafter's fastest config at one batch size; across drafters, also which drafter (and, for the winner, the batch size)."""
+
+    drafter: str | None = None
+    batch_size: int | None = None
+    spread: list[Number | None] = []
+    accept_length: Number | None = None
+
+
+class _ComparedDrafter(_Shape):
+    label: str
+    algorithm: str | None = None
+    parameters: int | None = None
+    bytes: int | None = None
+    train_seconds: Number | None = None
+    notes: list[str] = []
+    configs: list[_ComparedConfig] = []
+
+
+class _Missing(_Shape):
+    drafter: str
+    reason: str = ""
+
+
+class ComparisonShape(_Shape):
+    """What the run page reads from ``eval/compare.json`` (``python -m eagleflow compare``)."""
+
+    drafters: list[_ComparedDrafter] = []
+    missing: list[_Missing] = []
+    mismatch: dict[str, dict[str, Any]] = {}
+    fastest: dict[str, _Best] = {}
+    winner: _Best | None = None
+
+
+class TrainResultShape(_Shape):
+    """What the run page reads from a drafter's ``train/result.json`` (the training step's result)."""
+
+    train_seconds: Number | None = None
+    best_checkpoint: str | None = None
+    checkpoint_dir: str | None = None
 
 
 class _Worst(_Shape):

@@ -12,13 +12,16 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from eagleflow.errors import UserError
 from eagleflow.extract.manifest import ShardManifest
 from eagleflow.files import RefusedFile, open_under, read_under, resolve_under, size_text, stat_under
-from eagleflow.layout import RunLayout
-from eagleflow.report_shapes import CaptureCheckShape, EvaluationShape, capture_check_summary, finite, shaped
+from eagleflow.layout import DRAFTERS_DIR, RunLayout
+from eagleflow.report_shapes import CaptureCheckShape, ComparisonShape, EvaluationShape, capture_check_summary, finite, shaped
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
 # The charts the plot step draws (its file stem, and a title for people): an EAGLE-3 drafter's, a block drafter's.
 CHARTS = (("loss", "Loss per TTT step"), ("acc", "Accuracy per TTT step"))
@@ -200,27 +203,32 @@ def readable_files(layout: RunLayout, files: RunFiles | None = None) -> list[Pat
     """The logs a reader of the run may open: training log, the engines' logs, metrics, reports (only those
     in folders under the output root are listed)."""
     from eagleflow.data.regenerate import SKIPPED_FILE, SUMMARY_FILE
+    from eagleflow.run_drafters import drafter_files
 
     files = files or RunFiles(layout)
     engine_logs = layout.engine_logs if files.folder(layout.server) else []
     checks = layout.capture_check_reports if files.folder(layout.capture_checks) else []
     return [
         layout.regenerated / SUMMARY_FILE, layout.regenerated / SKIPPED_FILE, layout.train.log, *engine_logs,
-        layout.train.metrics, *checks, layout.evaluation / EVAL_REPORT,
+        layout.train.metrics, *checks, layout.evaluation / EVAL_REPORT, layout.comparison, *drafter_files(layout, files),
     ]
+
+
+def _shaped_report(files: RunFiles, path: Path, shape: type[BaseModel]) -> dict[str, Any] | None:
+    """The report in ``path`` as ``shape`` reads it; ``{"error": …}`` when it is refused or of another shape, None when absent."""
+    report = files.json(path)
+    if not report:
+        refusal = files.refusal(path)
+        return {"error": refusal} if refusal else None
+    return shaped(shape, report, path, files.layout.root)
 
 
 def evaluation_summary(layout: RunLayout, files: RunFiles | None = None) -> dict[str, Any] | None:
     """The drafter's evaluation (accept length, speedup, estimate) and its chart, or None before one ran."""
     files = files or RunFiles(layout)
-    path = layout.evaluation / EVAL_REPORT
-    report = files.json(path)
-    if not report:
-        refusal = files.refusal(path)
-        return {"error": refusal} if refusal else None
-    report = shaped(EvaluationShape, report, path, layout.root)
-    if "error" in report:
-        return {"error": report["error"]}
+    report = _shaped_report(files, layout.evaluation / EVAL_REPORT, EvaluationShape)
+    if report is None or "error" in report:
+        return report
     keys = ("engine", "algorithm", "block_size", "prompts", "max_new_tokens", "concurrency", "num_steps", "accept_length", "accept_rate",
             "tokens_per_s", "same_tokens_as_baseline", "offline_estimate", "versions", "prompt_sets", "rounds", "fastest")
     summary = {key: report.get(key) for key in keys}
@@ -228,6 +236,15 @@ def evaluation_summary(layout: RunLayout, files: RunFiles | None = None) -> dict
                         for row in report["sweep"] for name, figures in row["sets"].items()]
     summary["chart"], summary["sweep_chart"] = (_chart_files(files, layout.evaluation, name) for name in (EVAL_CHART, SWEEP_CHART))
     return summary
+
+
+def comparison_summary(layout: RunLayout, files: RunFiles | None = None) -> dict[str, Any] | None:
+    """Every drafter of the run side by side (``eval/compare.json``, the compare step's) with its chart; None before it ran."""
+    files = files or RunFiles(layout)
+    comparison = _shaped_report(files, layout.comparison, ComparisonShape)
+    if comparison and "error" not in comparison:
+        comparison["chart"] = _chart_files(files, layout.comparison.parent, layout.comparison.stem)
+    return comparison
 
 
 def _chart_files(files: RunFiles, folder: Path, name: str) -> dict[str, Any]:
@@ -298,7 +315,10 @@ def shard_totals(shards: list[ShardSummary]) -> dict[str, Any]:
 
 def run_headline(layout: RunLayout, metrics: MetricsCache | None = None) -> dict[str, Any]:
     """A run's figures at a glance, for the list of runs: extraction totals, the latest training and
-    validation loss, the drafter's accept length and single-stream speedup (None where a stage has not run)."""
+    validation loss, the drafter's accept length and single-stream speedup (None where a stage has not run); for
+    a run of several drafters, compare.json's winner's (:func:`eagleflow.run_drafters.winner_headline`)."""
+    from eagleflow.run_drafters import winner_headline
+
     files = RunFiles(layout)
     latest = (metrics or MetricsCache()).latest(layout.train.metrics, files) or {}
     evaluation = evaluation_summary(layout, files) or {}
@@ -309,6 +329,7 @@ def run_headline(layout: RunLayout, metrics: MetricsCache | None = None) -> dict
         "val_loss": (latest.get("val") or {}).get("loss"),
         "accept_length": (evaluation.get("accept_length") or {}).get("mean"),
         "speedup": None if single.get("disturbed") else single.get("speedup"),
+        **winner_headline(layout, files, metrics),
     }
 
 
@@ -327,10 +348,12 @@ def training_charts(layout: RunLayout, drafter: str | None, files: RunFiles | No
 
 def run_summary(layout: RunLayout, metrics: MetricsCache | None = None) -> dict[str, Any]:
     """Everything a page or a summary shows about a run, as plain JSON (paths relative to the run); ``refused``
-    names each file left unread and why (:class:`RunFiles`)."""
-    files = RunFiles(layout)
+    names each file left unread and why (:class:`RunFiles`); ``drafters`` each drafter of a run of several."""
+    from eagleflow.run_drafters import drafter_summaries
+
+    files, metrics = RunFiles(layout), metrics or MetricsCache()
     shards = read_shards(layout, files)
-    latest = (metrics or MetricsCache()).latest(layout.train.metrics, files)
+    latest = metrics.latest(layout.train.metrics, files)
     result = files.json(layout.train.result)
     checkpoint = result.get("best_checkpoint") or result.get("checkpoint_dir")
     return {
@@ -344,13 +367,15 @@ def run_summary(layout: RunLayout, metrics: MetricsCache | None = None) -> dict[
         "regeneration": regeneration_summary(layout, files),
         "capture_checks": capture_check_summaries(layout, files),
         "evaluation": evaluation_summary(layout, files),
+        "comparison": comparison_summary(layout, files),
+        "drafters": drafter_summaries(layout, files, metrics),
         "files": [files.name(p) for p in readable_files(layout, files) if files.stat(p)],
         "refused": [f"{name}: {why}" for name, why in sorted(files.refused.items())],
     }
 
 
 def list_runs(root: Path, metrics: MetricsCache | None = None) -> list[dict[str, Any]]:
-    """Folders under the output root that look like runs (they have shards/ or train/), newest first,
+    """Folders under the output root that look like runs (they have shards/, train/ or drafters/), newest first,
     each with its :func:`run_headline` figures."""
     runs = []
     if not root.is_dir():
@@ -361,6 +386,7 @@ def list_runs(root: Path, metrics: MetricsCache | None = None) -> list[dict[str,
         except UserError:
             continue
         files = RunFiles(layout)  # a run folder that is a link out of the output root is not listed
-        if files.folder(layout.root) and (files.folder(layout.shards) or files.folder(layout.train.root)):
+        parts = (layout.shards, layout.train.root, layout.root / DRAFTERS_DIR)
+        if files.folder(layout.root) and any(files.folder(part) for part in parts):
             runs.append({"name": child.name, "modified": child.stat().st_mtime, "headline": run_headline(layout, metrics)})
     return sorted(runs, key=lambda r: -r["modified"])

@@ -3,7 +3,8 @@
 Routes (relative to the mount point):
 
 ``/``                                  the runs under the output root: each one's DAG run state and headline figures
-``/runs/{run}``                        one run: its DAG run(s) in Airflow, shard table, charts, latest training metrics
+``/runs/{run}``                        one run: its DAG run(s) in Airflow, shard table, charts, latest training metrics;
+                                       for a run of several drafters (``drafters/<name>/``), each drafter's
 ``/runs/{run}/files/{path}``           a chart or log of that run (only regular files under the output root)
 ``/api/runs/{run}``                    the same facts as JSON
 
@@ -47,6 +48,7 @@ from eagleflow.deploy import DAG_ID, OUTPUT_ROOT_ENV
 from eagleflow.errors import UserError
 from eagleflow.files import RefusedFile, resolve_under
 from eagleflow.layout import RunLayout
+from eagleflow.progress import format_duration
 from eagleflow.run_report import MetricsCache, RunFiles, list_runs, run_summary
 
 CONFIG_SECTION, CONFIG_KEY = "eagleflow", "output_root"
@@ -194,6 +196,12 @@ def _age(timestamp: Any) -> str:
     return f"{seconds:.0f} s ago"
 
 
+def _duration(seconds: Any) -> str:
+    """``3725`` -> ``1h02m05s``; '–' for none (a training that did not record its time)."""
+    number = _real(seconds)
+    return "–" if number is None else format_duration(number)
+
+
 def _when(iso: Any) -> str:
     """``2026-12-02T02:05:16.34+00:00`` -> ``2026-12-02 02:05 UTC`` (Airflow stores UTC); '–' for none."""
     return f"{iso[:10]} {iso[11:16]} UTC" if isinstance(iso, str) and len(iso) >= 16 else "–"
@@ -203,7 +211,7 @@ def make_templates() -> Jinja2Templates:
     """The page templates (autoescaped HTML) with eagleflow's number filters."""
     templates = Jinja2Templates(directory=str(TEMPLATES_DIR))
     templates.env.filters.update(
-        num=_num, percent=_percent, age=_age, thousands=_thousands, scientific=_scientific, when=_when,
+        num=_num, percent=_percent, age=_age, thousands=_thousands, scientific=_scientific, when=_when, duration=_duration,
         urlquote=lambda s: quote(str(s)),
     )
     templates.env.globals.update(refresh_seconds=REFRESH_SECONDS)
@@ -303,8 +311,10 @@ def create_app(output_root: str | os.PathLike[str] | None = None) -> FastAPI:
     def run_page(request: Request, run_name: str) -> Response:
         summary = summary_with_dag_runs(run_name)
         latest = (summary["dag_runs"] or [{}])[0]
+        drafters = summary["drafters"]  # a run of several drafters: until each has its charts
         running = (
-            any(s["state"] == "running" for s in summary["shards"]) or not summary["charts"]
+            any(s["state"] == "running" for s in summary["shards"])
+            or (not all(d["charts"] for d in drafters) if drafters else not summary["charts"])
             or latest.get("state") in UNFINISHED_DAG_RUN_STATES
         )
         context = {"title": f"eagleflow: {summary['run']}", "summary": summary, "refresh": running}

@@ -128,8 +128,9 @@ def main() -> int:
         print(f"  capture      {check['name']} {'passed' if check['passed'] else 'FAILED'} on {check['rows']} rows: final slot "
               f"worst logprob error {worst.get('error', float('nan')):.3f} (tolerance {worst.get('tolerance', float('nan')):.3f}), "
               f"top-1 agreement {check['top1_agreement'] or 0:.1%}; report {cfg.layout.capture_check_report(check['name'])}")
-    print(f"  checkpoint   {summary['checkpoint']}")
-    print(f"  charts       {', '.join(summary['charts'])}")
+    if summary["checkpoint"]:  # the run's one drafter (with --compare each drafter has its own, in the comparison)
+        print(f"  checkpoint   {summary['checkpoint']}")
+        print(f"  charts       {', '.join(summary['charts'])}")
     if "step0_acc_last" in summary:
         what = "step-0 accuracy" if summary["accuracy_metric"] == "full_acc_0" else "block accuracy (full_acc)"
         print(f"  {what}: first steps {summary['step0_acc_first']:.3f} -> last steps {summary['step0_acc_last']:.3f}")

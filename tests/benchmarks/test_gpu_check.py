@@ -32,7 +32,7 @@ def test_without_cuda_it_says_why_and_exits_0() -> None:
 
 def test_rows_without_their_inputs_or_packages_are_skipped_naming_what_is_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (spec,) = gpu_check.speculative_rows(tmp_path / "no-bundle", "cuda")
-    assert (spec.value, spec.ok) == ("skipped", None) and "--prepare" in spec.note and "make demo" in spec.note
+    assert (spec.value, spec.ok) == ("skipped", None) and "--prepare" in spec.note and "python scripts/demo.py" in spec.note
     monkeypatch.setattr(gpu_check, "TRAINING_NEEDS", ("json", "no_such_module_here"))
     (training,) = gpu_check.training_rows(tmp_path, tmp_path, "cuda")
     assert (training.value, training.ok) == ("skipped", None) and "needs no_such_module_here" in training.note

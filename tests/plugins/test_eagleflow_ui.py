@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import sys
@@ -144,6 +145,47 @@ def test_the_drafter_evaluation_is_shown_once_it_ran(client: TestClient, output_
     assert re.search(r'<img src="demo/files/eval/sweep\.png\?v=\d+" alt="Speedup by config and prompt set">', page)
 
 
+def test_the_drafters_compared_are_shown_with_the_winner_and_its_flags(client: TestClient, output_root: Path) -> None:
+    """A run of two drafters after ``compare``: a row per drafter, config and prompt set, the winner and its SGLang flags, the chart."""
+    import shlex
+
+    from drafter_runs import write_two_drafters
+    from eagleflow.evaluate.compare import main as compare
+
+    assert "Drafters compared" not in client.get("/runs/demo", headers=HTML).text  # compare has not run
+    run = output_root / "demo"
+    write_two_drafters(run)
+    args = {"run": run, "drafters": ["eagle3", "dflash"]}
+    assert compare(argparse.Namespace(**args)) == 0
+    comparison = json.loads((run / "eval" / "compare.json").read_text())
+    winner = comparison["winner"]
+    page = client.get("/runs/demo", headers=HTML).text
+    section = page.split("<h2>Drafters compared</h2>")[1].split("<h2>")[0]
+    rows = re.findall(r"<tr(?: class=\"winner\")?><td>(\w+)</td><td>(\w+)</td>\s*<td>([\d,]+)</td><td>(\d)</td><td>(\w+)</td>"
+                      r"<td>([\d.]+)</td>\s*<td>([\d.]+) / ([\d.]+)</td>\s*<td>([\d.]+)×</td>\s*"
+                      r"<td class=\"muted\">([\d.]+)–([\d.]+)×</td><td>([\d,]+)</td>\s*<td>([\d.]+)</td><td>([^<]+)</td></tr>", section)
+    assert len(rows) == 10  # eagle3: 3 configs, dflash: 2, each on 2 prompt sets
+    assert rows[2] == ("eagle3", "EAGLE3", "1,3,4,8", "1", "heldout", "2.500", "2.500", "2.500", "1.600", "1.400", "1.800", "136",
+                       f"{(run / 'drafters/eagle3/drafter/sglang/model.safetensors').stat().st_size / 1e6:.2g}", "1h02m05s")
+    assert rows[9][:5] == ("dflash", "DFLASH", "2,1,1,8", "2", "humaneval") and rows[9][11] == "83" and rows[9][13] == "–"
+    assert section.count('<tr class="winner"><td>eagle3</td><td>EAGLE3</td>\n<td>1,3,4,8</td>') == 2
+    assert "Winner: <b>eagle3</b> (EAGLE3) with config <b>1,3,4,8</b>, the fastest at the smallest batch size,\n1: 1.450×" in section
+    assert f"<code>{shlex.join(winner['sglang_flags'])}</code>" in section and "--speculative-num-draft-tokens 8" in section
+    assert "Fastest at batch size 2: <b>dflash</b> 2,1,1,8 (1.600×" in section
+    assert "Not measured alike" not in section and "Not compared" not in section
+    assert re.search(r'<img src="demo/files/eval/compare\.png\?v=\d+" alt="Drafters compared', section)
+    assert client.get("/runs/demo/files/eval/compare.png").content == (run / "eval" / "compare.png").read_bytes()
+    summary = client.get("/api/runs/demo").json()
+    assert summary["comparison"]["winner"]["config"] == "1,3,4,8" and "eval/compare.json" in summary["files"]
+    # A drafter left out and evaluations measured on other prompt sets are named, not hidden.
+    comparison["missing"] = [{"drafter": "medusa", "reason": "no drafters/medusa/eval/report.json"}]
+    comparison["mismatch"] = {"prompt_sets": {"eagle3": ["heldout", "humaneval"], "dflash": ["heldout"]}}
+    (run / "eval" / "compare.json").write_text(json.dumps(comparison))
+    section = client.get("/runs/demo", headers=HTML).text.split("<h2>Drafters compared</h2>")[1]
+    assert "Not compared: medusa: no drafters/medusa/eval/report.json" in section
+    assert "the drafters' prompt sets differ:\neagle3 heldout, humaneval; dflash heldout" in section
+
+
 def test_online_training_figures_are_shown_live_and_from_the_result(client: TestClient, output_root: Path) -> None:
     assert "Online training" not in client.get("/runs/demo", headers=HTML).text  # trained from disk
     train = output_root / "demo" / "train"
@@ -243,6 +285,8 @@ WRONG_SHAPES = [
     ("eval/report.json", '{"accept_length": {"mean": "long"}}', "(accept_length.mean"),
     ("eval/report.json", '{"offline_estimate": 5, "accept_rate": 0.1}', "(offline_estimate"),
     ("eval/report.json", '{"versions": 3}', "(versions"),
+    ("eval/compare.json", '{"drafters": [{"label": 3}]}', "eval/compare.json: not a report of the expected shape (drafters.0.label"),
+    ("eval/compare.json", '{"winner": {"config": "1,3,1,4", "mean_speedup": "fast"}}', "(winner.mean_speedup"),
     ("verify/engine-0/report.json", '{"final_slot": []}', "verify/engine-0/report.json: not a report of the expected shape (final_slot"),
     ("verify/engine-0/report.json", '{"slots": 5}', "(slots"),
     ("verify/engine-0/report.json", '{"slots": [1]}', "(slots.0"),
