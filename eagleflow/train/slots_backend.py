@@ -20,8 +20,12 @@ from typing import Any
 import torch
 
 from hs_connectors import HiddenStatesBackend
-from hs_connectors.transfer import FP8Transfer
 from sglang_patch.sample_file import HIDDEN_STATES_KEY
+
+try:
+    from hs_connectors.transfer import FP8Transfer as StoredTransfer
+except ImportError:  # speculators 0.8.1's hs-connectors reads bf16 files only (fp8 capture needs 0.9.0, checked before)
+    from hs_connectors.transfer import FileTransfer as StoredTransfer
 
 BACKEND_NAME = "eagleflow-slots"
 SLOTS_FLAG = "--eagleflow-slots"
@@ -39,7 +43,7 @@ def slots_flags(slots: Sequence[int]) -> list[str]:
     return ["--hidden-states-backend", BACKEND_NAME, SLOTS_FLAG, ",".join(str(s) for s in slots)]
 
 
-class SlotsTransfer(FP8Transfer):
+class SlotsTransfer(StoredTransfer):
     """The dataset's sample files, each cut to this drafter's slots."""
 
     def __init__(self, hidden_states_path: Path, slots: Sequence[int]) -> None:
