@@ -6,7 +6,7 @@
 #
 # Two Python environments live here, because SGLang and eagleflow pin different libraries:
 # sglang 0.5.23 pins transformers==5.19.0 (and openai==2.8.0, torch==2.14.1), while eagleflow pins
-# the transformers==5.16.1 it was tested with alongside speculators 0.9.0 (DESIGN.md §8). Installing
+# the transformers==5.16.1 it was tested with alongside speculators 0.9.0 (docs/design.md §8). Installing
 # one set over the other would run the server or the trainer on versions nobody tested. The
 # worker reuses the image's torch 2.14.1, the newest speculators 0.9.0 allows.
 #

@@ -19,7 +19,7 @@ GPU_POOL = "gpu"
 # store, when it is node-0); unset, the host's name.
 NODE_ADDRESS_ENV = "EAGLEFLOW_NODE_ADDRESS"
 
-# Where every container of the deployment sees the shared run folders (DESIGN.md §3.6).
+# Where every container of the deployment sees the shared run folders (docs/design.md §3.6).
 OUTPUT_ROOT_ENV = "EAGLEFLOW_OUTPUT_ROOT"
 
 # In the GPU image the SGLang server needs its own interpreter (the image's Python, whose

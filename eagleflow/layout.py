@@ -1,4 +1,4 @@
-"""The run folder (DESIGN.md §3.6): the one place that knows where each artefact lives.
+"""The run folder (docs/design.md §3.6): the one place that knows where each artefact lives.
 
 ::
 
@@ -112,7 +112,7 @@ def shard_name(start: int, end: int) -> str:
 def plan_shards(num_rows: int, shard_size: int) -> list[dict[str, int | str]]:
     """Split ``num_rows`` rows into shards of ``shard_size`` (the last one may be shorter).
 
-    Returns the XCom payload of DESIGN.md §3.5: ``[{"name", "start", "end"}, …]``.
+    Returns the XCom payload of docs/design.md §3.5: ``[{"name", "start", "end"}, …]``.
     """
     if shard_size < 1:
         raise UserError(f"--shard-size must be at least 1, got {shard_size}")
@@ -266,7 +266,7 @@ class TrainLayout:
 
     @property
     def result(self) -> Path:
-        """The step's result (DESIGN.md §3.5 train result), written when it succeeds."""
+        """The step's result (docs/design.md §3.5 train result), written when it succeeds."""
         return self.root / "result.json"
 
     @property

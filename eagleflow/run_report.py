@@ -1,6 +1,6 @@
 """What a run folder holds, read for people: shards, totals, charts, latest metrics, files.
 
-The one reader of a whole run folder (DESIGN.md §3.6), used by the UI plugin's pages and by
+The one reader of a whole run folder (docs/design.md §3.6), used by the UI plugin's pages and by
 ``make demo``'s summary. Light on purpose: no torch, so the Airflow API server can import it
 (pandas is imported only when a metrics file is read). Every file is read through :class:`RunFiles`:
 only regular files under the output root, each up to the bound of its kind.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install eagleflow's CPU environment (DESIGN.md §8). Idempotent: a stamp
+# Create .venv and install eagleflow's CPU environment (docs/design.md §8). Idempotent: a stamp
 # file keyed on pyproject.toml skips the work when nothing changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."

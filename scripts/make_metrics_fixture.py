@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Make ``tests/fixtures/metrics/``: one real CPU training run, logged in all three metric forms.
 
-Nothing in the fixture is typed by hand. The script builds a real run folder (DESIGN.md §3.6)
+Nothing in the fixture is typed by hand. The script builds a real run folder (docs/design.md §3.6)
 under ``.cache/metrics-fixture/runs/fixture/`` with the pipeline's own steps:
 
 1. the tiny trained verifier (cached under ``.cache/``), ``make-dataset`` conversations and

@@ -6,7 +6,7 @@ the :class:`HiddenStateCapture` it returns as a *post* forward hook, ``hook(modu
 output)``, on every target module. No SGLang file is edited and the model's return value is
 never touched (this hook always returns None).
 
-What is captured (DESIGN.md §3.1): layer id k is the residual stream entering decoder layer k,
+What is captured (docs/design.md §3.1): layer id k is the residual stream entering decoder layer k,
 ``hidden_states + residual`` in SGLang's DeepSeek-V2/V3 code, before any norm. SGLang only
 registers post hooks, and a layer's *inputs* are no use there (the next norm folds the residual
 add in place), so:

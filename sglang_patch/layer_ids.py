@@ -1,4 +1,4 @@
-"""Which hidden states a run captures: the one rule for aux layer ids (DESIGN.md §3.1).
+"""Which hidden states a run captures: the one rule for aux layer ids (docs/design.md §3.1).
 
 Layer id k is the residual-stream state entering decoder layer k; id n (the model's layer
 count) is the last layer's output before the final norm, which every sample also carries as

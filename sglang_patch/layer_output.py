@@ -1,6 +1,6 @@
 """How the capture hook reads the residual stream after a decoder layer, one way per SGLang API.
 
-Layer id k is ``hidden_states + residual`` entering decoder layer k (DESIGN.md §3.1). A post
+Layer id k is ``hidden_states + residual`` entering decoder layer k (docs/design.md §3.1). A post
 hook on layer k-1 sees that layer's output, and SGLang hands it over in one of two shapes
 (:data:`sglang_patch.hook_spec.LAYER_BOUNDARY_APIS` says which release has which):
 

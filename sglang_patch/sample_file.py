@@ -1,4 +1,4 @@
-"""The per-sample hidden-state file (DESIGN.md §3.2): the one definition of its format.
+"""The per-sample hidden-state file (docs/design.md §3.2): the one definition of its format.
 
 Every file holds ``hidden_states [seq_len, n_slots, hidden]`` (slots = aux layer ids in order,
 then the last layer's output before the final norm) and ``token_ids [seq_len]`` int64, in one

@@ -15,7 +15,7 @@ def test_the_stack_imports_together() -> None:
 
 
 def test_no_torchvision_or_torchaudio() -> None:
-    """PyPI's are CUDA builds that break `import transformers` on a CPU machine (DESIGN.md §5)."""
+    """PyPI's are CUDA builds that break `import transformers` on a CPU machine (docs/design.md §5)."""
     for name in ("torchvision", "torchaudio"):
         try:
             importlib.metadata.version(name)

@@ -1,4 +1,4 @@
-"""``prepare-dataset``: conversations or token ids -> the training dataset (DESIGN.md §3.3).
+"""``prepare-dataset``: conversations or token ids -> the training dataset (docs/design.md §3.3).
 
 Input is JSONL or Parquet, each row either pre-tokenized (``input_ids``, optional
 ``loss_mask``) or a chat (``messages``, tokenized with the tokenizer's chat template, loss

@@ -1,4 +1,4 @@
-"""``dataset-stats``: rows, tokens and the bytes the hidden states will take (DESIGN.md §1.3).
+"""``dataset-stats``: rows, tokens and the bytes the hidden states will take (docs/design.md §1, step 2).
 
 The bytes per token come from the sample file format (:func:`sglang_patch.sample_format.bytes_per_token`, no torch needed):
 slots × hidden × 2 B in bf16, slots × hidden × 1 B plus a 4 B scale in fp8, and the 8 B token id.

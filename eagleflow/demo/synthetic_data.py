@@ -1,6 +1,6 @@
 """Synthetic chat conversations with structure a tiny language model can learn in a minute.
 
-A drafter can only learn what its verifier is confident about (DESIGN.md §8): random text
+A drafter can only learn what its verifier is confident about (docs/design.md §8): random text
 gives it nothing. So every answer here follows from its question by a simple rule: counting
 ("count from 3 to 9" -> ``3 4 5 6 7 8 9``), arithmetic, fixed lists, echo and repeat tasks,
 spelling, templated facts, and stock phrases that recur across conversations. Lengths vary:

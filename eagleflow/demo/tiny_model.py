@@ -3,7 +3,7 @@
 The CPU path of the pipeline needs a verifier with the real model's architecture (MLA
 attention, routed experts behind a dense first layer) that runs in seconds, and one that
 has learnt something: a random verifier's next-token choices are noise and give the drafter
-nothing to learn (DESIGN.md §8). So :func:`make_tiny_model`
+nothing to learn (docs/design.md §8). So :func:`make_tiny_model`
 
 1. trains a byte-level BPE tokenizer of exactly ``--vocab`` tokens on the synthetic corpus
    (:mod:`eagleflow.demo.synthetic_data`, :mod:`eagleflow.demo.tiny_tokenizer`), with ChatML markers and a chat template whose
@@ -13,7 +13,7 @@ nothing to learn (DESIGN.md §8). So :func:`make_tiny_model`
 3. trains it for ``--train-steps`` steps of next-token prediction on that corpus, printing
    step, loss, tokens/s and ETA;
 4. measures greedy next-token accuracy on held-out conversations and saves everything in
-   bf16 (the dtype the hidden-state files use, DESIGN.md §3.2).
+   bf16 (the dtype the hidden-state files use, docs/design.md §3.2).
 
 The same arguments give byte-identical files. The folder is built beside ``--out`` and
 renamed into place, and it records its parameters in ``eagleflow_tiny_model.json`` (written

@@ -1,4 +1,4 @@
-"""Hidden-state capture from a ``transformers`` causal LM, by forward hooks (DESIGN.md §3.1).
+"""Hidden-state capture from a ``transformers`` causal LM, by forward hooks (docs/design.md §3.1).
 
 Slot ``i < len(aux_layer_ids)`` holds the residual-stream state *entering* decoder layer
 ``aux_layer_ids[i]`` (layer id ``n`` = the last layer's output before the final norm); the last
@@ -118,7 +118,7 @@ def model_device(model: nn.Module) -> torch.device:
 def capture_hidden_states(model: nn.Module, input_ids: Sequence[int], aux_layer_ids: Sequence[int]) -> torch.Tensor:
     """Run one prefill of ``input_ids`` and return ``[seq_len, len(aux_layer_ids) + 1, hidden]`` bf16.
 
-    Slots follow DESIGN.md §3.1: the state entering each aux layer, then the final pre-norm state.
+    Slots follow docs/design.md §3.1: the state entering each aux layer, then the final pre-norm state.
     Only the decoder runs (no ``lm_head``), so a large vocabulary costs nothing here.
     """
     import torch

@@ -5,7 +5,7 @@ list (never a shell string) and the environment variables to add — with:
 
 - the seed's tuning: ``--attention-backend triton``, ``--num-continuous-decode-steps 4``,
   ``NCCL_PROTO=LL``, ``NCCL_ALGO=Ring``;
-- what hidden-state capture needs (DESIGN.md §4): ``--disable-radix-cache`` and
+- what hidden-state capture needs (docs/design.md §4): ``--disable-radix-cache`` and
   ``--chunked-prefill-size -1`` (a pass must see the whole prompt, or the dump is short),
   CUDA graphs off for decode *and* prefill (Python hooks do not run inside graph replay; the
   flags for that changed at 0.5.14), ``--enforce-disable-flashinfer-allreduce-fusion`` (with

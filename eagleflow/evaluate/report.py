@@ -1,6 +1,6 @@
 """The evaluation report: per config and prompt set, accept length, accept rate, speed and speedup; the charts.
 
-Definitions (DESIGN.md §10), said in the report too:
+Definitions (docs/design.md §10), said in the report too:
 
 - **accept length**: SGLang's ``spec_accept_length`` of each prompt, completion tokens / verify
   rounds, the bonus token included (a multi-turn prompt: over all its turns); mean, p50 and p90

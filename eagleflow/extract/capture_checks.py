@@ -1,4 +1,4 @@
-"""The capture gate's checks: do an engine's dumps hold what training needs (DESIGN.md §3.1)?
+"""The capture gate's checks: do an engine's dumps hold what training needs (docs/design.md §3.1)?
 
 The engine's own logits come from the final state the hook captures, so the verifier's final norm
 and ``lm_head``, applied on the host to the captured final slot, must reproduce the log-probabilities

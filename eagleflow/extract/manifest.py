@@ -32,7 +32,7 @@ STATES = (RUNNING, SUCCESS, FAILED, INTERRUPTED)
 
 @dataclass
 class ShardManifest:
-    """What happened to one shard: DESIGN.md §3.5's shard result plus per-row failures.
+    """What happened to one shard: docs/design.md §3.5's shard result plus per-row failures.
 
     ``state`` is one of :data:`STATES`; ``failed`` lists ``{"row", "reason"}``; ``error`` says why
     the shard is not ``success`` (rows failed, the engine went away, the disk is full, SIGTERM);
@@ -79,7 +79,7 @@ class ShardManifest:
         self.total_bytes += num_bytes
 
     def result(self, manifest_path: Path) -> dict[str, Any]:
-        """The extract step's XCom (DESIGN.md §3.5's shard result) plus the shard's totals."""
+        """The extract step's XCom (docs/design.md §3.5's shard result) plus the shard's totals."""
         return {
             "name": self.name, "done": self.done, "skipped": self.skipped, "failed": len(self.failed),
             "tokens": self.tokens, "bytes": self.bytes, "seconds": self.seconds, "manifest": str(manifest_path),

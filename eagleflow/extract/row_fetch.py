@@ -1,6 +1,6 @@
 """One row's hidden states from one engine: send, wait for the dump, check it, publish it by rename.
 
-The one owner of DESIGN.md §3.4's per-row protocol, used by both consumers of the capture:
+The one owner of docs/design.md §3.4's per-row protocol, used by both consumers of the capture:
 extraction (:mod:`eagleflow.extract.shard`, which publishes into ``dataset/hidden_states/``)
 and online training (:mod:`eagleflow.train.online.feed`, which publishes into the trainer's
 ready folder and deletes each sample after use). For one row:

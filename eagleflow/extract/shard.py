@@ -3,7 +3,7 @@
 For each row not already complete in the sample store, POST ``/generate`` (SGLang's native
 API: ``rid``, ``input_ids``, ``max_new_tokens`` 0) with ``concurrency`` requests in flight,
 wait for the engine's dump ``<dump_dir>/<rid>.safetensors`` (:mod:`~eagleflow.extract.dump_wait`),
-check it (DESIGN.md §3.4: its header, its token ids and the writer's finiteness verdict; the
+check it (docs/design.md §3.4: its header, its token ids and the writer's finiteness verdict; the
 states are not read back) and move it to ``hidden_states/hs_{row}.safetensors`` by rename. The
 published files are fsynced in the background and the shard reports ``success`` only after
 that barrier. A per-shard manifest records what was done, skipped and failed, and the shard's

@@ -3,7 +3,7 @@
 ``python -m eagleflow plot --metrics <run>/train/metrics.jsonl --out <run>/train-progress``
 writes ``loss.{png,svg}`` and ``acc.{png,svg}`` (a block drafter's: ``loss``, ``eal`` and
 ``acc``) and prints ``{"png": [...], "svg": [...]}`` as its result line (the XCom payload of
-DESIGN.md §3.5). Any of the three metric forms of :mod:`eagleflow.metrics` is accepted, and a
+docs/design.md §3.5). Any of the three metric forms of :mod:`eagleflow.metrics` is accepted, and a
 log that is still being written is fine: the charts show the run so far. Every file is
 published atomically, so a page showing the charts never reads half a PNG, and a re-run simply
 replaces them (and removes a chart of the other drafter kind left in the folder).

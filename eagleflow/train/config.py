@@ -38,7 +38,7 @@ RESUME_MUST_MATCH = (
 class TrainConfig(BaseModel):
     """Flags of ``python -m eagleflow train``; defaults are the seed run's hyperparameters."""
 
-    dataset: Path = Field(description="training dataset folder with hidden_states/ (DESIGN.md §3.3)")
+    dataset: Path = Field(description="training dataset folder with hidden_states/ (docs/design.md §3.3)")
     verifier: Path = Field(description="verifier model folder (config.json + safetensors)")
     out: Path = Field(description="training folder: checkpoints/, metrics.jsonl, train.log, result.json")
     aux_layer_ids: AuxLayerIds = Field(

@@ -55,7 +55,7 @@ DEFAULT_COLLECTIVE_TIMEOUT = 600.0
 
 
 def apply_cpu_shims() -> None:
-    """Point speculators' three device look-ups at the CPU (DESIGN.md §5).
+    """Point speculators' three device look-ups at the CPU (docs/design.md §5).
 
     * ``trainer.get_local_rank`` -> ``"cpu"``: the trainer moves the model and every batch to
       ``.to(local_rank)``, an int that means ``cuda:<n>``.

@@ -1,4 +1,4 @@
-"""The sample store: DESIGN.md §3.2 files written atomically, validated with reasons, read by speculators."""
+"""The sample store: docs/design.md §3.2 files written atomically, validated with reasons, read by speculators."""
 
 from __future__ import annotations
 

@@ -64,7 +64,7 @@ def test_shard_extracts_every_row_then_a_rerun_skips_them_without_reading_them(d
     assert "rows: 5/18" in out and "tokens/s" in out and "MB/s" in out and "ETA" in out
     assert not list(Path(engine.dump_dir).glob("row*"))  # every dump was moved, none copied
 
-    # A published file is complete by contract (DESIGN.md §3.2): a rerun checks only its header
+    # A published file is complete by contract (docs/design.md §3.2): a rerun checks only its header
     # and token ids, never the states (hundreds of GB at full scale). A NaN planted in one file
     # after publication proves it: a full re-read would redo that row.
     planted = sample_path(path / "hidden_states", 7)
