@@ -9,7 +9,13 @@ Routes (relative to the mount point):
 ``/api/runs/{run}``                    the same facts as JSON
 
 A run folder is matched to the DAG runs that write it (:func:`dag_runs_by_folder`, read from
-Airflow's metadata database): each page links to its DAG run in Airflow's UI and shows its state.
+Airflow's metadata database): each page links to its DAG run in Airflow's UI and shows its state. A DAG
+run that failed before its first task wrote its folder is listed too, and its run page says so.
+
+Airflow 3.3 shows these pages (Browse → eagleflow runs, the route ``/plugin/eagleflow/*``) in an
+``<iframe sandbox="allow-scripts allow-same-origin allow-forms allow-downloads">`` (its UI bundle,
+``airflow/ui/dist/assets/index-*.js``), which refuses ``target="_top"`` and ``target="_blank"`` links.
+The links to Airflow's own pages are followed by a script of ``templates/base.html`` instead, which says why.
 
 Every route needs a logged-in Airflow user: the request is authenticated by the API server's
 own ``get_user`` (the ``_token`` cookie the UI sets at login, or an ``Authorization: Bearer``
@@ -44,12 +50,17 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.templating import Jinja2Templates
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from eagleflow.deploy import DAG_ID, OUTPUT_ROOT_ENV
+from eagleflow.deploy import OUTPUT_ROOT_ENV
 from eagleflow.errors import UserError
 from eagleflow.files import RefusedFile, resolve_under
 from eagleflow.layout import RunLayout
 from eagleflow.progress import format_duration
 from eagleflow.run_report import MetricsCache, RunFiles, list_runs, run_summary
+
+try:
+    from plugins.eagleflow_dag_runs import dag_run_url, dag_runs_by_folder, dag_runs_list_url
+except ImportError:  # only the plugins folder is on sys.path (Airflow adds it)
+    from eagleflow_dag_runs import dag_run_url, dag_runs_by_folder, dag_runs_list_url  # type: ignore[no-redef]
 
 CONFIG_SECTION, CONFIG_KEY = "eagleflow", "output_root"
 # What the file route serves: charts, manifests, metrics and logs; never hidden states or weights.
@@ -100,56 +111,6 @@ async def require_airflow_user(
     from airflow.api_fastapi.core_api.security import get_user
 
     return await get_user(request, _oauth_token=None, bearer_credentials=bearer)
-
-
-# ---------------------------------------------------------------------------------------
-# the DAG runs behind each run folder, from Airflow's metadata database
-
-
-def dag_run_url(run_id: str) -> str:
-    """The DAG run's page in Airflow's UI (``/dags/<dag_id>/runs/<run_id>``, under ``[api] base_url``)."""
-    from airflow.utils.helpers import build_airflow_dagrun_url
-
-    return build_airflow_dagrun_url(DAG_ID, quote(run_id, safe=""))
-
-
-def dag_runs_by_folder(output_root: Path) -> dict[str, list[dict[str, Any]]] | None:
-    """The DAG's runs that write under ``output_root``, by run folder, newest first; None when Airflow's
-    metadata database cannot be read.
-
-    Each is ``{run_id, state, start_date, end_date, url}``. A DAG run writes the folder its
-    ``run_name`` Param names, else the one derived from its run id (:func:`eagleflow.layout.run_name_of`,
-    the rule the tasks follow); a run whose ``output_root`` Param is another folder is left out.
-    """
-    from airflow.models.dagrun import DagRun
-    from airflow.utils.session import create_session
-    from sqlalchemy import select
-    from sqlalchemy.exc import SQLAlchemyError
-
-    from eagleflow.layout import run_name_of
-
-    query = (
-        select(DagRun.run_id, DagRun.state, DagRun.conf, DagRun.start_date, DagRun.end_date)
-        .where(DagRun.dag_id == DAG_ID)
-        .order_by(DagRun.run_after.desc())
-    )
-    try:
-        with create_session() as session:
-            rows = session.execute(query).all()
-    except SQLAlchemyError:
-        return None
-    runs: dict[str, list[dict[str, Any]]] = {}
-    for run_id, state, conf, start_date, end_date in rows:
-        conf = conf if isinstance(conf, dict) else {}
-        if conf.get("output_root") and Path(str(conf["output_root"])).resolve() != output_root:
-            continue
-        runs.setdefault(run_name_of(conf, run_id), []).append({
-            "run_id": run_id, "state": str(state.value if hasattr(state, "value") else state),
-            "start_date": start_date.isoformat() if start_date else None,
-            "end_date": end_date.isoformat() if end_date else None,
-            "url": dag_run_url(run_id),
-        })
-    return runs
 
 
 # ---------------------------------------------------------------------------------------
@@ -222,10 +183,19 @@ def make_templates() -> Jinja2Templates:
 # errors: one shape for all of them
 
 
+def list_href(request: Request) -> str:
+    """The list of runs (the app's ``/``) relative to the page ``request`` asked for, so any mount point
+    or base URL works: ``/runs/demo`` -> ``../``."""
+    path, mount = request.url.path, request.scope.get("root_path", "")
+    if mount and path.startswith(mount):
+        path = path[len(mount):]
+    return "../" * (path.count("/") - 1) or "./"
+
+
 def error_response(request: Request, status: int, message: str) -> Response:
     """The one error response: an HTML page for browsers, ``{"detail", "status"}`` JSON otherwise."""
     if "text/html" in request.headers.get("accept", ""):
-        context = {"title": f"eagleflow: error {status}", "status": status, "message": message}
+        context = {"title": f"eagleflow: error {status}", "status": status, "message": message, "runs": list_href(request)}
         return request.app.state.templates.TemplateResponse(request, "error.html", context, status_code=status)
     return JSONResponse({"detail": message, "status": status}, status_code=status)
 
@@ -290,7 +260,7 @@ def create_app(output_root: str | os.PathLike[str] | None = None) -> FastAPI:
         except RefusedFile as exc:
             raise PageError(404, f"run {run_name!r} is not under the output root {root}: its folder {exc.reason}") from exc
         if not real.is_dir():
-            raise PageError(404, f"no run {run_name!r} under the output root {root}")
+            raise NoRunFolder(404, f"no run {run_name!r} under the output root {root}")
         return layout
 
     def summary_with_dag_runs(run_name: str) -> dict[str, Any]:
@@ -304,12 +274,24 @@ def create_app(output_root: str | os.PathLike[str] | None = None) -> FastAPI:
         dag_runs = dag_runs_by_folder(root) if root else {}
         for run in runs:
             run["dag_run"] = (dag_runs.get(run["name"]) or [None])[0] if dag_runs is not None else None
-        context = {"title": "eagleflow runs", "root": root, "runs": runs, "dag_runs_unreadable": dag_runs is None}
+        listed = {run["name"] for run in runs}
+        runs += [without_folder(root, name, found) for name, found in (dag_runs or {}).items() if name not in listed]
+        runs.sort(key=lambda run: -(run["modified"] or 0))
+        context = {"title": "eagleflow runs", "root": root, "runs": runs, "dag_runs_unreadable": dag_runs is None,
+                   "dag_runs_list": dag_runs_list_url()}
         return templates.TemplateResponse(request, "index.html", context)
 
     @app.get("/runs/{run_name}", response_class=HTMLResponse)
     def run_page(request: Request, run_name: str) -> Response:
-        summary = summary_with_dag_runs(run_name)
+        try:
+            summary = summary_with_dag_runs(run_name)
+        except NoRunFolder:  # a DAG run that failed before its first task wrote the folder still has a page
+            found = (dag_runs_by_folder(root) or {}).get(run_name)  # type: ignore[arg-type]  (run_layout checked it)
+            if not found:
+                raise
+            context = {"title": f"eagleflow: {run_name}", "run": without_folder(root, run_name, found),  # type: ignore[arg-type]
+                       "dag_runs": found, "root": root, "refresh": found[0]["state"] in UNFINISHED_DAG_RUN_STATES}
+            return templates.TemplateResponse(request, "run_unwritten.html", context)
         latest = (summary["dag_runs"] or [{}])[0]
         drafters = summary["drafters"]  # a run of several drafters: until each has its charts
         running = (
@@ -333,6 +315,39 @@ def create_app(output_root: str | os.PathLike[str] | None = None) -> FastAPI:
         return StreamingResponse(_chunks(handle, size), media_type=media_type, headers={"content-length": str(size)})
 
     return app
+
+
+class NoRunFolder(PageError):
+    """The run's folder does not exist (a 404, unless a DAG run of that name failed before writing it)."""
+
+
+def without_folder(root: Path, name: str, dag_runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A row of the list for a folder that DAG runs write but that holds no run (yet): its newest DAG run,
+    when it last changed, and why there is nothing to show (``no_folder``)."""
+    latest = dag_runs[0]
+    try:
+        layout = RunLayout.of(root, name)
+    except UserError:  # a run_name Param no run may use: the DAG run failed on it, before any folder
+        layout = None
+    exists = layout is not None and RunFiles(layout).folder(layout.root)
+    state = latest["state"]
+    if exists:
+        why = "its folder holds no shards, training or drafters yet"
+    elif state in UNFINISHED_DAG_RUN_STATES:
+        why = "no run folder yet: no task of the DAG run has written it"
+    elif state == "failed":
+        why = "no run folder was written: the DAG run failed before its first task wrote it"
+    else:
+        why = "no run folder: the DAG run wrote none here, or it was moved or deleted since"
+    when = next((latest[k] for k in ("end_date", "start_date", "first_start", "run_after") if latest.get(k)), None)
+    return {"name": name, "linked": layout is not None, "dag_run": latest, "headline": None, "no_folder": why,
+            "modified": _timestamp(when)}
+
+
+def _timestamp(iso: str | None) -> float | None:
+    from datetime import datetime
+
+    return datetime.fromisoformat(iso).timestamp() if iso else None
 
 
 def open_run_file(layout: RunLayout, relative: str) -> BinaryIO:
@@ -364,4 +379,7 @@ def _chunks(handle: BinaryIO, size: int) -> Iterator[bytes]:
             yield chunk
 
 
-__all__: list[str] = ["create_app", "dag_run_url", "dag_runs_by_folder", "error_response", "open_run_file", "require_airflow_user"]
+__all__: list[str] = [
+    "create_app", "dag_run_url", "dag_runs_by_folder", "dag_runs_list_url", "error_response", "list_href", "open_run_file",
+    "require_airflow_user",
+]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import shutil
 import time
+import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ TINY_PNG = bytes.fromhex(
 
 
 def write_manifest(shards: Path, **fields: Any) -> None:
-    """A shard manifest in the extractor's format (DESIGN.md §3.5 plus per-row failures)."""
+    """A shard manifest in the extractor's format (docs/design.md §3.5 plus per-row failures)."""
     data = {"state": "success", "done": 0, "skipped": 0, "failed": [], "tokens": 0, "bytes": 0, "seconds": 0.0,
             "updated": time.time() - 60, **fields}
     (shards / f"{data['name']}.json").write_text(json.dumps(data))
@@ -59,7 +61,17 @@ def record_dflash_metrics() -> Any:
 def output_root(tmp_path: Path) -> Path:
     """``<root>/demo``: three shard manifests, metrics from the real fixture run, two charts; plus
     a file outside the run and one outside the output root, for traversal attempts."""
-    root = tmp_path / "runs"
+    return fill_output_root(tmp_path / "runs")
+
+
+@pytest.fixture(scope="session", name="fill_output_root")
+def fill_output_root_fixture() -> Callable[[Path], Path]:
+    """``fill(root)``: :func:`fill_output_root`, for fixtures of a wider scope than :func:`output_root`'s."""
+    return fill_output_root
+
+
+def fill_output_root(root: Path) -> Path:
+    """The :func:`output_root` fixture's run folder ``demo`` and the files around it, written under ``root``."""
     run = root / "demo"
     shards = run / "shards"
     shards.mkdir(parents=True)
@@ -83,7 +95,7 @@ def output_root(tmp_path: Path) -> Path:
     (run / "dataset" / "hidden_states" / "hs_0.safetensors").write_bytes(b"\0" * 16)
     (root / "other-run").mkdir()
     (root / "other-run" / "secret.json").write_text('{"secret": "other run"}')
-    (tmp_path / "outside.json").write_text('{"secret": "outside the output root"}')
+    (root.parent / "outside.json").write_text('{"secret": "outside the output root"}')
     return root
 
 
@@ -110,3 +122,72 @@ def airflow_login(airflow_db: Path) -> AirflowLogin:
     auth_manager = init_auth_manager()
     token = auth_manager.generate_jwt(SimpleAuthManagerUser(username="admin", role="admin"))
     return AirflowLogin(auth_manager, token)
+
+
+@pytest.fixture()
+def client(output_root: Path, airflow_login: AirflowLogin) -> Any:
+    """A browser that logged in to Airflow: it carries the UI's ``_token`` cookie."""
+    from fastapi.testclient import TestClient
+
+    from plugins.eagleflow_ui import create_app
+
+    test_client = TestClient(create_app(output_root))
+    test_client.cookies.set("_token", airflow_login.token)
+    return test_client
+
+
+@pytest.fixture()
+def dag_runs(airflow_login: AirflowLogin, output_root: Path) -> Iterator[Callable[..., None]]:
+    """``add(run_id, state, conf, minutes_ago, *, started_minutes_ago=…, cleared=0, tries=())``: a DAG run of the
+    eagleflow DAG in the test's metadata DB (removed after), triggered ``minutes_ago``.
+
+    Its ``start_date`` is ``started_minutes_ago`` (default: when triggered; None: not started). ``tries`` are
+    ``(task_id, minutes_ago)`` starts of task tries: the last of a task is its current try (``task_instance``),
+    the earlier ones are in ``task_instance_history``, as Airflow keeps a cleared or retried try.
+    ``cleared``: the DAG run's ``clear_number``. A finished one ended when it started.
+    """
+    import pendulum
+    from airflow.models.dagrun import DagRun
+    from airflow.models.taskinstance import TaskInstance
+    from airflow.models.taskinstancehistory import TaskInstanceHistory
+    from airflow.utils.session import create_session
+    from airflow.utils.types import DagRunType
+    from sqlalchemy import delete, insert
+
+    from eagleflow.deploy import DAG_ID
+
+    added: list[str] = []
+    unset = object()
+
+    def ago(minutes: float | None) -> Any:
+        return None if minutes is None else pendulum.now("UTC").subtract(minutes=minutes)
+
+    def add(run_id: str, state: str, conf: dict[str, Any], minutes_ago: float, *, started_minutes_ago: Any = unset,
+            cleared: int = 0, tries: tuple[tuple[str, float], ...] = ()) -> None:
+        start = ago(minutes_ago if started_minutes_ago is unset else started_minutes_ago)
+        with create_session() as session:
+            session.add(DagRun(dag_id=DAG_ID, run_id=run_id, run_type=DagRunType.MANUAL, state=state, conf=conf,
+                               run_after=ago(minutes_ago), start_date=start))
+            session.flush()
+            session.execute(
+                DagRun.__table__.update().where(DagRun.run_id == run_id, DagRun.dag_id == DAG_ID)
+                .values(clear_number=cleared, end_date=(start or ago(minutes_ago)) if state in ("success", "failed") else None)
+            )  # (the state setter sets a finished run's end_date to now)
+            by_task: dict[str, list[float]] = {}
+            for task_id, minutes in tries:
+                by_task.setdefault(task_id, []).append(minutes)
+            for task_id, starts in by_task.items():
+                *earlier, current = starts
+                key = {"dag_id": DAG_ID, "run_id": run_id, "task_id": task_id, "map_index": -1, "pool": "default_pool"}
+                ti = TaskInstance.__table__
+                session.execute(insert(ti).values(**key, id=uuid.uuid4(), try_number=len(starts),
+                                                  start_date=ago(current), state="success"))
+                for number, minutes in enumerate(earlier, start=1):
+                    session.execute(insert(TaskInstanceHistory.__table__).values(
+                        **key, task_instance_id=uuid.uuid4(), try_number=number, start_date=ago(minutes), state="failed"))
+        added.append(run_id)
+
+    yield add
+    with create_session() as session:
+        for table in (TaskInstanceHistory, TaskInstance, DagRun):
+            session.execute(delete(table).where(table.dag_id == DAG_ID, table.run_id.in_(added)))

@@ -78,8 +78,8 @@ def test_each_drafter_is_shown_with_its_training_charts_and_evaluation(client: T
     assert '<span class="muted">training time</span><b>1h02m05s</b>' in eagle3
     assert '<span class="muted">training time</span><b>–</b>' in dflash and "Best checkpoint: <code>x</code>" in dflash
     # The latest metrics line of each drafter's own metrics.jsonl: eagle3's TTT steps, dflash's block slots.
-    assert '<span class="muted">train loss, all steps</span><b>4.722</b>' in eagle3
-    assert '<span class="muted">val loss, all steps</span><b>4.274</b>' in eagle3
+    assert '<span class="muted">train loss (sum over TTT steps)</span><b>4.722</b>' in eagle3
+    assert '<span class="muted">val loss (sum over TTT steps)</span><b>4.274</b>' in eagle3
     assert eagle3.count("<td>TTT step ") == 3 and "<h4>Latest metrics per TTT step</h4>" in eagle3
     val = multi["dflash_records"][-1]
     assert f'<span class="muted">val expected accept length</span><b>{val["eal"]:.3f}</b>' in dflash
@@ -156,7 +156,7 @@ def test_a_torn_or_wrong_drafter_file_is_named_not_fatal(client: TestClient, mul
     section = block(page, "dflash")
     assert '<p class="error">drafters/dflash/train/result.json: not a report of the expected shape (train_seconds' in section
     assert "drafters/dflash/eval/report.json: not a report of the expected shape (accept_length" in section
-    assert '<span class="muted">train loss, all steps</span><b>2.500</b>' in block(page, "eagle3")  # the torn last line left out
+    assert '<span class="muted">train loss (sum over TTT steps)</span><b>2.500</b>' in block(page, "eagle3")  # the torn last line left out
     (dflash.evaluation / "report.json").write_text('{"accept_length": {"mea')  # torn while written
     section = block(client.get("/runs/multi", headers=HTML).text, "dflash")
     assert "Not evaluated yet (<code>drafters/dflash/eval/report.json</code>" in section

@@ -6,7 +6,7 @@ import argparse
 import json
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,19 +14,11 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from eagleflow.deploy import DAG_ID, UI_PREFIX, run_page_path
+from eagleflow.deploy import UI_PREFIX, run_page_path
 from plugins.eagleflow_ui import create_app
 
 REPO = Path(__file__).resolve().parents[2]
 HTML = {"accept": "text/html"}
-
-
-@pytest.fixture()
-def client(output_root: Path, airflow_login) -> TestClient:
-    """A browser that logged in to Airflow: it carries the UI's ``_token`` cookie."""
-    test_client = TestClient(create_app(output_root))
-    test_client.cookies.set("_token", airflow_login.token)
-    return test_client
 
 
 # ---------------------------------------------------------------------------------------
@@ -45,7 +37,7 @@ def test_run_page_shows_shards_charts_and_metrics(client: TestClient) -> None:
     assert "9,120" in page and "3.17 rows/s" in page  # the shard's tokens over every attempt; 38 rows in 12 s
     assert "8,664 this attempt" in page and "722 tok/s" in page  # the last attempt's own tokens and rate
     assert f"{9120 * 4 * 64 * 2 / 1e9:.3f}" in page  # GB
-    assert "row 57" in page and "&lt;script&gt;" in page and "<script>" not in page  # escaped reasons
+    assert "row 57" in page and "&lt;script&gt;alert(1)" in page and "<script>alert" not in page  # escaped reasons
     assert "<small>engine-1 at http://127.0.0.1:30001</small>" in page  # the engine that served the shard
     # Both charts, linked relative to the page so any mount prefix or base URL works.
     for chart in ("loss", "acc"):
@@ -426,7 +418,7 @@ def test_airflow_loads_the_plugin_folder_and_mounts_the_app(
         plugins, errors = _load_plugins_from_plugin_directory(plugins_folder=str(REPO / "plugins"))
     finally:
         for name in set(sys.modules) - before:
-            if name in ("eagleflow_plugin", "eagleflow_ui", "__init__"):
+            if name in ("eagleflow_plugin", "eagleflow_ui", "eagleflow_dag_runs", "__init__"):
                 del sys.modules[name]
     assert errors == {}
     (plugin,) = [p for p in plugins if p.name == "eagleflow"]
@@ -451,34 +443,13 @@ def test_airflow_loads_the_plugin_folder_and_mounts_the_app(
 # the DAG runs behind a run folder (Airflow's metadata database)
 
 
-@pytest.fixture()
-def dag_runs(airflow_login, output_root: Path) -> Iterator[Callable[..., None]]:
-    """``add(run_id, state, conf, minutes_ago)``: a DAG run of the eagleflow DAG in the test's metadata DB (removed after)."""
-    import pendulum
-    from airflow.models.dagrun import DagRun
-    from airflow.utils.session import create_session
-    from airflow.utils.types import DagRunType
-    from sqlalchemy import delete
-
-    added: list[str] = []
-
-    def add(run_id: str, state: str, conf: dict[str, Any], minutes_ago: float) -> None:
-        began = pendulum.now("UTC").subtract(minutes=minutes_ago)
-        with create_session() as session:
-            session.add(DagRun(dag_id=DAG_ID, run_id=run_id, run_type=DagRunType.MANUAL, state=state, conf=conf,
-                               run_after=began, start_date=began))
-        added.append(run_id)
-
-    yield add
-    with create_session() as session:
-        session.execute(delete(DagRun).where(DagRun.dag_id == DAG_ID, DagRun.run_id.in_(added)))
-
-
 def test_the_run_page_links_its_dag_run_and_the_list_shows_states_and_headline_figures(
     client: TestClient, output_root: Path, dag_runs: Callable[..., None]
 ) -> None:
     page = client.get("/runs/demo", headers=HTML).text
-    assert "No DAG run of this Airflow writes this folder" in page
+    assert "No DAG run of this Airflow wrote this folder: it was made by <code>make demo</code>'s <code>dag.test()</code>" in page
+    index = client.get("/", headers=HTML).text
+    assert "no DAG run</span>" in index and "<em>No DAG run</em>: no DAG run of this Airflow wrote the folder" in index
     here = {"run_name": "demo", "output_root": str(output_root)}
     dag_runs("manual__first-try", "failed", here, minutes_ago=90)
     dag_runs("manual__cleared+again:1", "running", {"run_name": "demo"}, minutes_ago=20)  # the form's default root

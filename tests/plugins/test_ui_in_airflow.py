@@ -1,0 +1,187 @@
+"""The eagleflow pages inside a real Airflow, in headless Chromium: Browse → eagleflow runs shows them in Airflow's
+sandboxed frame, and their links to a DAG run land on Airflow's own DAG run page (the frame's sandbox refuses
+``target="_top"``: ``templates/base.html`` says how the links get out of it). Also: the list of runs fits that
+frame at 1600×900, and a DAG run that failed before writing its folder has a page there.
+
+Airflow is the real-scheduler tests' stack (``tests/dags/conftest.py``'s ``airflow_stack``: scheduler,
+dag-processor, triggerer and api-server, all-admins, no login), the eagleflow DAG paused so the DAG runs
+this test triggers stay as they are; the api-server's output root is this module's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import pytest
+
+pytestmark = [pytest.mark.scheduler, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parents[2]
+DAG_ID = "eagleflow"
+RUN_ID = "manual__2026-12-03T23:19:16.409337+00:00"  # triggered from the form: no run_name, the folder named after it
+FAILED_RUN_ID = "manual__failed-at-once"
+NOT_WRITTEN = "never-written"
+WIDTH, HEIGHT = 1600, 900
+
+
+def _dags_conftest() -> Any:
+    """``tests/dags/conftest.py`` as a module of its own name (its Airflow stack, reused, not copied)."""
+    name = "eagleflow_tests_dags_conftest"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "tests" / "dags" / "conftest.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+airflow_stack = _dags_conftest().airflow_stack  # the fixture, module-scoped: one Airflow for this module
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ui_output_root(tmp_path_factory: pytest.TempPathFactory, fill_output_root: Any) -> Iterator[Path]:
+    """The api-server's output root (``$EAGLEFLOW_OUTPUT_ROOT``, which the stack's components inherit; autouse:
+    set before the stack starts) with the run folder of :data:`RUN_ID`."""
+    from eagleflow.layout import run_name_from_run_id
+
+    root = fill_output_root(tmp_path_factory.mktemp("ui-in-airflow") / "runs")
+    (root / "demo").rename(root / run_name_from_run_id(RUN_ID))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EAGLEFLOW_OUTPUT_ROOT", str(root))
+        yield root
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """Headless Chromium at 1600×900 through chromedriver (``.ci/run`` installs both)."""
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (chromium and driver):
+        if os.environ.get("CI"):
+            pytest.fail("chromium and chromedriver are not installed - CI must install them")
+        pytest.skip("chromium or chromedriver not installed (Debian: apt-get install chromium chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+                 f"--window-size={WIDTH},{HEIGHT}"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    chrome = webdriver.Chrome(service=Service(driver), options=options)
+    try:
+        yield chrome
+    finally:
+        chrome.quit()
+
+
+def wait(browser: Any, condition: Any, what: str, timeout: float = 60) -> Any:
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        return WebDriverWait(browser, timeout).until(lambda b: condition(b))
+    except TimeoutException:
+        from selenium.webdriver.common.by import By
+
+        shown = " ".join(e.text for e in browser.find_elements(By.TAG_NAME, "body"))[:1500]
+        raise AssertionError(f"no {what} within {timeout:.0f}s; at {browser.current_url}, showing:\n{shown}") from None
+
+
+def into_the_frame(browser: Any, url: str) -> None:
+    """Open ``url`` of Airflow's UI and switch into the plugin's frame once it shows an eagleflow page."""
+    from selenium.webdriver.common.by import By
+
+    browser.switch_to.default_content()
+    browser.get(url)
+    frame = wait(browser, lambda b: b.find_elements(By.CSS_SELECTOR, "iframe[title='eagleflow runs']"), "eagleflow frame")[0]
+    assert "allow-top-navigation" not in (frame.get_attribute("sandbox") or "")  # what the pages' script is for
+    browser.switch_to.frame(frame)
+    wait(browser, lambda b: b.find_elements(By.TAG_NAME, "h1"), "eagleflow page in the frame")
+
+
+def follow_out_of_the_frame(browser: Any, stack: Any, css: str, run_id: str) -> None:
+    """Click the link ``css`` in the frame, as a user does; it must land on Airflow's page of DAG run ``run_id``."""
+    from selenium.webdriver.common.by import By
+
+    browser.find_element(By.CSS_SELECTOR, css).click()
+    browser.switch_to.default_content()
+    page = f"{stack.url}/dags/{DAG_ID}/runs/{quote(run_id, safe='')}"
+    wait(browser, lambda b: b.current_url == page, f"Airflow's DAG run page {page}")
+    wait(browser, lambda b: run_id in b.find_element(By.TAG_NAME, "body").text, f"DAG run {run_id} on Airflow's page")
+    assert not browser.find_elements(By.CSS_SELECTOR, "iframe[title='eagleflow runs']")  # Airflow's page, not the frame
+
+
+def fail_in_the_metadata_db(database: Path, run_id: str) -> None:
+    """DAG run ``run_id`` failed, as one that fails at its first task is, without running anything. (Marking it
+    failed through the REST API does not: the DAG's teardowns, still to run, keep it queued.)"""
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(database, timeout=60)) as db, db:
+        changed = db.execute("UPDATE dag_run SET state = 'failed', end_date = CURRENT_TIMESTAMP WHERE dag_id = ? AND run_id = ?",
+                             (DAG_ID, run_id)).rowcount
+    assert changed == 1
+
+
+def refused_navigations(browser: Any) -> list[str]:
+    return [e["message"] for e in browser.get_log("browser") if "Unsafe attempt to initiate navigation" in e["message"]
+            or "sandboxed frame" in e["message"]]
+
+
+def test_links_from_the_plugin_pages_in_airflows_frame_reach_airflows_dag_run_page(
+    airflow_stack: Any, ui_output_root: Path, browser: Any
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    from eagleflow.layout import run_name_from_run_id
+
+    stack = airflow_stack
+    stack.request("PATCH", f"/dags/{DAG_ID}", json={"is_paused": True})  # the runs are shown, never scheduled
+    # Params the trigger form requires (never read: the runs are never scheduled).
+    here = {"output_root": str(ui_output_root), "model_path": str(ui_output_root / "model"),
+            "dataset_input": str(ui_output_root / "conversations.jsonl")}
+    for run_id, conf in ((RUN_ID, here), (FAILED_RUN_ID, {**here, "run_name": NOT_WRITTEN})):
+        stack.request("POST", f"/dags/{DAG_ID}/dagRuns", json={"dag_run_id": run_id, "logical_date": None, "conf": conf})
+    fail_in_the_metadata_db(stack.home / "airflow.db", FAILED_RUN_ID)
+    run_name = run_name_from_run_id(RUN_ID)
+
+    # Browse → eagleflow runs: the list, in Airflow's frame, fits it at 1600×900 ...
+    into_the_frame(browser, f"{stack.url}/plugin/eagleflow")
+    right, frame_width = browser.execute_script(
+        "const t = document.querySelector('table.runs'); return [t.getBoundingClientRect().right, document.documentElement.clientWidth]"
+    )
+    assert right <= frame_width, f"the runs table ({right:.0f} px) is wider than Airflow's frame ({frame_width} px)"
+    # ... and its DAG run link opens Airflow's page of that DAG run.
+    follow_out_of_the_frame(browser, stack, f"a[title^='{RUN_ID}']", RUN_ID)
+
+    # The run page, reached from the list inside the frame: Airflow's URL follows it; its DAG run link gets out too.
+    into_the_frame(browser, f"{stack.url}/plugin/eagleflow")
+    browser.find_element(By.CSS_SELECTOR, f"a[href='runs/{run_name}']").click()
+    wait(browser, lambda b: b.find_elements(By.CSS_SELECTOR, ".dagrun a"), "the run page's DAG run link")
+    browser.switch_to.default_content()
+    wait(browser, lambda b: b.current_url.endswith(f"/plugin/eagleflow/eagleflow/runs/{run_name}"), "Airflow's URL of the run page")
+    browser.switch_to.frame(browser.find_element(By.CSS_SELECTOR, "iframe[title='eagleflow runs']"))
+    follow_out_of_the_frame(browser, stack, ".dagrun a", RUN_ID)
+
+    # A DAG run that failed before any task wrote its folder: listed, its page says so and links to it.
+    into_the_frame(browser, f"{stack.url}/plugin/eagleflow")
+    browser.find_element(By.CSS_SELECTOR, f"a[href='runs/{NOT_WRITTEN}']").click()
+    text = wait(browser, lambda b: "No run folder was written" in b.find_element(By.TAG_NAME, "body").text
+                and b.find_element(By.TAG_NAME, "body").text, "the page of a run without a folder")
+    assert "the DAG run failed before its first task wrote it" in text
+    follow_out_of_the_frame(browser, stack, ".dagrun a", FAILED_RUN_ID)
+    assert "failed" in browser.find_element(By.TAG_NAME, "body").text.lower()
+
+    # The same page opened on its own (not framed): the link is a plain link.
+    browser.get(f"{stack.url}/eagleflow/runs/{run_name}")
+    follow_out_of_the_frame(browser, stack, ".dagrun a", RUN_ID)
+    assert refused_navigations(browser) == []
