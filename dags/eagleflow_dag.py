@@ -1,6 +1,6 @@
 """eagleflow: base LLM served by SGLang -> hidden states -> trained drafter (EAGLE-3 or DFlash).
 
-The story of DESIGN.md §1, top to bottom:
+The story of docs/design.md §1, top to bottom:
 
 1. plan_engines lists the run's engines; launch_server and wait_server_ready (setups, one
    instance per engine) start each with the capture hook and wait out its warmup without
@@ -50,6 +50,8 @@ from operators.params import DAG_ID, GPU_POOL, GPU_QUEUE, form_defaults, pipelin
 from operators.server import (
     ENGINE_MAP_INDEX_TEMPLATE,
     SERVER_MAP_INDEX_TEMPLATE,
+    WAIT_RETRIES,
+    WAIT_RETRY_DELAY,
     PlanEnginesOperator,
     ServerReadySensor,
     SGLangServerOperator,
@@ -87,7 +89,8 @@ with DAG(
         task_id="launch_server", map_index_template=ENGINE_MAP_INDEX_TEMPLATE, **on_gpu
     ).expand(engine=plan_engines.output)
     wait_server_ready = ServerReadySensor.partial(
-        task_id="wait_server_ready", map_index_template=SERVER_MAP_INDEX_TEMPLATE, **on_gpu
+        task_id="wait_server_ready", map_index_template=SERVER_MAP_INDEX_TEMPLATE,
+        retries=WAIT_RETRIES, retry_delay=WAIT_RETRY_DELAY, **on_gpu
     ).expand(server=launch_server.output)
 
     # On the GPU queue: a launched engine listens on its GPU node's 127.0.0.1 only. No GPU pool

@@ -69,8 +69,9 @@ RedoFinished = Annotated[
     Field(
         False,
         title="Redo finished steps",
-        description="Export, evaluate and chart again even when a step's inputs (checkpoint, drafter, dataset, "
-        "settings) are those its finished result was made from; off, such a step reuses its result at once",
+        description="Build the draft vocabulary, export, evaluate and chart again even when a step's inputs (dataset, "
+        "checkpoint, drafter, settings) are those its finished result was made from; off, such a step reuses its "
+        "result at once (training: Restart training from scratch)",
     ),
 ]
 
@@ -182,6 +183,9 @@ def model_to_argv(config: BaseModel) -> list[str]:
     return argv
 
 
+BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
 def schemas_of(model: type[BaseModel], names: tuple[str, ...], section: str | None = None) -> dict[str, dict[str, Any]]:
     """JSON schemas of ``model``'s fields ``names``, shaped for Airflow ``Param(**schema)``.
 
@@ -211,6 +215,11 @@ def schemas_of(model: type[BaseModel], names: tuple[str, ...], section: str | No
             prop["type"] = [prop["type"], "null"]
             if "enum" in prop:
                 prop["enum"] = [*prop["enum"], None]
+        if bounds := {key: prop.pop(key) for key in BOUNDS if key in prop}:
+            # Airflow's trigger form hands a top-level minimum/maximum to its number field, which clamps a typed
+            # value into them when it loses focus, silently; under allOf the value stays as typed and the trigger
+            # refuses it, naming the Param (jsonschema applies allOf's bounds the same way).
+            prop["allOf"] = [bounds]
         if section is not None:
             prop.setdefault("section", section)
         out[name] = prop

@@ -29,3 +29,9 @@ def excerpt_repr(value: object, limit: int = EXCERPT_CHARS) -> str:
     if isinstance(value, str) and len(value) > limit:
         return f"{value[:limit]!r}… ({len(value) - limit} more characters)"
     return excerpt(repr(value), limit)
+
+
+def param_text(name: str, label: str | None) -> str:
+    """How a message names a Param: its name and its label in the trigger form, ``Param eval_configs ("Serving
+    configs to sweep")`` (the name alone when it has no label)."""
+    return f'Param {name} ("{label}")' if label else f"Param {name}"

@@ -15,7 +15,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Literal
 
 from eagleflow.errors import UserError
 from sglang_patch.file_mode import published_file_mode
@@ -369,3 +369,14 @@ def size_text(num_bytes: int) -> str:
         if num_bytes >= size:
             return f"{num_bytes / size:.1f} {unit}"
     return f"{num_bytes} bytes"
+
+
+def path_problem(path: Path, kind: Literal["file", "folder"]) -> str | None:
+    """What is wrong with ``path`` as the ``kind`` a Param or flag names, in plain words; None when nothing is."""
+    if not path.exists():
+        return "does not exist"
+    if kind == "file" and not path.is_file():
+        return "is not a file"
+    if kind == "folder" and not path.is_dir():
+        return "is not a folder"
+    return None

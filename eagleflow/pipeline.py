@@ -238,7 +238,12 @@ class PipelineConfig(RunDrafters):
         return RunLayout.of(self.output_root, self.run_name or "run").for_drafter(self.drafter_name)
 
     def check_model(self) -> PipelineConfig:
-        """Check what needs the model folder (it exists, every drafter's aux ids fit its depth); returns self."""
+        """Check what needs the model folder (a model folder, every drafter's aux ids fit its depth); returns self.
+        The other path Params are the first task's to check (:func:`eagleflow.param_checks.check_paths`): a later
+        task (a retry, a clear) does not read the dataset's input again."""
+        from eagleflow.param_checks import check_model_folder
+
+        check_model_folder(self)
         self.captured_aux_layer_ids()
         return self
 
@@ -364,8 +369,11 @@ PIPELINE_PARAMS = tuple(name for name in PipelineConfig.model_fields if name not
 
 
 def param_name(field: str) -> str:
-    """How a run's user knows a setting: ``Param epochs``."""
-    return f"Param {field}"
+    """How a run's user knows a setting: its name and its label in the form, ``Param epochs ("Epochs")``."""
+    from eagleflow.errors import param_text
+
+    owner = STEP_PARAMS.get(field) or (PipelineConfig if field in PipelineConfig.model_fields else None)
+    return param_text(field, owner.model_fields[field].title if owner is not None else None)
 
 
 def param_schemas() -> dict[str, dict[str, Any]]:
@@ -383,5 +391,5 @@ def param_schemas() -> dict[str, dict[str, Any]]:
 
 
 def model_dir(cfg: PipelineConfig) -> Path:
-    """The verifier folder as an absolute path (checkpoints record it as typed, DESIGN.md §8)."""
+    """The verifier folder as an absolute path (checkpoints record it as typed, docs/design.md §8)."""
     return Path(cfg.model_path).absolute()

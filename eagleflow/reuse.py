@@ -57,10 +57,24 @@ class MadeFrom:
     step: str
     folder: Path
     inputs: Mapping[str, Any]
+    record_name: str = RECORD  # several records in one folder (the dataset's vocabularies) each have their own
 
     @property
     def record(self) -> Path:
-        return self.folder / RECORD
+        return self.folder / self.record_name
+
+    def stored_inputs(self) -> dict[str, Any] | None:
+        """What the folder's result (finished or under way) was made from, as recorded; None without a record."""
+        try:
+            stored = json.loads(self.record.read_text())
+        except (OSError, ValueError):
+            return None
+        return stored.get("inputs") if isinstance(stored, dict) and isinstance(stored.get("inputs"), dict) else None
+
+    def changed(self, key: str) -> bool:
+        """Whether input ``key`` differs from what the folder's recorded result was made from (no record: False)."""
+        stored = self.stored_inputs()
+        return stored is not None and stored.get(key) != json.loads(json.dumps(self.inputs.get(key), default=str))
 
     def reusable(self, outputs: Iterable[Path]) -> dict[str, Any] | None:
         """The recorded result when it was made from these same inputs and its ``outputs`` are all there, else None."""
@@ -75,8 +89,10 @@ class MadeFrom:
         result = stored.get("result")
         return result if isinstance(result, dict) else None
 
-    def reuse_or_none(self, outputs: Iterable[Path], redo: bool) -> dict[str, Any] | None:
-        """The result to reuse (saying so in one line), or None when the step must do its work."""
+    def reuse_or_none(self, outputs: Iterable[Path], redo: bool,
+                      redo_with: str = "Param redo_finished, flag --redo-finished") -> dict[str, Any] | None:
+        """The result to reuse (saying so in one line, with ``redo_with``: what makes it again), or None when the step
+        must do its work."""
         if redo:
             self.record.unlink(missing_ok=True)
             return None
@@ -84,14 +100,16 @@ class MadeFrom:
         if result is not None:
             print(
                 f"{self.step}: reusing the finished result in {self.folder}: made from the same inputs and settings "
-                "(Param redo_finished, flag --redo-finished, makes it again)",
+                f"({redo_with}, makes it again)",
                 flush=True,
             )
         return result
 
-    def save(self, result: Mapping[str, Any]) -> None:
-        """Record that ``result`` was made from :attr:`inputs` (after the result itself is written)."""
-        atomic_write_json(self.record, {"step": self.step, "inputs": json.loads(json.dumps(self.inputs, default=str)), "result": dict(result)})
+    def save(self, result: Mapping[str, Any] | None) -> None:
+        """Record that ``result`` was made from :attr:`inputs` (after the result itself is written); None: work under way
+        on these inputs (a long step records them when it starts, so a later run knows what its partial work was made from)."""
+        inputs = json.loads(json.dumps(self.inputs, default=str))
+        atomic_write_json(self.record, {"step": self.step, "inputs": inputs, "result": dict(result) if result is not None else None})
 
 
 def settings_of(config: Any, *leave_out: str) -> dict[str, Any]:

@@ -52,6 +52,12 @@ class DrafterStepOperator(EagleflowStepOperator):
         self.drafter = drafter
 
     def execute(self, context: Context) -> Any:
+        self.skip_unless_upstream_finished(context)
+        return super().execute(context)
+
+    def skip_unless_upstream_finished(self, context: Context) -> None:
+        """Skip (saying which instance did not finish) when this drafter's ``after`` step has no result in this run:
+        before anything else, so a run refused by its first tasks skips here rather than failing again."""
         missing = unfinished(context, self.after, self.drafter or {}, context["ti"].map_index)
         if missing:
             from airflow.sdk.exceptions import AirflowSkipException
@@ -60,7 +66,6 @@ class DrafterStepOperator(EagleflowStepOperator):
                 f"drafter {(self.drafter or {}).get('name')}: {', '.join(missing)} did not finish in this run; "
                 "clear it (with its downstream tasks) to carry this drafter on"
             )
-        return super().execute(context)
 
 
 class ExportOperator(DrafterStepOperator):
@@ -80,18 +85,19 @@ class ExportOperator(DrafterStepOperator):
 
 
 class EvaluateOperator(DrafterStepOperator):
-    after = EXPORT_TASK_ID
-
     """Serve the drafter, decode held-out prompts with and without it (``python -m eagleflow evaluate``).
 
     Returns ``{report, accept_length, speedup, fastest}``. In remote mode (``server_urls``) there is no engine
     of this run to relaunch with the drafter: the task is skipped and says so.
     """
 
+    after = EXPORT_TASK_ID
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(step="evaluate", **kwargs)
 
     def execute(self, context: Context) -> Any:
+        self.skip_unless_upstream_finished(context)
         cfg = pipeline_config(context)
         if cfg.remote:
             from airflow.sdk.exceptions import AirflowSkipException
@@ -159,7 +165,10 @@ class CompareOperator(EagleflowStepOperator):
 
 
 def failed_tasks(context: Context) -> list[str]:
-    """This run's failed task instances (``task`` or ``task_<map index>``), as Airflow's execution API lists them."""
+    """This run's failed task instances (``task`` or ``task_<map index>``, as Airflow's execution API lists them),
+    then how many could not run after them."""
     ti = context["ti"]
     states = ti.get_task_states(dag_id=ti.dag_id, run_ids=[ti.run_id]).get(ti.run_id, {})
-    return sorted(key for key, state in states.items() if state in ("failed", "upstream_failed") and key != ti.task_id)
+    failed = sorted(key for key, state in states.items() if state == "failed" and key != ti.task_id)
+    after = sum(state == "upstream_failed" for key, state in states.items() if key != ti.task_id)
+    return failed + ([f"{after} task(s) that could not run after them"] if after and failed else [])

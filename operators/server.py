@@ -12,13 +12,19 @@ from airflow.sdk import BaseOperator, BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowException, AirflowSensorTimeout
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from operators.step import pipeline_config
+from eagleflow.errors import UserError
+from operators.step import ParamsRefused, pipeline_config
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
 # How often the trigger hands the new server log lines back to the task log while waiting.
 LOG_REPORT_SECONDS = 60.0
+# One retry of the readiness wait: Airflow 3.3 can fail a deferred task whose trigger fired before the
+# scheduler took in its worker's exit (apache/airflow#72716, "finished with state success, but the task
+# instance's state attribute is running"). The retry finds a ready engine ready and a dead one dead at once,
+# and waits only what is left of warmup_timeout, counted from the engine's start.
+WAIT_RETRIES, WAIT_RETRY_DELAY = 1, timedelta(seconds=5)
 # How long past the deadline Airflow waits for the trigger's own timeout event.
 DEFERRAL_GRACE_SECONDS = 300.0
 
@@ -40,6 +46,12 @@ class PlanEnginesOperator(BaseOperator):
 
     def execute(self, context: Context) -> list[dict[str, Any]]:
         cfg = pipeline_config(context, check_model=False)  # the teardown maps over this list: it must exist
+        try:  # the first task: a wrong path fails here, in plain words, before any engine starts
+            from eagleflow.param_checks import check_paths
+
+            check_paths(cfg)
+        except UserError as exc:
+            raise ParamsRefused(str(exc)) from None
         plan = cfg.engine_plan()
         if cfg.remote:
             self.log.info("Remote engines: %s", ", ".join(f"{e['name']} at {e['url']}" for e in plan))
@@ -262,11 +274,13 @@ class ServerReadySensor(BaseSensorOperator):
         ready = self.poke(context)
         if ready:
             return ready.xcom_value
-        from eagleflow.engine.process import last_start_offset
+        from eagleflow.engine.server_log import last_start_offset, last_start_time
 
         server = self._server_info()
         offset = last_start_offset(server["log_path"]) if server.get("log_path") else 0
-        self._defer(server, time.time() + self.timeout, offset)
+        # The warmup counts from the engine's start (its log says when), so a retry of this wait waits only what is left.
+        started = (last_start_time(server["log_path"]) if server.get("log_path") else None) or time.time()
+        self._defer(server, min(started, time.time()) + self.timeout, offset)
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
         """Resume point: show the new server log lines, then finish, fail, or wait again.
@@ -295,7 +309,7 @@ class ServerReadySensor(BaseSensorOperator):
         )
 
     def _show_new_log(self, server: dict[str, Any], offset: int) -> int:
-        from eagleflow.engine.process import read_log_from
+        from eagleflow.engine.server_log import read_log_from
 
         if not server.get("log_path"):
             return offset
@@ -305,7 +319,7 @@ class ServerReadySensor(BaseSensorOperator):
         return offset
 
     def _fail(self, status: str, message: str, server: dict[str, Any]) -> None:
-        from eagleflow.engine.process import engine_error_line, log_tail
+        from eagleflow.engine.server_log import engine_error_line, log_tail
 
         log_path = server.get("log_path")
         tail = log_tail(log_path) if log_path else "(remote server: no local log)"

@@ -12,6 +12,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowFailException
+
+from eagleflow.errors import UserError
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -35,8 +38,15 @@ def pipeline_config(context: Context, check_model: bool = True) -> PipelineConfi
     """
     from eagleflow.pipeline import PipelineConfig
 
-    cfg = PipelineConfig.from_params(context["params"], context["run_id"])
-    return cfg.check_model() if check_model else cfg
+    try:
+        cfg = PipelineConfig.from_params(context["params"], context["run_id"])
+        return cfg.check_model() if check_model else cfg
+    except UserError as exc:
+        raise ParamsRefused(str(exc)) from None  # the message is the report: no chain of frames under it
+
+
+class ParamsRefused(AirflowFailException, UserError):
+    """A run's Params refused, with the reason in plain words; no retry (the same Params fail alike)."""
 
 
 def drafter_config(context: Context, drafter: dict[str, Any] | None) -> PipelineConfig:

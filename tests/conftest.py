@@ -183,6 +183,7 @@ def small_tmpfs(tmp_path: Path) -> Iterator[object]:
 @pytest.fixture()
 def params(tmp_path: Path, random_tiny_model: Path) -> dict[str, Any]:
     """A run's Params: the reference engine on the tiny model, any free port, one torch thread."""
+    (tmp_path / "unused.jsonl").touch()  # the first task checks it is there; these tests read it no further
     return {
         "engine": "reference",
         "model_path": str(random_tiny_model),

@@ -1,4 +1,4 @@
-"""The layers of DESIGN.md §2, checked on the source: who may import whom, and how big a module grows.
+"""The layers of docs/design.md §2, checked on the source: who may import whom, and how big a module grows.
 
 (anchor: SpecForge ``tests/test_runtime/test_package_architecture.py``)
 """
@@ -15,7 +15,7 @@ CORE = REPO / "eagleflow"
 # The top of eagleflow/ holds only what every stage uses; each stage is a package.
 CROSS_CUTTING = {
     "__init__.py", "__main__.py", "config.py", "deploy.py", "errors.py", "files.py", "layout.py",
-    "pipeline.py", "progress.py", "results.py", "reuse.py", "run_report.py", "run_drafters.py", "report_shapes.py", "startup.py", "step_params.py",
+    "pipeline.py", "progress.py", "results.py", "reuse.py", "param_checks.py", "run_report.py", "run_drafters.py", "report_shapes.py", "startup.py", "step_params.py",
 }
 STAGES = {"engine", "data", "extract", "train", "metrics", "export", "evaluate", "demo", "sglang_rules", "drafters"}
 MAX_MODULE_LINES = 400

@@ -16,14 +16,14 @@ __all__, __getattr__ = lazy_exports(
     __name__,
     {
         "verifier": [
-            "config_float", "config_int", "load_tokenizer", "read_config", "resolve_aux_layer_ids", "text_config",
+            "config_float", "config_int", "load_tokenizer", "model_folder_problem", "read_config", "resolve_aux_layer_ids", "text_config",
             "text_config_of",
         ],
         "verifier_weights": [
             "EMBED", "LM_HEAD", "NORM", "VerifierHead", "VerifierWeights", "load_verifier_head", "locate_weights",
             "read_weight", "rms_norm"
         ],
-        "dataset_files": ["dataset_column", "dataset_shape", "dataset_state", "dataset_table"],
+        "dataset_files": ["dataset_column", "dataset_fingerprint", "dataset_shape", "dataset_state", "dataset_table"],
         "prepare": ["MARKER_FILE"],
         "vocab": ["VocabConfig", "VocabFiles", "build_vocab", "load_mappings"],
     },

@@ -148,3 +148,20 @@ def dataset_table(dataset: Path, columns: Sequence[str] = ()) -> Any:
 def dataset_column(dataset: Path, name: str) -> list[Any]:
     """Every row's value of column ``name``, in row order."""
     return dataset_table(dataset, [name]).column(name).to_pylist()
+
+
+def dataset_fingerprint(dataset: Path, hidden_states: bool = True) -> list[list[Any]]:
+    """What a prepared dataset's content is, for a step to tell whether it changed: the path, size and
+    modification time of its rows' files (state, info, Arrow files) and, with ``hidden_states``, of every
+    hidden-state file. Every writer of these files replaces them, so a rewrite shows; the vocabulary
+    files beside them (made from the rows) are not part of it."""
+    from eagleflow.layout import hidden_states_dir
+    from eagleflow.reuse import file_identities
+
+    dataset = Path(dataset)
+    try:
+        arrow = [dataset / entry["filename"] for entry in dataset_state(dataset).get("_data_files", [])]
+    except UserError:
+        arrow = []  # torn: the step's own check says so
+    rows = file_identities([dataset / STATE_FILE, dataset / INFO_FILE, *arrow])
+    return rows + (file_identities([hidden_states_dir(dataset)]) if hidden_states else [])

@@ -22,11 +22,21 @@ NESTED_TEXT_CONFIG_KEYS = ("text_config", "language_config")
 _SIZE_KEYS = ("num_hidden_layers", "hidden_size", "vocab_size")
 
 
+def model_folder_problem(model_dir: Path) -> str | None:
+    """What keeps ``model_dir`` from being a model folder, in plain words; None when nothing does."""
+    from eagleflow.files import path_problem
+
+    why = path_problem(model_dir, "folder")
+    if why == "is not a folder":
+        return "is not a folder (give the model's folder: config.json, weights, tokenizer)"
+    return why or (None if (model_dir / "config.json").is_file() else "has no config.json (is it a model folder?)")
+
+
 def read_config(model_dir: str | Path) -> dict[str, Any]:
     """The model folder's whole ``config.json``."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise UserError(f"{model_dir} has no config.json (is it a model folder?)")
+        raise UserError(f"{model_dir} {model_folder_problem(Path(model_dir))}")
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:

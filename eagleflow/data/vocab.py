@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, Field
 
-from eagleflow.config import DraftVocabSize, add_model_arguments, model_from_args
+from eagleflow.config import DraftVocabSize, RedoFinished, add_model_arguments, model_from_args
 from eagleflow.data.dataset_files import dataset_table
 from eagleflow.data.prepare import MARKER_FILE
 from eagleflow.errors import UserError
@@ -64,6 +64,7 @@ class VocabConfig(BaseModel):
         description="when fewer distinct ids than --draft-vocab-size occur, fill up with unseen ids, lowest first "
         "(speculators' rule); --no-pad-unseen makes that an error",
     )
+    redo_finished: RedoFinished
 
 
 @dataclass(frozen=True)
@@ -290,5 +291,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    emit_result(build_vocab(model_from_args(VocabConfig, args)))
+    from eagleflow.data.dataset_files import dataset_fingerprint
+    from eagleflow.reuse import MadeFrom, settings_of
+
+    cfg = model_from_args(VocabConfig, args)
+    # The rows' token ids and masks make the vocabulary (not their hidden states, which extraction adds later).
+    made = MadeFrom("build-vocab", cfg.dataset.absolute(), {"settings": settings_of(cfg, "dataset", "redo_finished"),
+                    "files": dataset_fingerprint(cfg.dataset, hidden_states=False)}, f".made-from-vocab-{cfg.draft_vocab_size}.json")
+    files = VocabFiles(cfg.dataset, cfg.draft_vocab_size)
+    result = made.reuse_or_none([files.d2t, files.t2d, files.token_freq], cfg.redo_finished)
+    if result is None:
+        result = build_vocab(cfg)
+        made.save(result)
+    emit_result(result)
     return 0

@@ -83,8 +83,11 @@ class RunDrafters(BaseModel):
     def resolved_aux_layer_ids(self) -> list[int]:
         """This drafter's aux ids: given, or speculators' default for the verifier's depth, checked against it."""
         from eagleflow.data import resolve_aux_layer_ids
+        from eagleflow.errors import param_text
 
-        name = "Param aux_layer_ids" if self.drafter_name is None else f"Param drafters ({self.drafter_name}) aux_layer_ids"
+        # Name the Param the ids came from: the drafter's own setting, else the run's.
+        name = (f"Param drafters ({self.drafter_name}) aux_layer_ids" if "aux_layer_ids" in self.drafter_settings
+                else param_text("aux_layer_ids", type(self).model_fields["aux_layer_ids"].title))
         return resolve_aux_layer_ids(self.model_path, self.given_aux_layer_ids, name=name)
 
     def captured_aux_layer_ids(self) -> list[int]:

@@ -2,6 +2,7 @@
 
 - :mod:`~eagleflow.engine.process`: start, probe, and stop an engine process (shared by the
   Airflow operators and the extractor, so "ready", "dead" and "stopped" mean one thing);
+- :mod:`~eagleflow.engine.server_log`: an engine's log read from outside (its tail, its newest start, its last error);
 - :mod:`~eagleflow.engine.client`: SGLang's native API as every stage speaks it (extraction, the capture
   check, regeneration, evaluation, online training), with the one retry policy of engine requests;
 - :mod:`~eagleflow.engine.pool`: a run's engines, and which one a shard uses;
@@ -22,9 +23,10 @@ __all__, __getattr__ = lazy_exports(
     {
         "process": [
             "EngineGone", "Readiness", "ReadinessCheck", "ServerInfo", "check_ready", "die_with_parent",
-            "engine_label", "free_port", "interrupted_by_signals", "last_start_offset", "log_tail", "pid_alive",
-            "read_log_from", "running_server", "start_server", "stop_server", "wait_until_ready"
+            "engine_label", "free_port", "interrupted_by_signals", "pid_alive", "running_server", "start_server",
+            "stop_server", "wait_until_ready"
         ],
+        "server_log": ["engine_error_line", "last_start_offset", "last_start_time", "log_tail", "read_log_from"],
         "client": [
             "HUNG_PROBE_SECONDS", "AnswerLost", "EngineClient", "EngineRequestSettings", "RowFailed", "ServerGone", "with_retries"
         ],

@@ -11,22 +11,19 @@ import enum
 import fcntl
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
 import time
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from eagleflow.engine.server_log import START_MARKER, engine_error_line
 from eagleflow.files import atomic_write_json
 
 READY_PATH = "/health_generate"
-LOG_TAIL_LINES = 50
-START_MARKER = "===== "  # start_server writes it before each engine's output
 
 
 def engine_label(name: str, url: str) -> str:
@@ -36,7 +33,7 @@ def engine_label(name: str, url: str) -> str:
 
 @dataclass(frozen=True)
 class ServerInfo:
-    """XCom payload of DESIGN.md §3.5: which engine, where it answers and how to find its process."""
+    """XCom payload of docs/design.md §3.5: which engine, where it answers and how to find its process."""
 
     url: str
     pid: int | None
@@ -109,47 +106,6 @@ def check_ready(server: ServerInfo, timeout: float = 5.0) -> ReadinessCheck:
     if response.status_code == 200:
         return ReadinessCheck(Readiness.READY, f"{READY_PATH} answered 200")
     return ReadinessCheck(Readiness.STARTING, f"{READY_PATH} answered {response.status_code}")
-
-
-def log_tail(path: str | os.PathLike[str], lines: int = LOG_TAIL_LINES) -> str:
-    """The last ``lines`` lines of a log file ('' when there is none)."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            return "".join(deque(handle, maxlen=lines))
-    except FileNotFoundError:
-        return ""
-
-
-def read_log_from(path: str | os.PathLike[str], offset: int, limit: int = 256_000) -> tuple[str, int]:
-    """New text of a log since byte ``offset`` (at most ``limit`` bytes) and the next offset."""
-    try:
-        with open(path, "rb") as handle:
-            handle.seek(offset)
-            data = handle.read(limit)
-    except FileNotFoundError:
-        return "", offset
-    # A full chunk ends at its last line end; one with no "\n" at all (a progress bar redrawn
-    # with "\r") is taken whole, or the offset would never move past it.
-    cut = (data.rfind(b"\n") + 1 or len(data)) if len(data) == limit else len(data)
-    return data[:cut].decode("utf-8", errors="replace"), offset + cut
-
-
-def last_start_offset(path: str | os.PathLike[str], window: int = 1 << 20) -> int:
-    """Byte offset of the newest engine start in a log that several starts appended to.
-
-    The readiness sensor shows the log from there, not the previous engine's lines. Only the
-    last ``window`` bytes are searched; an older start shows from the window's beginning.
-    """
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as handle:
-            start = max(size - window, 0)
-            handle.seek(start)
-            data = handle.read()
-    except FileNotFoundError:
-        return 0
-    marker = data.rfind(START_MARKER.encode())
-    return start + marker if marker >= 0 else start
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -356,24 +312,6 @@ def wait_until_ready(server: ServerInfo, timeout: float, poll: float = 1.0) -> N
             error = engine_error_line(server.log_path) if server.log_path else None
             raise EngineGone(f"{why} ({check.message})", error, server.log_path)
         time.sleep(poll)
-
-
-# A traceback's last line (``safetensors_rust.SafetensorError: …``), ``error: …`` lines, SGLang's ``ERROR`` lines.
-_ERROR_LINE = re.compile(r"^\s*(?:[A-Za-z_][\w.]*(?:Error|Exception|Exit)\b|.*\berror: |.*\bERROR\b)")
-
-
-def engine_error_line(log_path: str | os.PathLike[str], limit: int = 500) -> str | None:
-    """The engine's own last error line since its newest start in ``log_path`` (at most ``limit``
-    characters), or None when it printed none: what a user needs first, instead of the whole traceback."""
-    try:
-        end = os.path.getsize(log_path)
-    except OSError:
-        return None
-    text, _ = read_log_from(log_path, max(last_start_offset(log_path), end - 256_000))  # the end of a long log
-    for line in reversed(text.splitlines()):
-        if _ERROR_LINE.match(line):
-            return line.strip() if len(line.strip()) <= limit else line.strip()[:limit] + "…"
-    return None
 
 
 @contextlib.contextmanager

@@ -99,5 +99,6 @@ class EvaluateConfig(BaseModel):
 def param_label(name: str) -> str:
     """How a run's user knows an evaluation setting: its Param name and its label in the form,
     ``Param eval_configs ("Serving configs to sweep")``."""
-    title = EvaluateConfig.model_fields[name].title
-    return f'Param {name} ("{title}")' if title else f"Param {name}"
+    from eagleflow.errors import param_text
+
+    return param_text(name, EvaluateConfig.model_fields[name].title)

@@ -17,7 +17,7 @@ import json
 import signal
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagleflow.config import add_model_arguments, model_from_args
 from eagleflow.data import resolve_aux_layer_ids, text_config
@@ -32,7 +32,7 @@ from eagleflow.train.child import (
     TrainerChild, TrainingFailed, TrainLog, child_command, child_env, entry_argv, online_flags, resolve_device, run_child,
     speculators_flags,
 )
-from eagleflow.train.config import TrainConfig
+from eagleflow.train.config import RESUME_MUST_MATCH, TrainConfig
 from eagleflow.train.disk_space import NO_SPACE_ERRNOS, child_failed_message, no_space_reason
 from eagleflow.train.failure import failure_cause
 from eagleflow.train.lock import TrainFolderLock
@@ -41,6 +41,9 @@ from eagleflow.train.resume import best_checkpoint, epoch_dirs, prepare_checkpoi
 from eagleflow.train.online.settings import feed_settings, online_window_bytes, read_status
 from eagleflow.train.speculators_support import check_online, installed_release
 from sglang_patch.sample_format import HiddenStatesDtype, sample_file_bytes
+
+if TYPE_CHECKING:
+    from eagleflow.reuse import MadeFrom
 
 
 def check_dataset(cfg: TrainConfig, hidden_size: int) -> tuple[int, HiddenStatesDtype]:
@@ -232,6 +235,15 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
     trainer: TrainerChild | None = None
     try:
         log.say(f"train {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: dataset {cfg.dataset}, verifier {cfg.verifier}")
+        made = made_from(cfg, paths)
+        if cfg.train_nodes == 1 and best_checkpoint(paths) is not None:
+            reused = made.reuse_or_none([paths.result], redo=cfg.restart, redo_with="Param restart, flag --restart")
+            if reused is not None:
+                return reused
+        if made.changed("dataset") and not cfg.restart:
+            # A cleared failed shard added rows, or shards were re-extracted: what was trained is not this data.
+            log.say(f"the dataset changed since the training in {paths.root} began: training again from the start")
+            cfg = cfg.model_copy(update={"restart": True})
         device = resolve_device(cfg)
         noise = 0.0 if release.noise_std_flag else cfg.noise_std  # else speculators adds it itself
         if device.gpus <= 1 and cfg.train_nodes == 1:
@@ -273,6 +285,7 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
             else:
                 target = serving_target(cfg.serve_with)
                 log.say(f"serving with {target.name}: norm_before_residual {target.norm_before_residual} ({target.why})")
+            made.save(None)  # what the checkpoints about to be written are made from
             flags = speculators_flags(cfg, verifier, device, paths, release, stored, mask_token_id)
             if online:
                 flags += online_flags(feed_settings(cfg, paths, hidden).write())
@@ -313,6 +326,7 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
         if online:
             result["online"] = online_summary(FeedLayout(paths.online), log)
         atomic_write_json(paths.result, result)
+        made.save(result)
         if paths.drafter.exists():
             log.say(summary_line(json.loads(paths.drafter.read_text())))
         log.say(f"best checkpoint {best}")
@@ -327,6 +341,17 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
             settle_journal(FeedLayout(paths.online), log.say)
         log.close()
         lock.release()
+
+
+def made_from(cfg: TrainConfig, paths: TrainLayout) -> MadeFrom:
+    """What a training is made from: the dataset's content (its rows, and their hidden states when stored) and the
+    settings a resume must match."""
+    from eagleflow.data import dataset_fingerprint
+    from eagleflow.reuse import MadeFrom
+
+    settings = json.loads(cfg.model_dump_json(include=set(RESUME_MUST_MATCH)))
+    dataset = dataset_fingerprint(cfg.dataset, hidden_states=cfg.hidden_states_source == "disk")
+    return MadeFrom("train", paths.root, {"dataset": dataset, "settings": settings})
 
 
 def previous_train_seconds(paths: TrainLayout) -> float | None:

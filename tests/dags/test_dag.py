@@ -1,4 +1,4 @@
-"""The DAG: wiring as in DESIGN.md §1, a light parse, a Params form, and remote-server mode end to end."""
+"""The DAG: wiring as in docs/design.md §1, a light parse, a Params form, and remote-server mode end to end."""
 
 from __future__ import annotations
 
@@ -234,3 +234,29 @@ def test_online_mode_skips_every_shard_trains_from_the_engine_and_stops_it_after
     assert {"eal", "full_acc", "position_3_acc"} <= set(records[-1]), "a block drafter's metrics"
     exported = json.loads((layout.drafter / "export.json").read_text())["sglang"]
     assert (exported["algorithm"], exported["block_size"]) == ("DFLASH", 4)
+
+
+def test_a_missing_model_folder_fails_the_first_task_saying_so_and_nothing_starts(
+    eagleflow_dag, tmp_path: Path, random_tiny_model: Path
+) -> None:
+    """The first task (plan_engines) checks every path Param: the run fails there, its message the reason in plain
+    words (no retry: the same Params fail alike), and no engine is launched nor any folder written."""
+    (tmp_path / "conv.jsonl").write_text("")
+    conf = {
+        "model_path": str(tmp_path / "models" / "Kimi-K2.5"), "dataset_input": str(tmp_path / "conv.jsonl"),
+        "output_root": str(tmp_path / "runs"), "run_name": "missing-model",
+        # Said explicitly: dag.test() keeps an earlier test's run_conf in the shared DAG's params.
+        "server_urls": [], "server_dump_dir": None, "stop_after_extraction": False, "drafters": [],
+    }
+    run = eagleflow_dag.test(run_conf=conf)
+    tis = {(ti.task_id, ti.map_index): ti for ti in run.get_task_instances()}
+    assert str(run.state) == "failed"
+    assert tis[("plan_engines", -1)].state == "failed" and tis[("plan_engines", -1)].try_number == 1
+    assert tis[("launch_server", -1)].state == "upstream_failed"
+    assert not (tmp_path / "runs").exists(), "nothing was written before the check"
+    from operators.step import ParamsRefused
+    from operators.server import PlanEnginesOperator
+
+    context = {"params": conf, "run_id": "manual__x"}
+    with pytest.raises(ParamsRefused, match=r'^Param model_path \("Verifier model folder"\): .*Kimi-K2.5 does not exist$'):
+        PlanEnginesOperator(task_id="plan_engines").execute(context)  # type: ignore[arg-type]

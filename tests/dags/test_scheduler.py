@@ -7,7 +7,9 @@ setups (engine launch and readiness) and teardown without touching any other sha
 (speculators' own reader loads every row of the union capture); then the DFlash's training is
 refused by a stray trainer holding its folder while the EAGLE-3 is trained, exported, measured and
 compared alone, and clearing only the DFlash's training instance trains, exports and measures it,
-while the EAGLE-3's instances reuse their results and both are compared.
+while the EAGLE-3's instances reuse their results and both are compared; last, a complete shard
+cleared with its downstream tasks (Airflow's default) starts no engine and trains, exports and
+measures nothing again: each task's log says it reused its result.
 Another run has its scheduler killed (with its LocalExecutor workers) while a shard extracts,
 and restarted: the run finishes without a finished row being rewritten.
 (Two engines in one run, one of them killed, run in ``test_celery.py``, on the Celery deployment.)
@@ -65,7 +67,7 @@ def _tries(tis: dict[tuple[str, int], dict[str, Any]]) -> dict[tuple[str, int], 
     return {key: ti["try_number"] for key, ti in tis.items()}
 
 
-def test_failed_shard_cleared_through_the_api_reruns_alone_then_one_drafter_cleared_alone(
+def test_failed_shard_cleared_reruns_alone_one_drafter_cleared_alone_a_complete_shard_cleared_reuses_everything(
     airflow_stack: Any, run_inputs: Any, tmp_path: Path
 ) -> None:
     from eagleflow.layout import RunLayout
@@ -215,6 +217,25 @@ def test_failed_shard_cleared_through_the_api_reruns_alone_then_one_drafter_clea
     assert comparison["winner"]["drafter"] in ("eagle3", "dflash") and comparison["winner"]["sglang_flags"], comparison
     assert not comparison["missing"], comparison
 
+    # --- fourth pass: a complete shard cleared with its downstream tasks, as Airflow's clear dialog offers ---
+    # Nothing was added: no engine starts, and every task after it finishes at once on the result it made, saying so.
+    made = {**{str(p): p.stat().st_mtime_ns for d in (eagle3, dflash) for p in d.train.checkpoints.rglob("*") if p.is_file()},
+            **_file_identities(dflash.drafter / "sglang", "*"), **_file_identities(dflash.evaluation, "report.json")}
+    clear = {**clear, "task_ids": [["extract_shard", 0]]}
+    airflow_stack.request("POST", f"/dags/{DAG_ID}/clearTaskInstances", json={**clear, "dry_run": False})
+    state = airflow_stack.wait_for_run(run_id, RUN_TIMEOUT)
+    tis = airflow_stack.task_instances(run_id)
+    assert state == "success", airflow_stack.describe(run_id)
+    launch = airflow_stack.task_log(run_id, "launch_server", tis[("launch_server", 0)]["try_number"], 0)
+    assert "Not launching engine-0: every shard of run" in launch, launch[-2000:]
+    reused = {"build_vocab": [-1], "train_drafter": [EAGLE3, DFLASH], **{task: [EAGLE3, DFLASH] for task in PER_DRAFTER}}
+    for task, indexes in reused.items():
+        for index in indexes:
+            log = airflow_stack.task_log(run_id, task, tis[(task, index)]["try_number"], index)
+            assert "reusing the finished result" in log, (task, index, log[-2000:])
+    assert {**{str(p): p.stat().st_mtime_ns for d in (eagle3, dflash) for p in d.train.checkpoints.rglob("*") if p.is_file()},
+            **_file_identities(dflash.drafter / "sglang", "*"), **_file_identities(dflash.evaluation, "report.json")} == made
+
     inputs.check_every_row(layout.dataset, captured=sorted(set(EAGLE3_LAYERS + DFLASH_LAYERS)))
     for index in (EAGLE3, DFLASH):
         plots = airflow_stack.xcom(run_id, "plot_metrics", index)
@@ -301,6 +322,10 @@ def test_bad_aux_layer_ids_are_refused_at_trigger_or_by_the_first_tasks(
         )
         assert "aux_layer_ids" in json.dumps(refused), refused
         airflow_stack.request("GET", f"/dags/{DAG_ID}/dagRuns/bad-aux-{ids[0]}", expect=404)
+    # A number out of range, as typed in the form (which leaves it as typed: no top-level bounds to clamp to).
+    refused = airflow_stack.request("POST", f"/dags/{DAG_ID}/dagRuns", expect=400,
+                                    json={"dag_run_id": "bad-shard-size", "logical_date": None, "conf": {**conf, "shard_size": -5}})
+    assert "shard_size" in json.dumps(refused) and "-5 is less than the minimum of 1" in json.dumps(refused), refused
 
     # The verifier's depth (8 layers) lives in its folder, on the workers: the first task that
     # reads it (the engine's launch) fails, naming the Param; nothing after it runs (preparation
@@ -311,7 +336,11 @@ def test_bad_aux_layer_ids_are_refused_at_trigger_or_by_the_first_tasks(
     tis = airflow_stack.task_instances(run_id)
     assert tis[("launch_server", 0)]["state"] == "failed", airflow_stack.describe(run_id)
     log = airflow_stack.task_log(run_id, "launch_server", tis[("launch_server", 0)]["try_number"], 0)
-    assert "Param aux_layer_ids: aux layer ids [9] are outside 0..8" in log, log[-2000:]
+    assert 'Param aux_layer_ids ("Aux layer ids"): aux layer ids [9] are outside 0..8' in log, log[-2000:]
     ran = {task for (task, _), ti in tis.items() if ti["state"] not in ("upstream_failed", "skipped", None)}
-    assert ran <= {"plan_engines", "launch_server", "stop_server", "stop_server_after_training"}, airflow_stack.describe(run_id)
+    # The drafters' plan reads no model; the last task runs whatever happened before it, to fail the run by name.
+    assert ran <= {"plan_engines", "plan_drafters", "launch_server", "stop_server", "stop_server_after_training",
+                   "compare_drafters"}, airflow_stack.describe(run_id)
+    compare = airflow_stack.task_log(run_id, "compare_drafters", tis[("compare_drafters", -1)]["try_number"], -1)
+    assert "failed in this run: launch_server_0, " in compare and "task(s) that could not run after them" in compare, compare[-2000:]
     assert not (tmp_path / "runs" / "bad-aux" / "dataset").exists()

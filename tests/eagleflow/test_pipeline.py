@@ -25,6 +25,8 @@ def base(tmp_path: Path, model: Path) -> dict[str, Any]:
         ("run_name", "../escape", "one folder under the output root"),
         ("run_name", "/etc", "one folder under the output root"),
         ("shard_size", 0, "greater than or equal to 1"),
+        ("shard_size", -5, "greater than or equal to 1"),
+        ("noise_std", -0.5, "greater than or equal to 0"),
         ("concurrency", 300, "less than or equal to 256"),
         ("dump_queue_gb", 0, "greater than 0"),
         ("aux_layer_ids", [2, 2], "repeat [2]"),
@@ -35,8 +37,13 @@ def base(tmp_path: Path, model: Path) -> dict[str, Any]:
 def test_bad_params_are_refused_by_the_form_and_by_the_config_naming_the_param(
     tmp_path: Path, random_tiny_model: Path, name: str, value: Any, words: str
 ) -> None:
-    with pytest.raises(ParamValidationError):
-        Param(**param_schemas()[name]).resolve(value)  # Airflow's trigger form and REST API
+    schema = param_schemas()[name]
+    with pytest.raises(ParamValidationError) as refused:
+        Param(**schema).resolve(value)  # Airflow's trigger form and REST API
+    if isinstance(value, (int, float)):  # refused, saying which bound, where the form would have clamped it
+        assert "the minimum of" in str(refused.value) or "the maximum of" in str(refused.value), refused.value
+    # The form's number field clamps into a top-level minimum/maximum, silently: bounds live under allOf instead.
+    assert not {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"} & set(schema), schema
     with pytest.raises(UserError, match=f"Param {name}") as info:  # a run made without the form (CLI conf)
         PipelineConfig.from_params({**base(tmp_path, random_tiny_model), name: value})
     assert words in str(info.value)
@@ -45,7 +52,7 @@ def test_bad_params_are_refused_by_the_form_and_by_the_config_naming_the_param(
 
 def test_aux_ids_past_the_verifiers_depth_are_refused_when_a_task_reads_the_model(tmp_path: Path, random_tiny_model: Path) -> None:
     cfg = PipelineConfig.from_params({**base(tmp_path, random_tiny_model), "aux_layer_ids": [2, 9]})
-    with pytest.raises(UserError, match=r"Param aux_layer_ids: aux layer ids \[9\] are outside 0..8"):
+    with pytest.raises(UserError, match=r'Param aux_layer_ids \("Aux layer ids"\): aux layer ids \[9\] are outside 0..8'):
         cfg.check_model()
 
 
@@ -77,7 +84,7 @@ def test_output_paths_must_be_absolute_outside_system_folders_and_inside_the_dep
     params = base(tmp_path, random_tiny_model)
     for value, words in (("runs", "is not an absolute path"), ("/", "is a system folder"), ("/etc", "is a system folder"),
                          ("/usr/local/runs", "is a system folder"), (f"{tmp_path}{'/..' * len(tmp_path.parts)}/etc/runs", "is a system folder")):
-        with pytest.raises(UserError, match="Param output_root: ") as info:
+        with pytest.raises(UserError, match='Param output_root \\("Output root"\\): ') as info:
             PipelineConfig.from_params({**params, "output_root": value})
         assert words in str(info.value), value
     PipelineConfig.from_params(params)  # no deployment root: any other absolute folder
@@ -89,12 +96,12 @@ def test_output_paths_must_be_absolute_outside_system_folders_and_inside_the_dep
     monkeypatch.setenv("EAGLEFLOW_OUTPUT_ROOT", str(root))
     assert PipelineConfig.from_params({**params, "output_root": str(root / "runs")}).layout.root.parent == root / "runs"
     for value in (str(tmp_path / "outside"), f"{root}/../outside", str(root / "link" / "runs")):
-        with pytest.raises(UserError, match=r"Param output_root: .* is outside \$EAGLEFLOW_OUTPUT_ROOT") as info:
+        with pytest.raises(UserError, match=r'Param output_root \("Output root"\): .* is outside \$EAGLEFLOW_OUTPUT_ROOT') as info:
             PipelineConfig.from_params({**params, "output_root": value})
         if "link" in value:
             assert f"resolves to {tmp_path / 'outside' / 'runs'}" in str(info.value)
     remote = {**params, "output_root": str(root / "runs"), "server_urls": ["http://gpu-node-1:30000"]}
-    with pytest.raises(UserError, match=r"Param server_dump_dir: '/shared/dumps' is outside \$EAGLEFLOW_OUTPUT_ROOT"):
+    with pytest.raises(UserError, match=r"Param server_dump_dir \(\"Remote engines' dump folder\"\): '/shared/dumps' is outside \$EAGLEFLOW_OUTPUT_ROOT"):
         PipelineConfig.from_params({**remote, "server_dump_dir": "/shared/dumps"})
     PipelineConfig.from_params({**remote, "server_dump_dir": str(root / "dumps")})
     assert not (tmp_path / "outside" / "runs").exists() and not (tmp_path / "runs").exists()  # nothing was created
@@ -122,7 +129,11 @@ def test_output_paths_must_be_absolute_outside_system_folders_and_inside_the_dep
 def test_server_extra_args_may_not_set_what_the_run_sets(
     tmp_path: Path, random_tiny_model: Path, engine: str, extra: list[str], flag: str, param: str
 ) -> None:
-    with pytest.raises(UserError, match=f"Param {param}: ") as info:
+    import re
+
+    from eagleflow.pipeline import param_name
+
+    with pytest.raises(UserError, match=re.escape(f"{param_name(param)}: ")) as info:
         PipelineConfig.from_params({**base(tmp_path, random_tiny_model), "engine": engine, param: extra})
     assert flag in str(info.value)
     if engine == "reference":  # the same rule where a step builds the command itself (evaluate --server-extra-args)
@@ -183,8 +194,10 @@ def test_a_huge_param_value_is_quoted_as_an_excerpt(tmp_path: Path, random_tiny_
         PipelineConfig.from_params(params)
     message = str(info.value)
     assert len(message) < 2000, message[:3000]
+    from eagleflow.pipeline import param_name
+
     for name in ("output_root", "run_name", "server_urls"):
-        assert f"Param {name}: " in message
+        assert f"{param_name(name)}: " in message
     assert "… (999800 more characters)" in message
 
 
@@ -232,3 +245,27 @@ def test_stopping_after_extraction_is_refused_for_online_training_which_extracts
     assert PipelineConfig.from_params(conf).stop_after_extraction
     with pytest.raises(UserError, match="stop_after_extraction with hidden_states_source engine"):
         PipelineConfig.from_params({**conf, "hidden_states_source": "engine"})
+
+
+def test_each_path_param_is_refused_in_plain_words_naming_its_label(tmp_path: Path, random_tiny_model: Path) -> None:
+    """What the first task checks (``check_paths``), each refusal naming the Param by name and label."""
+    from eagleflow.param_checks import check_paths
+
+    (tmp_path / "in.jsonl").write_text("")
+    (tmp_path / "not-a-model").mkdir()
+    (tmp_path / "a-file").write_text("x")
+    cases = [
+        ({"model_path": str(tmp_path / "models" / "Kimi-K2.5")}, 'Param model_path ("Verifier model folder"): ', "Kimi-K2.5 does not exist"),
+        ({"model_path": str(tmp_path / "a-file")}, "model_path", "a-file is not a folder (give the model's folder: config.json, weights, tokenizer)"),
+        ({"model_path": str(tmp_path / "not-a-model")}, "model_path", "not-a-model has no config.json (is it a model folder?)"),
+        ({"dataset_input": str(tmp_path / "gone.jsonl")}, 'Param dataset_input ("Dataset input"): ', "gone.jsonl does not exist"),
+        ({"dataset_input": str(tmp_path)}, "dataset_input", "is not a file"),
+        ({"eval_prompts": str(tmp_path / "prompts.jsonl"), "eval_sets": ["heldout", "file"]}, "eval_prompts", "prompts.jsonl does not exist"),
+        ({"output_root": str(tmp_path / "a-file")}, 'Param output_root ("Output root"): ', "a-file is not a folder"),
+    ]
+    for changed, name, why in cases:
+        cfg = PipelineConfig.from_params({**base(tmp_path, random_tiny_model), **changed})
+        with pytest.raises(UserError) as info:
+            check_paths(cfg)
+        assert name in str(info.value) and str(info.value).endswith(why), (changed, str(info.value))
+    check_paths(PipelineConfig.from_params(base(tmp_path, random_tiny_model)))  # all there: nothing to say

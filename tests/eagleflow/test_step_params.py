@@ -52,7 +52,8 @@ def changed_value(name: str, schema: dict[str, Any]) -> Any:
         return CHANGED[name]
     default = schema["default"]
     if default is None:  # an optional number: any value within its bounds
-        low = schema.get("minimum", schema.get("exclusiveMinimum", 0))
+        bounds = schema.get("allOf", [{}])[0]
+        low = bounds.get("minimum", bounds.get("exclusiveMinimum", 0))
         return {"integer": int(low) + 1, "number": low + 0.5}[next(t for t in schema["type"] if t != "null")]
     if "enum" in schema:
         return next(choice for choice in schema["enum"] if choice not in (default, None))

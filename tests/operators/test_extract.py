@@ -168,7 +168,7 @@ def test_a_cleared_complete_shard_says_so_and_starts_neither_the_step_nor_an_eng
     assert ti.pushed == {RUN_NAME_XCOM_KEY: "test_run"}  # the "eagleflow run" button still works
     said = capsys.readouterr().out  # the task log
     assert f"shard rows_10-20 already complete (rows 10:20, files hs_10.safetensors … hs_19.safetensors in {layout.hidden_states}" in said
-    assert "nothing to extract — set Param reextract_complete_shards to re-extract cleared shards" in said
+    assert "nothing to extract — set Param reextract_complete_shards (\"Re-extract complete shards\") to re-extract cleared shards" in said
 
     # One planned shard incomplete: the engines start. The Param on: the shard is extracted again, and the step told so.
     (layout.hidden_states / "hs_3.safetensors").unlink()

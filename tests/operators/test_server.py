@@ -229,6 +229,19 @@ def test_sensor_defers_with_an_absolute_deadline_when_not_ready(health, params) 
     assert deferred.value.timeout >= timedelta(seconds=119)
 
 
+def test_a_retried_wait_counts_its_warmup_from_the_engines_start(health, params, tmp_path: Path) -> None:
+    """wait_server_ready's retry (after Airflow failed a deferred wait that was fine) waits only what is left."""
+    health.status = 503
+    params["warmup_timeout"] = 120
+    log = tmp_path / "server.log"
+    started = time.time() - 100
+    log.write_text(f"old engine\n===== {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(started))} starting: serve\nloading\n")
+    sensor = ServerReadySensor(task_id="wait_server_ready", server=server_dict(health.url, os.getpid(), str(log)))
+    with pytest.raises(TaskDeferred) as deferred:
+        sensor.execute(make_context(params))
+    assert abs(deferred.value.trigger.deadline - (started + 120)) <= 1.5  # about 20 s left, not a fresh 120
+
+
 def test_sensor_returns_at_once_when_ready_and_fails_at_once_when_dead(health, params, tmp_path: Path) -> None:
     health.status = 200
     server = server_dict(health.url, os.getpid())
@@ -368,7 +381,9 @@ def test_execute_complete_timeout_of_a_remote_server_says_there_is_no_local_log(
 
 
 def test_remote_mode_launches_nothing_and_stops_nothing(params, tmp_path: Path) -> None:
-    params.update(server_urls=["http://gpu-node-1:30000", "http://gpu-node-2:30000/"], server_dump_dir="/shared/dumps")
+    dumps = tmp_path / "shared-dumps"  # the remote hooks' folder, as the workers see it
+    dumps.mkdir()
+    params.update(server_urls=["http://gpu-node-1:30000", "http://gpu-node-2:30000/"], server_dump_dir=str(dumps))
     engines = plan(params)
     assert engines == [
         {"name": "engine-0", "index": 0, "url": "http://gpu-node-1:30000", "port": None},
@@ -376,7 +391,7 @@ def test_remote_mode_launches_nothing_and_stops_nothing(params, tmp_path: Path) 
     ]
     infos = [SGLangServerOperator(task_id="launch_server", engine=e).execute(make_context(params)) for e in engines]
     assert infos[1] == {
-        "url": "http://gpu-node-2:30000", "pid": None, "host": "", "log_path": "", "dump_dir": "/shared/dumps", "name": "engine-1",
+        "url": "http://gpu-node-2:30000", "pid": None, "host": "", "log_path": "", "dump_dir": str(dumps), "name": "engine-1",
     }
     assert not (tmp_path / "out").exists()  # no server folder, log or state: nothing started
     for engine in engines:

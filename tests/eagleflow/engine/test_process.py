@@ -18,19 +18,17 @@ from pathlib import Path
 
 from eagleflow.engine.process import (
     group_members,
-    LOG_TAIL_LINES,
     READY_PATH,
     Readiness,
     ServerInfo,
     check_ready,
     free_port,
-    log_tail,
     pid_alive,
-    read_log_from,
     running_server,
     start_server,
     stop_server,
 )
+from eagleflow.engine.server_log import LOG_TAIL_LINES, log_tail, read_log_from
 
 HOST = socket.gethostname()
 

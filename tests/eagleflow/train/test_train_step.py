@@ -602,3 +602,32 @@ def test_metric_records_from_speculators_dicts(tmp_path: Path, capsys: pytest.Ca
     assert lines[2] == format_record(records[2]) == "val epoch 0 step 2 loss 2.0000 acc0 0.500"
     assert truncate_for_resume(tmp_path / "m.jsonl", resume_step=1, last_epoch=-1) == 2
     assert [r["step"] for r in read_metrics(tmp_path / "m.jsonl")] == [0]
+
+
+@pytest.mark.e2e
+def test_a_finished_training_is_reused_until_its_dataset_changes(trained_data: Path, tiny_model: Path, tmp_path: Path) -> None:
+    """A rerun on the same data (Airflow's clear of a complete shard with its downstream tasks) finishes at once,
+    saying so, checkpoints untouched; a rewritten hidden-state file (a cleared failed shard, a re-extraction) trains
+    again from the start, the former run moved aside."""
+    from training_data import train_argv, train_once
+
+    first = train_once(trained_data, tiny_model, tmp_path, 1)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    argv = train_argv(first.dataset, tiny_model, first.out, "--epochs", "1")
+    checkpoint = first.best_checkpoint
+    made = {p: p.stat().st_mtime_ns for p in checkpoint.iterdir()}
+    began = time.monotonic()
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "train: reusing the finished result" in again.stdout, again.stdout[-3000:]
+    assert find_result(again.stdout.splitlines()) == find_result(first.stdout.splitlines())
+    assert {p: p.stat().st_mtime_ns for p in checkpoint.iterdir()} == made
+    assert time.monotonic() - began < 60, "nothing but the record was read"
+
+    row = first.dataset / "hidden_states" / "hs_3.safetensors"
+    row.write_bytes(row.read_bytes())  # the same states rewritten: another file as far as anyone can tell
+    retrained = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert retrained.returncode == 0, retrained.stdout[-3000:] + retrained.stderr[-3000:]
+    assert "the dataset changed since the training" in retrained.stdout and "reusing" not in retrained.stdout
+    assert "--restart: moved" in retrained.stdout and list((first.out / "previous").iterdir())
+    assert json.loads((first.out / "result.json").read_text())["best_checkpoint"] and TrainLayout(first.out).metrics.exists()
