@@ -10,6 +10,7 @@ the model, so a flag, its type, its default and its help text live in one place;
 from __future__ import annotations
 
 import argparse
+import json
 import types
 import typing
 from collections.abc import Callable
@@ -75,6 +76,19 @@ RedoFinished = Annotated[
     ),
 ]
 
+# The chat template's switches, as every step that renders a conversation declares it (preparation,
+# regeneration, evaluation's prompts): one Param, so a drafter is never trained in one mode and measured in another.
+ChatTemplateKwargs = Annotated[
+    dict[str, Any],
+    Field(
+        default_factory=dict,
+        title="Chat template switches",
+        description='Keyword arguments of the verifier\'s chat template, as SGLang\'s chat_template_kwargs: e.g. '
+        '{"enable_thinking": true} (Qwen3), {"thinking": true} (Kimi-K2.5); preparation, regeneration and evaluation '
+        "render every conversation with them",
+    ),
+]
+
 TpSize = Annotated[
     int, Field(8, ge=1, description="SGLang --tp-size: GPUs per engine (the reference engine ignores it)")
 ]
@@ -108,6 +122,17 @@ def parse_int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {excerpt_repr(text)}") from exc
 
 
+def parse_json_object(text: str) -> dict[str, Any]:
+    """``'{"enable_thinking": true}'`` -> ``{"enable_thinking": True}``: a flag that takes a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {excerpt_repr(text)} ({exc.msg})") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {excerpt_repr(text)}")
+    return value
+
+
 def _strip_optional(annotation: Any) -> Any:
     """``X | None`` -> ``X``, and ``Annotated[X, ...]`` -> ``X``: the type a flag parses."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
@@ -139,6 +164,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, model: type[BaseModel])
                 item = typing.get_args(item)[0]
             kwargs["type"] = parse_int_list if item is int else (lambda s: [p for p in s.split(",") if p])
             kwargs["metavar"] = "A,B,…"
+        elif origin is dict:
+            kwargs["type"] = parse_json_object
+            kwargs["metavar"] = "JSON"
         elif origin is typing.Literal:
             kwargs["choices"] = list(typing.get_args(annotation))
         elif annotation in (int, float, str, Path):
@@ -175,6 +203,8 @@ def model_to_argv(config: BaseModel) -> list[str]:
             continue
         if isinstance(value, bool):
             argv.append(flag_name(name) if value else "--no-" + name.replace("_", "-"))
+        elif isinstance(value, dict):
+            argv.append(f"{flag_name(name)}={json.dumps(value)}")
         elif isinstance(value, list):
             # --flag=value: a value that starts with "-" would otherwise read as another flag
             argv.append(f"{flag_name(name)}={','.join(str(v) for v in value)}")

@@ -90,6 +90,7 @@ class EvaluationShape(_Shape):
     engine: str | None = None
     prompts: int | None = None
     max_new_tokens: int | None = None
+    chat_template_kwargs: dict[str, Any] = {}
     concurrency: int | None = None
     num_steps: int | None = None
     accept_length: Annotated[_AcceptLength, BeforeValidator(_empty_if_none)] = _AcceptLength()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from eagleflow.evaluate.engine_run import Generation, TimedPass
 from eagleflow.evaluate.report import build_report, sweep_rows
@@ -37,6 +38,7 @@ def passes(accept_length: float | None, seconds: list[float]) -> list[TimedPass]
 def write_drafter(
     run: Path, name: str | None, algorithm: str, configs: dict[str, Figures], sets: tuple[str, ...] = ("heldout", "humaneval"),
     train_seconds: float | None = None, shapes: tuple[tuple[int, ...], ...] = ((16, 8), (8,)),
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> RunLayout:
     """Drafter ``name`` of ``run`` (None: the run's one drafter) evaluated on ``configs`` ("1,3,1,4" -> figures):
     its report, its SGLang weights (one tensor per shape of ``shapes``) and its training result."""
@@ -57,7 +59,8 @@ def write_drafter(
         rounds = len(next(iter(per_set.values()))[1])
         results[ServeConfig(config.batch_size, 0, 0, 0)] = {s: passes(None, [1.0] * rounds) for s in sets}
     facts = {"engine": "reference", "num_steps": 3, "algorithm": algorithm, "block_size": 8 if algorithm == "DFLASH" else None,
-             "prompt_sets": list(sets), "prompts": PROMPTS, "max_new_tokens": TOKENS, "concurrency": 2, "rounds": rounds}
+             "prompt_sets": list(sets), "prompts": PROMPTS, "max_new_tokens": TOKENS, "concurrency": 2, "rounds": rounds,
+             "chat_template_kwargs": chat_template_kwargs or {}}
     report = build_report(sweep_rows(results, str(sglang), 2048 if algorithm == "EAGLE3" else None, algorithm), facts)
     atomic_write_json(layout.evaluation / "report.json", report)
     return layout

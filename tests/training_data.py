@@ -279,3 +279,18 @@ def assert_records(metrics: Path, epochs: int, online: bool = False) -> tuple[li
     for r in val:
         assert set(r) == VAL_KEYS | ttt
     return train, val
+
+
+# A thinking, tool-calling conversation (two user messages: a Qwen3- or Kimi-like template drops the thinking of the
+# turns before the second) and its tools, for the tests of chat formats and of regeneration.
+WEATHER_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+WEATHER_CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+THINKING_CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "weather in Paris?"},
+    {"role": "assistant", "content": None, "reasoning_content": "I should call the tool.", "tool_calls": [WEATHER_CALL]},
+    {"role": "tool", "content": "sunny, 21 C"},
+    {"role": "assistant", "content": "Sunny, 21 C.", "reasoning_content": "The tool says sunny."},
+    {"role": "user", "content": "thanks"},
+    {"role": "assistant", "content": "You are welcome.", "reasoning_content": "Be polite."},
+]

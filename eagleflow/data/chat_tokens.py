@@ -1,10 +1,11 @@
-"""Chat messages -> token ids and assistant loss mask, with the tokenizer's own chat template."""
+"""A conversation -> training rows (token ids, assistant loss mask), with the tokenizer's own chat template."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from eagleflow.data.conversation import Chat
 from eagleflow.data.verifier import load_tokenizer
 from eagleflow.errors import UserError
 
@@ -13,16 +14,28 @@ from eagleflow.errors import UserError
 CUT_CHARS_PER_TOKEN = 16
 
 
-class ChatTokenizer:
-    """Chat messages -> (token ids, assistant mask) with the tokenizer's own chat template.
+Row = tuple[list[int], list[int]]  # token ids and the loss mask over them
 
-    Templates that mark assistant text with ``{% generation %}`` give the mask directly. For
-    others (most released models) the mask is derived by rendering growing prefixes of the
-    conversation: the tokens an assistant turn adds after the generation prompt are its own.
+
+class ChatTokenizer:
+    """A conversation -> training rows (token ids, loss mask on the tokens the assistant generates), with the
+    tokenizer's own chat template and the run's switches for it (``chat_template_kwargs``).
+
+    Each assistant turn's own tokens are those its rendering adds after the prompt it was generated from
+    (the messages before it and the generation prompt: what the engine was sent), through its end of turn;
+    a template that marks them with ``{% generation %}`` narrows that to the marked tokens (role headers
+    and a prompt's prefilled ``<think></think>`` are never trained on). Where the whole conversation renders
+    a turn as it was generated, the turn is masked in the conversation's row. A template that renders an
+    earlier turn differently once the conversation goes on (Qwen3's and Kimi-K2.5's drop the thinking of
+    turns before the last user message) would train that turn out of the context it was generated in: it
+    is trained in a row of the conversation up to it instead, which also holds, masked, the turns before
+    it that it renders as generated (one extra row per user message after which thinking is dropped, not
+    one per turn).
     """
 
-    def __init__(self, tokenizer_dir: Path, max_len: int | None = None) -> None:
+    def __init__(self, tokenizer_dir: Path, max_len: int | None = None, template_kwargs: dict[str, Any] | None = None) -> None:
         self.max_len = max_len
+        self.template_kwargs = dict(template_kwargs or {})
         try:
             self.tokenizer = load_tokenizer(tokenizer_dir)
         except Exception as exc:
@@ -32,67 +45,128 @@ class ChatTokenizer:
             raise UserError(f"--verifier {tokenizer_dir} has no chat template; give pre-tokenized input_ids instead")
         self.has_generation_markers = "{% generation %}" in template or "{%- generation %}" in template
 
-    def __call__(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
-        """Token ids and assistant mask of ``messages``; with ``max_len``, at least their first ``max_len + 1``
-        (more than that only when the row is that long), computed without tokenizing a huge message whole."""
-        if self.max_len is None:
-            return self._encode(messages)
-        return self._first_tokens(messages, self.max_len + 1)
+    def __call__(self, messages: list[dict[str, Any]]) -> Row:
+        """The one row of ``messages`` under a template that renders every turn as it was generated."""
+        rows = self.rows(Chat(messages))
+        if len(rows) != 1:
+            raise ValueError(f"the chat template renders earlier turns differently later: {len(rows)} rows, use rows()")
+        return rows[0]
 
-    def _first_tokens(self, messages: list[dict[str, Any]], limit: int) -> tuple[list[int], list[int]]:
-        """The first ``limit`` ids and mask entries of ``messages``, tokenizing at most about twice what they span.
+    def rows(self, chat: Chat) -> list[Row]:
+        """The conversation's training rows: its whole rendering, then one per turn it renders otherwise later.
+        With ``max_len``, each row's first ``max_len + 1`` tokens (more only when the row is that long),
+        computed without tokenizing a huge message whole."""
+        chat = Chat(chat.messages, chat.tools, {**self.template_kwargs, **chat.kwargs})
+        if self.max_len is None:
+            return self._rows(chat)
+        return self._first_tokens(chat, self.max_len + 1)
+
+    def _first_tokens(self, chat: Chat, limit: int) -> list[Row]:
+        """The first ``limit`` ids and mask entries of each row, tokenizing at most about twice what they span.
 
         A message of megabytes would take hundreds of times its size to tokenize (one token object
-        per few characters), only to be cut at ``max_len``. So its content is cut at ``cut`` and at
-        ``2 * cut`` characters: when both renderings agree on the first ``limit`` tokens, those are
-        the full row's (the tokens after the cut, and what follows the cut message, are past them);
-        otherwise the cut doubles, up to the whole row.
+        per few characters), only to be cut at ``max_len``. So its text is cut at ``cut`` and at
+        ``2 * cut`` characters: when both renderings agree on each row's first ``limit`` tokens (or
+        on the whole of a shorter row), those are the full rows' (the tokens after the cut, and what
+        follows the cut message, are past them); otherwise the cut doubles, up to the whole row.
         """
         cut = CUT_CHARS_PER_TOKEN * limit
         while True:
-            if all(len(m["content"]) <= 2 * cut for m in messages):
-                return self._encode(messages)
-            short = self._encode([{**m, "content": m["content"][:cut]} for m in messages])
-            longer = self._encode([{**m, "content": m["content"][: 2 * cut]} for m in messages])
-            if len(short[0]) >= limit and short[0][:limit] == longer[0][:limit] and short[1][:limit] == longer[1][:limit]:
-                return short[0][:limit], short[1][:limit]
+            if all(len(text) <= 2 * cut for m in chat.messages for text in _texts(m)):
+                return [(ids[:limit], mask[:limit]) for ids, mask in self._rows(chat)]
+            short, longer = self._rows(_cut(chat, cut)), self._rows(_cut(chat, 2 * cut))
+            if len(short) == len(longer) and all(
+                a[0][:limit] == b[0][:limit] and a[1][:limit] == b[1][:limit] and (len(a[0]) >= limit or a == b)
+                for a, b in zip(short, longer)
+            ):
+                return [(ids[:limit], mask[:limit]) for ids, mask in short]
             cut *= 2
 
-    def _encode(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
-        if self.has_generation_markers:
-            encoded = self.tokenizer.apply_chat_template(
-                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-            )
-            return list(encoded["input_ids"]), [int(m) for m in encoded["assistant_masks"]]
-        return self._mask_by_prefixes(messages)
+    def _render(self, chat: Chat, upto: int, add_generation_prompt: bool) -> tuple[list[int], list[int] | None]:
+        return render_ids(self.tokenizer, chat, upto, add_generation_prompt, self.has_generation_markers)
 
-    def _ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
-        encoded = self.tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt
-        )
-        return list(encoded["input_ids"])
-
-    def _mask_by_prefixes(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
-        ids = self._ids(messages, add_generation_prompt=False)
-        mask = [0] * len(ids)
-        for i, message in enumerate(messages):
-            if message.get("role") != "assistant":
+    def _rows(self, chat: Chat) -> list[Row]:
+        """The whole conversation's row, masked on each turn it renders as generated; then, latest first, the
+        rendering up to a turn it does not (masked on every turn left that it renders as generated), until
+        every assistant turn is trained once, in the context it was generated in."""
+        whole, _ = self._render(chat, len(chat.messages), add_generation_prompt=False)
+        turns: list[Row] = []  # each assistant turn: the conversation up to it as generated, masked on it
+        for i, message in enumerate(chat.messages):
+            if message["role"] != "assistant":
                 continue
-            start = len(self._ids(messages[:i], add_generation_prompt=True))
-            end = len(self._ids(messages[: i + 1], add_generation_prompt=False))
-            for pos in range(start, min(end, len(ids))):
-                mask[pos] = 1
-        return ids, mask
+            prompt, _ = self._render(chat, i, add_generation_prompt=True)
+            turn, marks = self._render(chat, i + 1, add_generation_prompt=False)
+            start = _common_prefix(prompt, turn)  # the prompt as sent; a template may render it a little otherwise
+            turns.append((turn, [int(start <= pos and (marks is None or bool(marks[pos]))) for pos in range(len(turn))]))
+        return rows_of_turns(turns, whole)
+
+
+def rows_of_turns(turns: list[Row], whole: list[int] | None = None) -> list[Row]:
+    """Training rows holding every assistant turn once, in the context it was generated in.
+
+    ``turns``: each turn's ids up to its end (as it was generated: the prompt it was sent, then its own
+    tokens) and the mask of its own tokens. A row is ``whole`` (the conversation as rendered), then,
+    latest first, a turn's ids; each row is masked on every turn not yet trained whose ids it starts with.
+    A template that renders each turn as generated gives one row; one that drops earlier turns' thinking,
+    one more per turn it drops it from that no later row holds as generated.
+    """
+    rows: list[Row] = []
+    for candidate in ([whole] if whole is not None else []) + [ids for ids, _ in reversed(turns)]:
+        inside = [t for t in turns if candidate[: len(t[0])] == t[0]]
+        if not inside:
+            continue
+        mask = [0] * len(candidate)
+        for ids, own in inside:
+            mask[: len(ids)] = [a | b for a, b in zip(mask, own)]
+        rows.append((candidate, mask))
+        turns = [t for t in turns if not any(t is i for i in inside)]
+    return [row for row in rows if any(row[1])]
+
+
+def render_ids(
+    tokenizer: Any, chat: Chat, upto: int, add_generation_prompt: bool, marks: bool = False
+) -> tuple[list[int], list[int] | None]:
+    """Ids of ``chat``'s first ``upto`` messages under the tokenizer's chat template, with the chat's tools and
+    switches, and (``marks``, without the generation prompt) the template's ``{% generation %}`` marks over them.
+
+    The one rendering of a conversation: preparation, regeneration and evaluation's prompts all call it, so
+    the same conversation and switches give the same ids wherever they are rendered.
+    """
+    marks = marks and not add_generation_prompt
+    encoded = tokenizer.apply_chat_template(
+        chat.messages[:upto], tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt,
+        **({"return_assistant_tokens_mask": True} if marks else {}), **chat.template_kwargs(),
+    )
+    return list(encoded["input_ids"]), ([int(m) for m in encoded["assistant_masks"]] if marks else None)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _texts(message: dict[str, Any]) -> list[str]:
+    return [message[key] for key in ("content", "reasoning_content") if isinstance(message.get(key), str)]
+
+
+def _cut(chat: Chat, chars: int) -> Chat:
+    """``chat`` with each message's content and thinking cut to ``chars`` characters."""
+    cut = [{**m, **{k: m[k][:chars] for k in ("content", "reasoning_content") if isinstance(m.get(k), str)}} for m in chat.messages]
+    return Chat(cut, chat.tools, chat.kwargs)
 
 
 class LazyChatTokenizer:
     """Loads the chat tokenizer on the first chat row, so token-id input needs no tokenizer."""
 
-    def __init__(self, tokenizer_dir: Path, max_len: int | None = None) -> None:
-        self.tokenizer_dir, self.max_len = tokenizer_dir, max_len
+    def __init__(self, tokenizer_dir: Path, max_len: int | None = None, template_kwargs: dict[str, Any] | None = None) -> None:
+        self.tokenizer_dir, self.max_len, self.template_kwargs = tokenizer_dir, max_len, template_kwargs
         self._chat: ChatTokenizer | None = None
 
-    def __call__(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+    def rows(self, chat: Chat) -> list[Row]:
         if self._chat is None:
-            self._chat = ChatTokenizer(self.tokenizer_dir, self.max_len)
-        return self._chat(messages)
+            self._chat = ChatTokenizer(self.tokenizer_dir, self.max_len, self.template_kwargs)
+        return self._chat.rows(chat)

@@ -18,19 +18,20 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import BaseModel, Field
 
-from eagleflow.config import add_model_arguments, model_from_args
+from eagleflow.config import ChatTemplateKwargs, add_model_arguments, model_from_args
 from eagleflow.errors import UserError, excerpt_repr
 from eagleflow.files import atomic_write_json, atomic_write_text
 from eagleflow.progress import Progress
 from eagleflow.results import emit_result
-from eagleflow.data.chat_tokens import LazyChatTokenizer
+from eagleflow.data.chat_tokens import LazyChatTokenizer, Row
+from eagleflow.data.conversation import chat_of, count_input_rows, is_chat_row, read_input_rows
 from eagleflow.data.verifier import config_int, load_tokenizer
 
 MARKER_FILE = "prepare.json"
@@ -55,7 +56,7 @@ SkipBadRows = Annotated[
 class PrepareConfig(BaseModel):
     """Flags of ``python -m eagleflow prepare-dataset``."""
 
-    input: Path = Field(description="conversations or token ids: .jsonl or .parquet")
+    input: Path = Field(description="conversations (messages or ShareGPT conversations) or token ids: .jsonl, .parquet or a datasets folder")
     verifier: Path = Field(description="the verifier model folder: its tokenizer and chat template tokenize the rows")
     out: Path = Field(description="dataset folder to write (datasets save_to_disk layout)")
     max_len: int = Field(
@@ -65,6 +66,7 @@ class PrepareConfig(BaseModel):
         None, ge=1, description="verifier vocabulary size; default: the verifier's config.json, else its tokenizer's"
     )
     skip_bad_rows: SkipBadRows
+    chat_template_kwargs: ChatTemplateKwargs
 
 
 class BadRows(UserError):
@@ -92,73 +94,6 @@ class PreparedRows:
     bad: list[tuple[int, str]] = field(default_factory=list)
 
 
-def read_input_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | str]]:
-    """Yield ``(row, record)`` one row at a time; a row that is not usable JSON yields ``(row, why)``.
-
-    A JSONL line is decoded on its own, so a byte that is not UTF-8 names its row (and
-    ``--skip-bad-rows`` can leave it out) instead of ending the file; no reason quotes more than a
-    bounded excerpt of the row.
-    """
-    if not path.exists():
-        raise UserError(f"--input {path} does not exist")
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        row = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=256):  # never the whole file at once
-            for record in batch.to_pylist():
-                yield row, record
-                row += 1
-        return
-    if path.suffix not in (".jsonl", ".json"):
-        raise UserError(f"--input {path}: expected a .jsonl or .parquet file")
-    with open(path, "rb") as handle:
-        for row, raw in enumerate(handle):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield row, f"not UTF-8: byte 0x{raw[exc.start]:02x} at byte {exc.start} of the line"
-                continue
-            if not line.strip():
-                yield row, "empty line"
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                yield row, f"unparsable JSON: {exc.msg} at column {exc.colno}"
-                continue
-            except RecursionError:
-                yield row, "unparsable JSON: nested deeper than the parser goes"
-                continue
-            yield row, record if isinstance(record, dict) else f"expected a JSON object, got {type(record).__name__}"
-
-
-def count_input_rows(path: Path) -> int:
-    """How many rows :func:`read_input_rows` will yield (for progress), without parsing them."""
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return int(pq.ParquetFile(path).metadata.num_rows)
-    count, last = 0, b"\n"
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            count += block.count(b"\n")
-            last = block[-1:]
-    return count + (last != b"\n")
-
-
-def check_messages(messages: Any) -> str | None:
-    """Why ``messages`` is not a usable chat (None when it is): the rule prepare and regenerate share."""
-    if not isinstance(messages, list) or not messages:
-        return "messages must be a non-empty list"
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
-            return f"messages[{i}] must be an object with string 'role' and 'content'"
-    if not any(m["role"] == "assistant" for m in messages):
-        return "no assistant message (nothing to train on)"
-    return None
-
-
 def _int_list(value: Any, name: str) -> list[int] | str:
     if not isinstance(value, list) or not value:
         return f"{name} must be a non-empty list of integers"
@@ -169,9 +104,13 @@ def _int_list(value: Any, name: str) -> list[int] | str:
 
 
 def tokenize_rows(cfg: PrepareConfig, vocab_size: int) -> PreparedRows:
-    """Turn every input row into (input_ids, loss_mask), truncating and collecting bad rows."""
+    """Turn every input row into training rows (input_ids, loss_mask), truncating and collecting bad rows.
+
+    A conversation whose template renders an earlier turn otherwise later gives that turn a row of its own
+    (:class:`~eagleflow.data.chat_tokens.ChatTokenizer`); each row records the input row it came from.
+    """
     out = PreparedRows()
-    chat = LazyChatTokenizer(cfg.verifier, cfg.max_len)
+    chat = LazyChatTokenizer(cfg.verifier, cfg.max_len, cfg.chat_template_kwargs)
     progress = Progress(count_input_rows(cfg.input), label="rows", every=1000)
     for row, record in read_input_rows(cfg.input):  # one row in memory at a time, beside the token ids
         progress.advance()
@@ -179,16 +118,20 @@ def tokenize_rows(cfg: PrepareConfig, vocab_size: int) -> PreparedRows:
         if isinstance(result, str):
             out.bad.append((row, result))
             continue
-        ids, mask = result
-        if len(ids) > cfg.max_len:
-            ids, mask = ids[: cfg.max_len], mask[: cfg.max_len]
-            out.truncated += 1
-            if not any(mask):
-                out.bad.append((row, f"no assistant tokens within the first {cfg.max_len} tokens (--max-len)"))
-                continue
-        out.input_ids.append(ids)
-        out.loss_mask.append(mask)
-        out.source_rows.append(row)
+        kept = []
+        for ids, mask in result:
+            if len(ids) > cfg.max_len:
+                ids, mask = ids[: cfg.max_len], mask[: cfg.max_len]
+                out.truncated += 1
+            if any(mask):
+                kept.append((ids, mask))
+        if not kept:
+            out.bad.append((row, f"no assistant tokens within the first {cfg.max_len} tokens (--max-len)"))
+            continue
+        for ids, mask in kept:
+            out.input_ids.append(ids)
+            out.loss_mask.append(mask)
+            out.source_rows.append(row)
     return out
 
 
@@ -202,36 +145,53 @@ def tokenizer_vocab_size(tokenizer_dir: Path) -> int:
         raise UserError(f"cannot tell the vocabulary size of {tokenizer_dir} ({exc}); pass --vocab-size") from exc
 
 
-def _tokenize_one(record: dict[str, Any] | str, vocab_size: int, chat: LazyChatTokenizer) -> tuple[list[int], list[int]] | str:
+def _token_row(record: dict[str, Any], where: str) -> Row | str:
+    """A pre-tokenized row (``input_ids``, optional ``loss_mask``: all ones without it), or why it is not one."""
+    ids = _int_list(record.get("input_ids"), f"{where}input_ids")
+    if isinstance(ids, str):
+        return ids
+    if record.get("loss_mask") is None:
+        return ids, [1] * len(ids)
+    mask = _int_list(record["loss_mask"], f"{where}loss_mask")
+    if isinstance(mask, str):
+        return mask
+    if len(mask) != len(ids):
+        return f"{where}loss_mask has {len(mask)} entries but {where}input_ids has {len(ids)}"
+    if any(m not in (0, 1) for m in mask):
+        return f"{where}loss_mask entries must be 0 or 1"
+    return ids, mask
+
+
+def _tokenize_one(record: dict[str, Any] | str, vocab_size: int, chat: LazyChatTokenizer) -> list[Row] | str:
     if isinstance(record, str):
         return record
-    if "input_ids" in record:
-        ids = _int_list(record["input_ids"], "input_ids")
-        if isinstance(ids, str):
-            return ids
-        if "loss_mask" in record and record["loss_mask"] is not None:
-            mask = _int_list(record["loss_mask"], "loss_mask")
-            if isinstance(mask, str):
-                return mask
-            if len(mask) != len(ids):
-                return f"loss_mask has {len(mask)} entries but input_ids has {len(ids)}"
-            if any(m not in (0, 1) for m in mask):
-                return "loss_mask entries must be 0 or 1"
-        else:
-            mask = [1] * len(ids)
-    elif "messages" in record:
-        problem = check_messages(record["messages"])
-        if problem:
-            return problem
-        ids, mask = chat(record["messages"])
+    if record.get("input_ids") is not None:
+        row = _token_row(record, "")
+        if isinstance(row, str):
+            return row
+        rows = [row]
+    elif isinstance(record.get("token_rows"), list) and record["token_rows"]:
+        # Regenerated conversations carry the engine's own ids (prompt as sent, answer as produced): used as they are.
+        rows = []
+        for i, item in enumerate(record["token_rows"]):
+            row = _token_row(item, f"token_rows[{i}].") if isinstance(item, dict) else f"token_rows[{i}] must be an object"
+            if isinstance(row, str):
+                return row
+            rows.append(row)
+    elif is_chat_row(record):
+        conversation = chat_of(record)
+        if isinstance(conversation, str):
+            return conversation
+        rows = chat.rows(conversation)
     else:
-        return f"row has neither 'input_ids' nor 'messages' (keys: {excerpt_repr(sorted(record)[:10], 120)})"
-    bad = next(((pos, t) for pos, t in enumerate(ids) if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        return f"input_ids[{bad[0]}] = {bad[1]} is outside the verifier's vocabulary (0..{vocab_size - 1})"
-    if not any(mask):
+        return chat_of(record)  # says which keys a row needs
+    for ids, _ in rows:
+        bad = next(((pos, t) for pos, t in enumerate(ids) if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            return f"input_ids[{bad[0]}] = {bad[1]} is outside the verifier's vocabulary (0..{vocab_size - 1})"
+    if not any(any(mask) for _, mask in rows):
         return "no assistant tokens (loss mask is all zero)"
-    return ids, mask
+    return rows
 
 
 def write_training_dataset(input_ids: Sequence[Sequence[int]], loss_mask: Sequence[Sequence[int]], out: Path) -> Path:
@@ -276,14 +236,16 @@ def write_training_dataset(input_ids: Sequence[Sequence[int]], loss_mask: Sequen
 def fingerprint(cfg: PrepareConfig, vocab_size: int) -> str:
     """What the dataset depends on: input bytes, tokenizer files, max_len, vocab, skip rule."""
     digest = hashlib.sha256()
-    with open(cfg.input, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
+    for path in sorted(p for p in cfg.input.rglob("*") if p.is_file()) if cfg.input.is_dir() else [cfg.input]:
+        digest.update(str(path.relative_to(cfg.input) if cfg.input.is_dir() else "").encode())
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
     for name in sorted(p.name for p in cfg.verifier.glob("tokenizer*")) + ["chat_template.jinja"]:
         path = cfg.verifier / name
         if path.is_file():
             digest.update(name.encode() + path.read_bytes())
-    digest.update(json.dumps([cfg.max_len, vocab_size, cfg.skip_bad_rows]).encode())
+    digest.update(json.dumps([cfg.max_len, vocab_size, cfg.skip_bad_rows, cfg.chat_template_kwargs], sort_keys=True).encode())
     return digest.hexdigest()
 
 
@@ -333,10 +295,13 @@ def prepare_dataset(cfg: PrepareConfig) -> dict[str, Any]:
         "max_len": cfg.max_len,
         "skipped_bad_rows": len(prepared.bad),
         "vocab_size": vocab_size,
+        # Rows beside their conversation's own: turns the chat template renders otherwise later (ChatTokenizer).
+        "conversations": len(set(prepared.source_rows)),
+        "chat_template_kwargs": cfg.chat_template_kwargs,
     }
     atomic_write_json(marker, summary)
     print(
-        f"prepared {summary['rows']} rows, {tokens} tokens into {cfg.out}; "
+        f"prepared {summary['rows']} rows from {summary['conversations']} input rows, {tokens} tokens into {cfg.out}; "
         f"{prepared.truncated} truncated to {cfg.max_len}; {len(prepared.bad)} bad rows left out",
         flush=True,
     )

@@ -33,8 +33,10 @@ from typing import Any
 
 from pydantic import Field
 
-from eagleflow.config import WarmupTimeout, add_model_arguments, model_from_args
-from eagleflow.data.prepare import MAX_LISTED_ERRORS, SkipBadRows, check_messages, read_input_rows
+from eagleflow.config import ChatTemplateKwargs, WarmupTimeout, add_model_arguments, model_from_args
+from eagleflow.data.chat_tokens import render_ids, rows_of_turns
+from eagleflow.data.conversation import Chat, chat_of, is_chat_row, read_input_rows
+from eagleflow.data.prepare import MAX_LISTED_ERRORS, SkipBadRows
 from eagleflow.data.verifier import load_tokenizer, text_config
 from eagleflow.engine import (
     EngineClient, EngineGone, EngineRequestSettings, RowFailed, ServerGone, ServerInfo, derived_context_length,
@@ -54,7 +56,7 @@ SKIPPED_FILE = "skipped_rows.jsonl"
 class RegenerateConfig(EngineRequestSettings):
     """Flags of ``python -m eagleflow regenerate``."""
 
-    input: Path = Field(description="chat conversations ({'messages': [...]}): .jsonl or .parquet")
+    input: Path = Field(description="conversations (messages or ShareGPT conversations): .jsonl, .parquet or a datasets folder")
     verifier: Path = Field(description="the verifier model folder (its chat template builds the prompts)")
     out: Path = Field(description="folder for rows/, conversations.jsonl and regenerate.json")
     server: str = Field(description="the running engine's base URL")
@@ -66,6 +68,7 @@ class RegenerateConfig(EngineRequestSettings):
     regen_concurrency: int = Field(8, ge=1, le=256, title="Conversations at once", description="conversations regenerated at once")
     skip_bad_rows: SkipBadRows
     warmup_timeout: WarmupTimeout
+    chat_template_kwargs: ChatTemplateKwargs
 
 
 class Regenerator:
@@ -85,51 +88,60 @@ class Regenerator:
         self.client = EngineClient(cfg.server, cfg.request_timeout)
         self.context_length, self.context_source = engine_context_length(self.client, cfg.verifier)
 
-    def prompt(self, messages: list[dict[str, Any]], turn: int) -> list[int]:
-        """The token ids sent for the assistant turn at ``turn``: the messages before it and the generation prompt."""
-        prompt = self.tokenizer.apply_chat_template(messages[:turn], add_generation_prompt=True, tokenize=True, return_dict=True)
-        return list(prompt["input_ids"])
+    def prompt(self, chat: Chat, turn: int) -> list[int]:
+        """The token ids sent for the assistant turn at ``turn``: the messages before it and the generation prompt,
+        with the row's tools and the run's chat template switches (as preparation and evaluation render them)."""
+        return render_ids(self.tokenizer, Chat(chat.messages, chat.tools, self.cfg.chat_template_kwargs), turn, True)[0]
 
-    def first_prompt_problem(self, messages: list[dict[str, Any]]) -> str | None:
+    def first_prompt_problem(self, chat: Chat) -> str | None:
         """Why the conversation cannot be regenerated at all (its first prompt leaves no room), or None."""
-        first = next(turn for turn, m in enumerate(messages) if m["role"] == "assistant")
-        prompt_tokens = len(self.prompt(messages, first))
+        first = next(turn for turn, m in enumerate(chat.messages) if m["role"] == "assistant")
+        prompt_tokens = len(self.prompt(chat, first))
         return self._no_room(prompt_tokens) if max_new_tokens_left(self.context_length, prompt_tokens) < 1 else None
 
     def _no_room(self, prompt_tokens: int) -> str:
         return (f"its first prompt is {prompt_tokens} tokens, which leaves no room for an answer in the engine's context "
                 f"length of {self.context_length} tokens")
 
-    def conversation(self, row: int, messages: list[dict[str, Any]]) -> dict[str, Any]:
-        """``messages`` with every assistant turn replaced by the engine's answer, in order, within the context."""
-        messages = [dict(m) for m in messages]
+    def conversation(self, row: int, chat: Chat) -> dict[str, Any]:
+        """The conversation with every assistant turn replaced by the engine's answer, in order, within the context;
+        each turn's prompt ids as sent and output ids as produced are kept (``turns``): what the drafter trains on."""
+        messages = [dict(m) for m in chat.messages]
+        chat = Chat(messages, chat.tools)
         finish: list[Any] = []
         asked: list[int] = []
+        turns: list[dict[str, list[int]]] = []
         for turn, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            prompt = self.prompt(messages, turn)
+            prompt = self.prompt(chat, turn)
             room = max_new_tokens_left(self.context_length, len(prompt))
             if room < 1:
                 if not finish:  # regenerate() leaves such rows out before it starts; this is the backstop
                     raise RowFailed(self._no_room(len(prompt)))
-                return self._shortened(row, messages, turn, len(prompt), finish, asked)
+                return self._shortened(row, messages, turn, len(prompt), finish, asked, turns)
             asked.append(min(self.cfg.regen_max_new_tokens, room))
             answer = self.client.complete(
                 regenerate_request_id(row, turn), prompt, asked[-1], self.cfg.regen_temperature, row=row,
             )
-            # The answer's tokens, not its text: SGLang and the reference engine differ in whether
-            # the text keeps the end-of-turn token; the template adds it back.
-            message["content"] = self.tokenizer.decode(answer.get("output_ids") or [], skip_special_tokens=True)
-            finish.append((answer.get("meta_info") or {}).get("finish_reason"))
-        return self._record(row, messages, finish, asked)
+            reason = (answer.get("meta_info") or {}).get("finish_reason")
+            output = generated_ids(answer.get("output_ids") or [], reason)
+            turns.append({"prompt_ids": prompt, "output_ids": output})
+            # The next prompts render this answer from its text, as a client sending the conversation back would
+            # (its thinking split off as a reasoning parser does); what is trained on are the ids above.
+            message.pop("tool_calls", None)
+            message.pop("reasoning_content", None)
+            message.update(answer_message(self.tokenizer.decode(output, skip_special_tokens=True)))
+            finish.append(reason)
+        return self._record(row, messages, finish, asked, turns)
 
     def _shortened(
-        self, row: int, messages: list[dict[str, Any]], turn: int, prompt_tokens: int, finish: list[Any], asked: list[int]
+        self, row: int, messages: list[dict[str, Any]], turn: int, prompt_tokens: int, finish: list[Any], asked: list[int],
+        turns: list[dict[str, list[int]]],
     ) -> dict[str, Any]:
         """The conversation ended at its last answered turn, because the prompt of the one at ``turn`` does not fit."""
         last = max(i for i in range(turn) if messages[i]["role"] == "assistant")
-        record = self._record(row, messages[: last + 1], finish, asked)
+        record = self._record(row, messages[: last + 1], finish, asked, turns)
         record["shortened"] = {
             "at_message": turn, "prompt_tokens": prompt_tokens,
             "dropped_turns": sum(m["role"] == "assistant" for m in messages[turn:]),
@@ -137,10 +149,33 @@ class Regenerator:
         }
         return record
 
-    def _record(self, row: int, messages: list[dict[str, Any]], finish: list[Any], asked: list[int]) -> dict[str, Any]:
+    def _record(
+        self, row: int, messages: list[dict[str, Any]], finish: list[Any], asked: list[int], turns: list[dict[str, list[int]]]
+    ) -> dict[str, Any]:
         # max_new_tokens per answer: below regen_max_new_tokens where the room its prompt left capped it.
         return {"source_row": row, "messages": messages, "finish_reasons": finish, "max_new_tokens": asked,
-                "capped_answers": sum(n < self.cfg.regen_max_new_tokens for n in asked), "context_length": self.context_length}
+                "capped_answers": sum(n < self.cfg.regen_max_new_tokens for n in asked), "context_length": self.context_length,
+                "turns": turns}
+
+
+def generated_ids(output_ids: list[int], finish_reason: Any) -> list[int]:
+    """What the engine generated, its end-of-turn token included: an engine that leaves the matched stop token
+    out of ``output_ids`` still generated it (and the drafter must learn to predict it)."""
+    matched = finish_reason.get("matched") if isinstance(finish_reason, dict) and finish_reason.get("type") == "stop" else None
+    if isinstance(matched, int) and not isinstance(matched, bool) and (not output_ids or output_ids[-1] != matched):
+        return [*output_ids, matched]
+    return list(output_ids)
+
+
+def answer_message(text: str) -> dict[str, Any]:
+    """An answer's text as a chat message: ``<think>…</think>`` split off into ``reasoning_content``, as SGLang's
+    reasoning parsers (Qwen3, Kimi-K2.5, DeepSeek-R1) do; an answer without it is all ``content``."""
+    opened = text.lstrip().startswith("<think>")
+    if "</think>" not in text:
+        return {"content": text}
+    thinking, _, content = text.partition("</think>")
+    thinking = thinking.lstrip().removeprefix("<think>") if opened else thinking
+    return {"reasoning_content": thinking.strip("\n"), "content": content.lstrip("\n")}
 
 
 def engine_context_length(client: EngineClient, verifier: Path) -> tuple[int, str]:
@@ -161,19 +196,19 @@ def regenerate(cfg: RegenerateConfig) -> dict[str, Any]:
     """Regenerate every row not done yet; publish the JSONL when all are; return the summary."""
     started = time.monotonic()
     rows = list(read_input_rows(cfg.input))
-    usable: list[tuple[int, list[dict[str, Any]]]] = []
+    usable: list[tuple[int, Chat]] = []
     bad: list[tuple[int, str]] = []
     for row, record in rows:
         if isinstance(record, str):
-            problem: str | None = record  # the line did not parse
-        elif "messages" not in record:
-            problem = "no 'messages' (regeneration needs chat rows, not token ids)"
+            chat: Chat | str = record  # the line did not parse
+        elif not is_chat_row(record):
+            chat = "no 'messages' or 'conversations' (regeneration needs conversations, not token ids)"
         else:
-            problem = check_messages(record["messages"])
-        if problem:
-            bad.append((row, problem))
+            chat = chat_of(record)
+        if isinstance(chat, str):
+            bad.append((row, chat))
         else:
-            usable.append((row, record["messages"]))
+            usable.append((row, chat))
     if bad and not cfg.skip_bad_rows:
         listed = "; ".join(f"row {row}: {reason}" for row, reason in bad[:MAX_LISTED_ERRORS])
         raise UserError(f"{len(bad)} row(s) of {cfg.input} cannot be regenerated ({listed}); --skip-bad-rows leaves them out")
@@ -193,7 +228,7 @@ def regenerate(cfg: RegenerateConfig) -> dict[str, Any]:
         regenerator = Regenerator(cfg)
         print(f"regenerate: context length {regenerator.context_length} tokens ({regenerator.context_source}); "
               "no answer asks for more than its prompt leaves", flush=True)
-        no_room = [(row, why) for row, messages in todo if (why := regenerator.first_prompt_problem(messages))]
+        no_room = [(row, why) for row, chat in todo if (why := regenerator.first_prompt_problem(chat))]
         if no_room and not cfg.skip_bad_rows:
             listed = "; ".join(f"row {row}: {reason}" for row, reason in no_room[:MAX_LISTED_ERRORS])
             raise UserError(f"{len(no_room)} row(s) of {cfg.input} cannot be regenerated ({listed}); --skip-bad-rows leaves them out")
@@ -213,20 +248,20 @@ def regenerate(cfg: RegenerateConfig) -> dict[str, Any]:
     return _publish(cfg, usable, bad, started)
 
 
-def _regenerate_rows(regenerator: Regenerator, todo: list[tuple[int, list[dict[str, Any]]]], out: Path, concurrency: int) -> dict[int, str]:
+def _regenerate_rows(regenerator: Regenerator, todo: list[tuple[int, Chat]], out: Path, concurrency: int) -> dict[int, str]:
     """Regenerate ``todo`` with ``concurrency`` in flight; each finished row is written at once."""
     progress = Progress(len(todo), label="conversations", every=max(1, min(50, len(todo) // 10)), interval=30.0)
     failed: dict[int, str] = {}
     shortened: list[int] = []
 
-    def one(item: tuple[int, list[dict[str, Any]]]) -> None:
-        row, messages = item
+    def one(item: tuple[int, Chat]) -> None:
+        row, chat = item
 
         def before_retry(exc: RowFailed, delay: float) -> None:
             print(f"row {row}: {exc}; retrying in {delay:.0f}s", flush=True)
 
         try:
-            record = with_retries(lambda: regenerator.conversation(row, messages), regenerator.cfg.max_retries, before_retry=before_retry)
+            record = with_retries(lambda: regenerator.conversation(row, chat), regenerator.cfg.max_retries, before_retry=before_retry)
             atomic_write_json(row_file(out, row), record)
             if "shortened" in record:
                 shortened.append(row)
@@ -244,9 +279,14 @@ def _publish(cfg: RegenerateConfig, usable: list[tuple[int, Any]], bad: list[tup
     lines = []
     shortened = dropped = capped = 0
     context_lengths: set[int] = set()
-    for row, _ in usable:
+    for row, chat in usable:
         record = json.loads(row_file(cfg.out, row).read_text())
-        lines.append(json.dumps({"messages": record["messages"], "source_row": row}) + "\n")
+        line = {"messages": record["messages"], "source_row": row, **({"tools": chat.tools} if chat.tools else {})}
+        if record.get("turns"):  # the engine's own ids (rows written before they were kept have none: their text is rendered)
+            line["token_rows"] = [{"input_ids": ids, "loss_mask": mask} for ids, mask in rows_of_turns(
+                [(t["prompt_ids"] + t["output_ids"], [0] * len(t["prompt_ids"]) + [1] * len(t["output_ids"])) for t in record["turns"]]
+            )]
+        lines.append(json.dumps(line) + "\n")
         cut = record.get("shortened")
         shortened += cut is not None
         dropped += cut["dropped_turns"] if cut else 0

@@ -57,7 +57,7 @@ DEFINITIONS = {
     "mismatch": "settings that differ between the drafters' evaluations, per drafter: their figures were not measured alike",
 }
 # The settings two evaluations must share for their figures to be compared (mismatch).
-MEASURED_ALIKE = ("prompt_sets", "batch_sizes", "engine", "prompts", "max_new_tokens")
+MEASURED_ALIKE = ("prompt_sets", "batch_sizes", "engine", "prompts", "max_new_tokens", "chat_template_kwargs")
 
 
 class CompareConfig(BaseModel):
@@ -166,6 +166,7 @@ def drafter_figures(label: str, name: str | None, report: dict[str, Any], layout
         "train_seconds": train_seconds(layout.train.result), "notes": [note] if note else [],
         "engine": report.get("engine"), "prompt_sets": report["prompt_sets"], "prompts": report.get("prompts"),
         "max_new_tokens": report.get("max_new_tokens"), "rounds": report.get("rounds"),
+        "chat_template_kwargs": report.get("chat_template_kwargs") or {},
         "batch_sizes": sorted({row["batch_size"] for row in report["sweep"]}),
         "configs": configs, "fastest": fastest,
     }

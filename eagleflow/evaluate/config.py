@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
-from eagleflow.config import EngineKind, RedoFinished, TpSize, WarmupTimeout
+from eagleflow.config import ChatTemplateKwargs, EngineKind, RedoFinished, TpSize, WarmupTimeout
 from eagleflow.errors import UserError
 
 PromptSetName = Literal["heldout", "humaneval", "file"]
@@ -63,6 +63,7 @@ class EvaluateConfig(BaseModel):
     )
     warmup_timeout: WarmupTimeout
     redo_finished: RedoFinished
+    chat_template_kwargs: ChatTemplateKwargs
 
     @field_validator("eval_prompts", mode="before")
     @classmethod

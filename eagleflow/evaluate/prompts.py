@@ -53,7 +53,8 @@ class Prompt:
 class ChatPrompts:
     """The verifier's chat template: messages -> prompt ids (with the generation prompt), ids -> text."""
 
-    def __init__(self, model: Path) -> None:
+    def __init__(self, model: Path, template_kwargs: dict[str, Any] | None = None) -> None:
+        self.template_kwargs = dict(template_kwargs or {})  # the run's chat_template_kwargs, as the drafter was trained
         try:
             self.tokenizer = load_tokenizer(model)
         except Exception as exc:
@@ -62,8 +63,9 @@ class ChatPrompts:
             raise UserError(f"--verifier {model} has no chat template; the prompt sets other than heldout need one")
 
     def encode(self, messages: list[dict[str, Any]]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        from eagleflow.data import Chat, render_ids
+
+        return render_ids(self.tokenizer, Chat(messages, kwargs=self.template_kwargs), len(messages), add_generation_prompt=True)[0]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

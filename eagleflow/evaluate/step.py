@@ -77,7 +77,7 @@ def prompt_sets(cfg: EvaluateConfig) -> tuple[dict[str, list[Prompt]], ChatPromp
     Every check runs here, before any engine starts: each set holds eval_rows prompts, every line of
     the prompt file is well formed, every prompt fits the engines' context with its answers.
     """
-    chat = ChatPrompts(cfg.verifier) if set(cfg.eval_sets) - {"heldout"} else None
+    chat = ChatPrompts(cfg.verifier, cfg.chat_template_kwargs) if set(cfg.eval_sets) - {"heldout"} else None
     room = Room.of_engines(cfg.verifier, cfg.eval_server_extra_args, cfg.eval_max_new_tokens)
     sets: dict[str, list[Prompt]] = {}
     for name in dict.fromkeys(cfg.eval_sets):
@@ -178,6 +178,7 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
         "prompts": len(next(iter(sets.values()))),
         "rows": [heldout[0].row, heldout[-1].row] if heldout else None,
         "max_new_tokens": cfg.eval_max_new_tokens,
+        "chat_template_kwargs": cfg.chat_template_kwargs,  # the prompts' rendering, as the drafter's data was
         "concurrency": cfg.eval_concurrency,
         "rounds": cfg.eval_rounds,
         "interleaved": cfg.engine == "reference",

@@ -24,7 +24,7 @@ RESOLVED_BY_THE_RUN = {"aux_layer_ids"}
 CHANGED = {
     "train_data_ratio": 0.8, "scheduler_warmup_ratio": 0.5, "noise_std": 0.1, "draft_config": "/models/draft.json",
     "eval_prompts": "/data/prompts.jsonl", "eval_sets": ["heldout", "file"], "eval_configs": "1,0,0,0 1,3,1,4",
-    "eval_server_extra_args": ["--threads", "2"], "online_cache_gb": 1.5,
+    "eval_server_extra_args": ["--threads", "2"], "online_cache_gb": 1.5, "chat_template_kwargs": {"enable_thinking": False},
 }
 # Params that are valid only beside another one.
 TOGETHER = {"eval_prompts": {"eval_sets": ["heldout", "file"]}, "eval_sets": {"eval_prompts": "/data/prompts.jsonl"},

@@ -70,7 +70,17 @@ def test_pretokenized_rows_truncation_and_parquet(tmp_path: Path) -> None:
         ({"input_ids": [1, 2], "loss_mask": [1]}, "loss_mask has 1 entries"),
         ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant message"),
         ({"messages": []}, "non-empty list"),
-        ({"text": "hello"}, "neither 'input_ids' nor 'messages'"),
+        ({"text": "hello"}, "neither 'input_ids', 'messages' nor 'conversations'"),
+        ({"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "x"}]}, "messages[0] has no 'content'"),
+        ({"messages": [{"role": "user", "content": "a", "tool_calls": [{"function": {"name": "f"}}]},
+                       {"role": "assistant", "content": "x"}]}, "messages[0] 'tool_calls' must be a non-empty list, in an assistant turn"),
+        ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": None, "tool_calls": [{"name": "f"}]}]},
+         "messages[1] tool_calls[0] must be {'function'"),
+        ({"conversations": [{"from": "human", "value": "a"}, {"from": "robot", "value": "x"}]}, "conversations[1] must be {'from'"),
+        ({"conversations": [{"from": "human", "value": "a"}, {"from": "function_call", "value": "not json"}]},
+         "conversations[1] is a function_call whose value is not JSON"),
+        ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x"}], "tools": "{"}, "tools is a string that is not JSON"),
+        ({"token_rows": [{"input_ids": [1, 2], "loss_mask": [1]}]}, "token_rows[0].loss_mask has 1 entries"),
     ],
 )
 def test_each_bad_row_case_fails_naming_the_row(tmp_path: Path, record: object, reason: str) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import reference_engines
-from training_data import AUX
+from training_data import AUX, THINKING_CONVERSATION, WEATHER_TOOLS
 
 from eagleflow.data.regenerate import (
     CONVERSATIONS_FILE,
@@ -327,3 +327,40 @@ def test_a_conversation_whose_first_prompt_does_not_fit_is_a_bad_row(
     assert [json.loads(line) for line in (cfg.out / SKIPPED_FILE).read_text().splitlines()] == [{"row": 1, "reason": reason}]
     assert [json.loads(line)["source_row"] for line in (cfg.out / CONVERSATIONS_FILE).read_text().splitlines()] == [0, 2]
     assert not row_file(cfg.out, 1).exists()
+
+
+def test_a_thinking_tool_calling_conversation_trains_on_the_engines_own_ids(
+    engine: ServerInfo, tiny_model: Path, verifier, tmp_path: Path
+) -> None:
+    """Regenerated through a thinking, tool-calling template: every assistant turn's training ids are the prompt ids
+    the engine was sent and the ids it produced (end of turn included), masked on exactly those it produced,
+    through regenerate -> prepare; the next prompts render the answers from their text, as a client would."""
+    from eagleflow.data import dataset_table
+    from eagleflow.data.prepare import PrepareConfig, prepare_dataset
+    from eagleflow.demo.tiny_tokenizer import THINKING_CHAT_TEMPLATE, with_chat_template
+
+    thinking = with_chat_template(tiny_model, tmp_path / "thinking-verifier", THINKING_CHAT_TEMPLATE)
+    conversation = {"messages": THINKING_CONVERSATION, "tools": WEATHER_TOOLS}
+    source = tmp_path / "thinking.jsonl"
+    source.write_text(json.dumps(conversation) + "\n")
+    out = tmp_path / "regenerated"
+    regenerate(RegenerateConfig(input=source, verifier=thinking, out=out, server=engine.url, server_pid=engine.pid,
+                                regen_max_new_tokens=MAX_NEW_TOKENS))
+    turns = json.loads(row_file(out, 0).read_text())["turns"]
+    assert len(turns) == 3
+    model, tokenizer = verifier
+    for turn in turns:  # what the engine produced: the verifier's greedy continuation of the ids it was sent
+        with torch.inference_mode():
+            greedy = model.generate(torch.tensor([turn["prompt_ids"]]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+        assert turn["output_ids"] == greedy[0, len(turn["prompt_ids"]):].tolist()
+    first_prompt = tokenizer.decode(turns[0]["prompt_ids"])
+    assert '"name": "get_weather"' in first_prompt and first_prompt.endswith("<|im_start|>assistant\n")  # tools rendered, thinking on
+
+    prepare_dataset(PrepareConfig(input=out / CONVERSATIONS_FILE, verifier=thinking, out=tmp_path / "dataset", max_len=4096))
+    table = dataset_table(tmp_path / "dataset")
+    rows = list(zip(table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()))
+    for turn in turns:
+        sent, made = turn["prompt_ids"], turn["output_ids"]
+        held = [(ids, mask) for ids, mask in rows if ids[: len(sent) + len(made)] == sent + made and all(mask[len(sent): len(sent) + len(made)])]
+        assert held, "a turn's prompt and answer ids are not a training row's"
+    assert sum(sum(mask) for _, mask in rows) == sum(len(t["output_ids"]) for t in turns)  # the mask: exactly what it produced

@@ -102,11 +102,13 @@ def test_a_drafter_without_a_readable_report_is_listed_and_the_others_compared(t
 def test_evaluations_not_measured_alike_are_reported(tmp_path: Path) -> None:
     run = tmp_path / "runs" / "multi"
     write_drafter(run, "eagle3", "EAGLE3", EAGLE3_CONFIGS)
-    write_drafter(run, "dflash", "DFLASH", {"1,1,1,8": (3.0, [1.2, 1.3]), "4,1,1,8": (3.0, [1.5, 1.6])}, sets=("heldout",))
+    write_drafter(run, "dflash", "DFLASH", {"1,1,1,8": (3.0, [1.2, 1.3]), "4,1,1,8": (3.0, [1.5, 1.6])}, sets=("heldout",),
+                  chat_template_kwargs={"enable_thinking": False})
     comparison = compare_in_process("--run", str(run), "--drafters", "eagle3,dflash")
     assert comparison["mismatch"] == {
         "prompt_sets": {"eagle3": ["heldout", "humaneval"], "dflash": ["heldout"]},
         "batch_sizes": {"eagle3": [1, 2], "dflash": [1, 4]},
+        "chat_template_kwargs": {"eagle3": {}, "dflash": {"enable_thinking": False}},  # prompts rendered in another mode
     }
     assert list(comparison["fastest"]) == ["1", "2", "4"]  # still compared, each batch size measured
 
