@@ -12,6 +12,8 @@ live engine instead of extracted files (``hidden_states_source=engine``, a 2 MB 
 disk), each in its own run folder (``demo-fp8``, ``demo-regenerated``, ``demo-online``), so
 each can be compared with ``demo``. ``--draft-algorithm dflash`` trains, exports, serves and measures
 a DFlash block drafter instead of EAGLE-3 (``demo-dflash``) from the same capture settings.
+``--thinking`` serves the verifier as a thinking, tool-calling model (``demo-thinking``): its thinking
+template, the conversations with thinking and tool calls, and ``chat_template_kwargs``.
 """
 
 from __future__ import annotations
@@ -43,7 +45,10 @@ sys.path.insert(0, str(REPO))
 
 
 def main() -> int:
-    from eagleflow.demo import DEMO_COMPARE_DRAFTERS, DEMO_DFLASH_PARAMS, DEMO_RUN_NAME, demo_params, make_demo_inputs, run_summary
+    from eagleflow.demo import (
+        DEMO_COMPARE_DRAFTERS, DEMO_DFLASH_PARAMS, DEMO_RUN_NAME, DEMO_THINKING_PARAMS, demo_params, make_demo_inputs, make_thinking_inputs,
+        run_summary,
+    )
     from eagleflow.progress import format_bytes
     from sglang_patch.sample_format import DEFAULT_HIDDEN_STATES_DTYPE, HIDDEN_STATES_DTYPES
 
@@ -58,6 +63,9 @@ def main() -> int:
                         help="the drafter family to train (the Param draft_algorithm; dflash: a block drafter)")
     parser.add_argument("--compare", action="store_true",
                         help="train the EAGLE-3 and the DFlash from one capture and compare them (the Param drafters)")
+    parser.add_argument("--thinking", action="store_true",
+                        help="serve the verifier as a thinking, tool-calling model: its thinking template, conversations "
+                        "with thinking and tool calls, and the Param chat_template_kwargs {\"enable_thinking\": true}")
     args = parser.parse_args()
     if args.compare and (args.online or args.draft_algorithm != "eagle3"):
         parser.error("--compare trains both families from extracted hidden states: without --online or --draft-algorithm")
@@ -65,7 +73,7 @@ def main() -> int:
 
     began = time.monotonic()
     print(f"[demo] inputs in {DEMO_DIR} (built once, then cached)", flush=True)
-    make_demo_inputs(DEMO_DIR)
+    thinking_inputs = make_thinking_inputs(DEMO_DIR) if args.thinking else make_demo_inputs(DEMO_DIR)
     print(f"[demo] Airflow metadata DB in {AIRFLOW_HOME}", flush=True)
     for command in (["db", "migrate"], ["pools", "import", str(REPO / "docker" / "pools.json")]):
         subprocess.run([sys.executable, "-m", "airflow", *command], check=True, stdout=subprocess.DEVNULL)
@@ -82,6 +90,7 @@ def main() -> int:
         + (["online"] if args.online else [])
         + ([args.draft_algorithm] if args.draft_algorithm != "eagle3" else [])
         + (["compare"] if args.compare else [])
+        + (["thinking"] if args.thinking else [])
     )
     conf = {**demo_params(DEMO_DIR), "run_name": "-".join([DEMO_RUN_NAME, *variant]), "hidden_states_dtype": dtype,
             "regenerate_responses": args.regenerate}
@@ -89,6 +98,8 @@ def main() -> int:
         conf.update(DEMO_DFLASH_PARAMS)
     if args.compare:
         conf["drafters"] = DEMO_COMPARE_DRAFTERS
+    if args.thinking:
+        conf.update(thinking_inputs, **DEMO_THINKING_PARAMS)
     if args.online:
         # A window of a few samples: the disk holds megabytes whatever the dataset's size.
         conf.update(hidden_states_source="engine", dump_queue_gb=ONLINE_WINDOW_GB)

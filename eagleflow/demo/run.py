@@ -80,6 +80,29 @@ DEMO_COMPARE_DRAFTERS: list[Any] = [
 ]
 
 
+# scripts/demo.py --thinking: the verifier served as a thinking, tool-calling model (the tiny tokenizer's
+# Qwen3/Kimi-like template), its conversations with thinking and tool calls, and thinking on.
+DEMO_THINKING_PARAMS: dict[str, Any] = {"chat_template_kwargs": {"enable_thinking": True}}
+
+
+def make_thinking_inputs(demo_dir: str | Path) -> dict[str, str]:
+    """The thinking variant's verifier folder (the tiny verifier with the thinking template) and conversations
+    (the demo's, each answer after its thinking, every fourth row's first one found by a tool), built from the
+    demo's inputs (:func:`make_demo_inputs`) when missing."""
+    from eagleflow.demo.synthetic_data import thinking_conversation
+    from eagleflow.demo.tiny_tokenizer import THINKING_CHAT_TEMPLATE, with_chat_template
+    from eagleflow.files import atomic_write_text
+
+    plain = make_demo_inputs(demo_dir)
+    demo = Path(demo_dir).absolute()
+    model, data = demo / "tiny-model-thinking", demo / "conversations-thinking.jsonl"
+    with_chat_template(Path(plain["model_path"]), model, THINKING_CHAT_TEMPLATE)
+    if not data.exists():
+        rows = [json.loads(line) for line in Path(plain["dataset_input"]).read_text().splitlines() if line.strip()]
+        atomic_write_text(data, "".join(json.dumps(thinking_conversation(r, i)) + "\n" for i, r in enumerate(rows)))
+    return {**plain, "model_path": str(model), "dataset_input": str(data)}
+
+
 def demo_paths(demo_dir: str | Path) -> dict[str, str]:
     """Where the demo's inputs and runs live under ``demo_dir``."""
     demo_dir = Path(demo_dir).absolute()

@@ -241,6 +241,30 @@ def generate_conversations(rows: int, seed: int = 0) -> list[dict[str, list[Mess
     return [generate_conversation(seed, row) for row in range(rows)]
 
 
+def thinking_conversation(conversation: dict[str, list[Message]], row: int) -> dict[str, Any]:
+    """``conversation`` as a thinking, tool-calling verifier serves it: each answer after a short thinking
+    (``reasoning_content``); every fourth row's first answer found by a tool (a ``lookup`` call, its result,
+    then the answer), with the row's ``tools``. Deterministic: the same conversation gives the same row."""
+    messages: list[dict[str, Any]] = []
+    looked_up = row % 4 != 0
+    for message in conversation["messages"]:
+        if message["role"] != "assistant":
+            messages.append(dict(message))
+            continue
+        words = message["content"].split()
+        if not looked_up:
+            looked_up = True
+            query = " ".join(messages[-1]["content"].split()[:3])
+            messages.append({"role": "assistant", "content": None, "reasoning_content": "I look it up.",
+                             "tool_calls": [{"type": "function", "function": {"name": "lookup", "arguments": {"query": query}}}]})
+            messages.append({"role": "tool", "content": message["content"]})
+        thinking = f"The answer has {len(words)} words and starts with {' '.join(words[:2])}."
+        messages.append({"role": "assistant", "content": message["content"], "reasoning_content": thinking})
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "find the answer",
+                                               "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}]
+    return {"messages": messages, **({"tools": tools} if row % 4 == 0 else {})}
+
+
 def corpus_text(rows: int, seed: int = 0) -> str:
     """Plain text of ``rows`` conversations (``role`` line, then content), for training a tokenizer.
 

@@ -30,6 +30,56 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# A thinking, tool-calling template that behaves as Qwen3's and Kimi-K2.5's do, for the same tokenizer:
+# the tools listed in a system turn; an assistant turn after the last user message renders its thinking
+# in <think></think> (empty when it has none), earlier ones drop it; tool calls as <tool_call> JSON; tool
+# results in a tool turn; enable_thinking false prefills an empty <think></think> in the generation
+# prompt (the engine then answers without thinking). {% generation %} marks what the assistant writes.
+THINKING_CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- if tools -%}{{- '<|im_start|>system\\n# Tools' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- generation %}"
+    "{%- if loop.index0 > ns.last_user -%}{{- '<think>\\n' + (m.reasoning_content or '') + '\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{{- m.content or '' -}}"
+    "{%- for call in (m.tool_calls or []) -%}"
+    "{{- '<tool_call>\\n' + ({'name': call.function.name, 'arguments': call.function.arguments} | tojson) + '\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>' -}}"
+    "{%- endgeneration %}"
+    "{{- '\\n' -}}"
+    "{%- elif m.role == 'tool' -%}"
+    "{{- '<|im_start|>tool\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{%- endif -%}"
+)
+
+
+def with_chat_template(model_dir: Path, out_dir: Path, template: str) -> Path:
+    """A copy of the model folder ``model_dir`` at ``out_dir`` (its weights linked, not copied) whose tokenizer
+    renders chats with ``template``: the same verifier, another chat format."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for item in model_dir.iterdir():
+        target = out_dir / item.name
+        if item.name in ("chat_template.jinja", "tokenizer_config.json") or target.exists():
+            continue
+        target.symlink_to(item.absolute())
+    (out_dir / "chat_template.jinja").write_text(template, encoding="utf-8")
+    config = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config.pop("chat_template", None)  # the .jinja file is the template
+    atomic_write_json(out_dir / "tokenizer_config.json", config)
+    return out_dir
+
 
 def train_tokenizer(text: str, vocab: int, out_dir: Path) -> Any:
     """Train a byte-level BPE tokenizer of exactly ``vocab`` tokens on ``text`` (conversations

@@ -120,3 +120,20 @@ def test_make_dataset_bad_input_is_a_clear_error(tmp_path: Path, random_tiny_mod
     assert cli(["make-dataset", "--verifier", str(random_tiny_model), "--out", str(out), "--rows", "0"]) == 2
     assert "--rows" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_thinking_conversations_think_before_each_answer_and_every_fourth_calls_a_tool() -> None:
+    from eagleflow.data import chat_of
+    from eagleflow.demo.synthetic_data import thinking_conversation
+
+    plain = generate_conversations(8, seed=0)
+    rows = [thinking_conversation(c, row) for row, c in enumerate(plain)]
+    assert rows == [thinking_conversation(c, row) for row, c in enumerate(plain)]  # deterministic
+    for row, (conversation, original) in enumerate(zip(rows, plain)):
+        chat = chat_of(conversation)
+        assert not isinstance(chat, str), chat  # a row the reader takes, tools and all
+        answers = [m for m in chat.messages if m["role"] == "assistant" and m.get("content")]
+        assert [m["content"] for m in answers] == [m["content"] for m in original["messages"] if m["role"] == "assistant"]
+        assert all(m["reasoning_content"] for m in chat.messages if m["role"] == "assistant")
+        calls = [m for m in chat.messages if m.get("tool_calls")]
+        assert (len(calls), bool(chat.tools)) == ((1, True) if row % 4 == 0 else (0, False)), row
