@@ -71,10 +71,14 @@ class MadeFrom:
             return None
         return stored.get("inputs") if isinstance(stored, dict) and isinstance(stored.get("inputs"), dict) else None
 
+    def recorded_inputs(self) -> dict[str, Any]:
+        """:attr:`inputs` as the record stores them (JSON: tuples become lists, paths strings)."""
+        return json.loads(json.dumps(self.inputs, default=str))
+
     def changed(self, key: str) -> bool:
         """Whether input ``key`` differs from what the folder's recorded result was made from (no record: False)."""
         stored = self.stored_inputs()
-        return stored is not None and stored.get(key) != json.loads(json.dumps(self.inputs.get(key), default=str))
+        return stored is not None and stored.get(key) != self.recorded_inputs().get(key)
 
     def reusable(self, outputs: Iterable[Path]) -> dict[str, Any] | None:
         """The recorded result when it was made from these same inputs and its ``outputs`` are all there, else None."""
@@ -82,7 +86,7 @@ class MadeFrom:
             stored = json.loads(self.record.read_text())
         except (OSError, ValueError):
             return None
-        if not isinstance(stored, dict) or stored.get("inputs") != json.loads(json.dumps(self.inputs, default=str)):
+        if not isinstance(stored, dict) or stored.get("inputs") != self.recorded_inputs():
             return None
         if not all(Path(p).exists() for p in outputs):
             return None
@@ -108,8 +112,8 @@ class MadeFrom:
     def save(self, result: Mapping[str, Any] | None) -> None:
         """Record that ``result`` was made from :attr:`inputs` (after the result itself is written); None: work under way
         on these inputs (a long step records them when it starts, so a later run knows what its partial work was made from)."""
-        inputs = json.loads(json.dumps(self.inputs, default=str))
-        atomic_write_json(self.record, {"step": self.step, "inputs": inputs, "result": dict(result) if result is not None else None})
+        record = {"step": self.step, "inputs": self.recorded_inputs(), "result": dict(result) if result is not None else None}
+        atomic_write_json(self.record, record)
 
 
 def settings_of(config: Any, *leave_out: str) -> dict[str, Any]:

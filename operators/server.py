@@ -12,8 +12,7 @@ from airflow.sdk import BaseOperator, BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowException, AirflowSensorTimeout
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from eagleflow.errors import UserError
-from operators.step import ParamsRefused, pipeline_config
+from operators.step import pipeline_config
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -45,13 +44,8 @@ class PlanEnginesOperator(BaseOperator):
     """
 
     def execute(self, context: Context) -> list[dict[str, Any]]:
-        cfg = pipeline_config(context, check_model=False)  # the teardown maps over this list: it must exist
-        try:  # the first task: a wrong path fails here, in plain words, before any engine starts
-            from eagleflow.param_checks import check_paths
-
-            check_paths(cfg)
-        except UserError as exc:
-            raise ParamsRefused(str(exc)) from None
+        # The first task: a wrong path fails here, in plain words, before any engine starts.
+        cfg = pipeline_config(context, check_model=False, check_paths=True)
         plan = cfg.engine_plan()
         if cfg.remote:
             self.log.info("Remote engines: %s", ", ".join(f"{e['name']} at {e['url']}" for e in plan))

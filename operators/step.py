@@ -30,16 +30,21 @@ def step_python() -> str:
     return os.environ.get("EAGLEFLOW_PYTHON") or sys.executable
 
 
-def pipeline_config(context: Context, check_model: bool = True) -> PipelineConfig:
-    """The run's Params as a validated :class:`PipelineConfig` (a bad Param fails here, named).
+def pipeline_config(context: Context, check_model: bool = True, check_paths: bool = False) -> PipelineConfig:
+    """The run's Params as a validated :class:`PipelineConfig` (a bad Param fails here, named, as its message).
 
     With ``check_model`` (every task but the teardown) the Params that need the model folder
-    are checked too, so a bad aux id list fails the first task that starts, not an extraction.
+    are checked too, so a bad aux id list fails the first task that starts, not an extraction;
+    with ``check_paths`` (the first task) every path Param (:func:`eagleflow.param_checks.check_paths`).
     """
     from eagleflow.pipeline import PipelineConfig
 
     try:
         cfg = PipelineConfig.from_params(context["params"], context["run_id"])
+        if check_paths:
+            from eagleflow.param_checks import check_paths as check_path_params
+
+            check_path_params(cfg)
         return cfg.check_model() if check_model else cfg
     except UserError as exc:
         raise ParamsRefused(str(exc)) from None  # the message is the report: no chain of frames under it
