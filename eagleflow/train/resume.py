@@ -55,6 +55,21 @@ def checkpoint_complete(path: Path) -> bool:
     return True
 
 
+def unvalidated(complete: dict[int, Path], metrics: Path) -> list[Path]:
+    """The newest epoch folder when its validation did not finish (no val record, no ``val_metrics.json``).
+
+    speculators saves an epoch's checkpoint, then validates: a run stopped during that validation (an
+    online feed that lost its engine or store, a kill) leaves a complete folder of an epoch never
+    validated, and a resume from it would never validate that epoch. Its epoch is redone instead.
+    Only the newest folder can be such (a later epoch followed every other); without metrics nothing is judged.
+    """
+    if not complete or not metrics.exists():
+        return []
+    newest = max(complete)
+    validated = {r.get("epoch") for r in read_records(metrics) if r.get("kind") == "val"}
+    return [] if newest in validated or (complete[newest] / "val_metrics.json").exists() else [complete[newest]]
+
+
 def _stamp() -> str:
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
 
@@ -85,9 +100,13 @@ def prepare_checkpoints(cfg: TrainConfig, paths: TrainLayout, log: TrainLog) -> 
         return None
     dirs = epoch_dirs(paths.checkpoints)
     incomplete = [p for _, p in sorted(dirs.items()) if not checkpoint_complete(p)]
+    incomplete += unvalidated({e: p for e, p in dirs.items() if p not in incomplete}, paths.metrics)
     stale = [paths.checkpoints / "interrupted"] if (paths.checkpoints / "interrupted").exists() else []
     if incomplete or stale:
-        _move_aside(paths, incomplete + stale, log, "left-overs a resume cannot use (a half-saved epoch, a SIGTERM save)")
+        _move_aside(
+            paths, incomplete + stale, log,
+            "left-overs a resume cannot use (a half-saved epoch, an epoch whose validation did not finish, a SIGTERM save)",
+        )
         for link in paths.checkpoints.glob("epoch*_*"):
             if link.is_symlink() and not link.exists():
                 link.unlink()

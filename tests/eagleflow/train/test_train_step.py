@@ -566,6 +566,30 @@ def test_resume_point_cleanup_and_mismatched_settings(tmp_path: Path) -> None:
     log.close()
 
 
+def test_an_epoch_saved_but_not_validated_is_redone_not_resumed_from(tmp_path: Path) -> None:
+    """speculators saves an epoch, then validates it: a run stopped mid-validation (an online feed that lost its
+    engine or its store) leaves a whole checkpoint of an unvalidated epoch, which a resume would never validate."""
+    cfg = TrainConfig(dataset=tmp_path, verifier=tmp_path, out=tmp_path / "o", aux_layer_ids=AUX, epochs=3)
+    paths = TrainLayout(cfg.out)
+    log = TrainLog(paths.log)
+    _fake_checkpoint(paths.checkpoints / "0", 10)
+    _fake_checkpoint(paths.checkpoints / "1", 20)
+    records = [{"kind": "train", "step": s, "epoch": s // 10} for s in range(20)] + [{"kind": "val", "step": 10, "epoch": 0}]
+    paths.metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    paths.config.write_text(cfg.model_dump_json())
+    point = prepare_checkpoints(cfg, paths, log)
+    assert point is not None and (point.epoch, point.global_step) == (0, 10), "epoch 1 is trained and validated again"
+    assert list(paths.previous.glob("*/1")) and not (paths.checkpoints / "1").exists()
+    assert [r["step"] for r in read_metrics(paths.metrics) if r["kind"] == "train"] == list(range(10))
+    assert "an epoch whose validation did not finish" in paths.log.read_text()
+    # Validated (speculators' own val_metrics.json, or our val record): resumed from as it is.
+    _fake_checkpoint(paths.checkpoints / "1", 20)
+    (paths.checkpoints / "1" / "val_metrics.json").write_text("{}")
+    point = prepare_checkpoints(cfg, paths, log)
+    assert point is not None and point.epoch == 1
+    log.close()
+
+
 def test_metric_records_from_speculators_dicts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     now = iter([100.0, 101.0, 102.0])
     recorder = MetricsRecorder(tmp_path / "m.jsonl", clock=lambda: next(now))
