@@ -46,6 +46,14 @@ StoredHiddenStatesDtype = Annotated[
 ]
 
 # The draft vocabulary's size, as vocabulary building and training declare it: one Param sets both.
+SampleStoreAddress = Annotated[
+    str | None,
+    Field(
+        None,
+        description="the run's Mooncake Store as JSON ({master, admin, metadata_server, namespace}): samples are handed "
+        "over through it instead of the dump folder (Param sample_transport mooncake)",
+    ),
+]
 DraftVocabSize = Annotated[
     int,
     Field(
@@ -86,6 +94,30 @@ ChatTemplateKwargs = Annotated[
         description='Keyword arguments of the verifier\'s chat template, as SGLang\'s chat_template_kwargs: e.g. '
         '{"enable_thinking": true} (Qwen3), {"thinking": true} (Kimi-K2.5); preparation, regeneration and evaluation '
         "render every conversation with them",
+    ),
+]
+
+# How the engines hand captured samples to extraction and online training (docs/design.md §3.4): one Param.
+SampleTransport = Annotated[
+    Literal["file", "mooncake"],
+    Field(
+        "file",
+        title="Sample transport",
+        description="file: each sample is a file in the engines' dump folder, which the workers must see. mooncake: "
+        "samples go through a Mooncake Store (the store of sample_store_conn_id, else one the run starts on the engine "
+        "node), so engine and trainer nodes need no shared filesystem; the store holds at most dump_queue_gb per engine",
+        json_schema_extra={"section": "Engine"},
+    ),
+]
+SampleStoreConnId = Annotated[
+    str,
+    Field(
+        "",
+        title="Sample store connection",
+        description="sample_transport mooncake: an Airflow connection naming the Mooncake master (host, RPC port; extra: "
+        "admin_port, metadata_server, namespace). Empty: the run starts a master and metadata server on its engine "
+        "node, bound to 127.0.0.1 (engines and trainers on that node only)",
+        json_schema_extra={"section": "Engine"},
     ),
 ]
 

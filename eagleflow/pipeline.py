@@ -24,7 +24,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
-from eagleflow.config import AuxLayerIds, EngineKind, StoredHiddenStatesDtype, TpSize, WarmupTimeout, build_model, schemas_of
+from eagleflow.config import AuxLayerIds, EngineKind, SampleStoreConnId, SampleTransport, StoredHiddenStatesDtype, TpSize, WarmupTimeout
+from eagleflow.config import build_model, schemas_of
 from eagleflow.engine.process import ServerInfo
 from eagleflow.data.disk_check import DiskCheckConfig
 from eagleflow.data.prepare import PrepareConfig
@@ -138,6 +139,8 @@ class PipelineConfig(RunDrafters):
         description="With remote engines: the one folder their capture hooks write to, as seen from the workers.",
         json_schema_extra={"section": "Engine"},
     )
+    sample_transport: SampleTransport
+    sample_store_conn_id: SampleStoreConnId
 
     # Not a Param itself: the steps' Params as given (checked by from_params); see train_config(),
     # evaluate_config().
@@ -171,14 +174,14 @@ class PipelineConfig(RunDrafters):
     @model_validator(mode="after")
     def _online_extracts_nothing(self) -> PipelineConfig:
         if self.stop_after_extraction and self.step_params.get("hidden_states_source") == "engine":
-            raise ValueError(
-                "stop_after_extraction with hidden_states_source engine: online training extracts nothing to stop after"
-            )
+            raise ValueError("stop_after_extraction with hidden_states_source engine: online training extracts nothing to stop after")
         return self
 
     @model_validator(mode="after")
     def _remote_needs_dump_dir(self) -> PipelineConfig:
-        if self.server_urls and not self.server_dump_dir:
+        if self.server_urls and self.sample_transport == "mooncake" and not self.sample_store_conn_id:
+            raise ValueError("sample_transport mooncake with server_urls needs sample_store_conn_id (the store the remote hooks use)")
+        if self.server_urls and not self.server_dump_dir and self.sample_transport == "file":
             raise ValueError("server_dump_dir is required with server_urls (where the remote hooks write their dumps)")
         return self
 
@@ -283,18 +286,20 @@ class PipelineConfig(RunDrafters):
         """``check-disk``: ``folder`` must hold ``needed_bytes`` with the margin."""
         return self.step_config(DiskCheckConfig, folder=folder, needed_bytes=needed_bytes)
 
-    def verify_capture_config(self, server_url: str, dump_dir: str, engine: str) -> VerifyCaptureConfig:
-        """The capture check's config: its Params plus this run's dataset, verifier and aux ids, for engine ``engine`` at ``server_url``."""
+    def verify_capture_config(self, server: ServerInfo) -> VerifyCaptureConfig:
+        """The capture check's config: its Params plus this run's dataset, verifier and aux ids, for engine ``server``."""
         return self.step_config(
-            VerifyCaptureConfig, dataset=self.layout.dataset, server=server_url, dump_dir=dump_dir, verifier=model_dir(self),
+            VerifyCaptureConfig, dataset=self.layout.dataset, server=server.url, dump_dir=server.dump_dir,
+            sample_store=server.store_json(), verifier=model_dir(self),
             aux_layer_ids=self.captured_aux_layer_ids(), hidden_states_dtype=self.hidden_states_dtype,
-            out=self.layout.capture_check(engine),
+            out=self.layout.capture_check(server.name),
         )
 
     def extract_config(self, server: ServerInfo, shard: dict[str, Any]) -> ExtractConfig:
         """``extract``: the rows of ``shard`` (``{name, start, end}``) from ``server``, watched by pid when it runs here."""
         return self.step_config(
             ExtractConfig, dataset=self.layout.dataset, server=server.url, engine_name=server.name, dump_dir=server.dump_dir,
+            sample_store=server.store_json(),
             rows=f"{int(shard['start'])}:{int(shard['end'])}", verifier=model_dir(self),
             aux_layer_ids=self.captured_aux_layer_ids(), hidden_states_dtype=self.hidden_states_dtype,
             manifest=self.layout.shard_manifest(str(shard["name"])), server_pid=server.pid if server.is_local else None,
@@ -323,7 +328,7 @@ class PipelineConfig(RunDrafters):
         }
         if engines:  # one hand-off folder for all of a run's engines
             values.update(engine_urls=[e.url for e in engines], engine_names=[e.name for e in engines],
-                          dump_dir=Path(engines[0].dump_dir))
+                          dump_dir=Path(engines[0].dump_dir), sample_store=engines[0].store_json())
             plan = self.drafter_plan()
             if len(plan) > 1:  # several drafters: one prefill per sample for all (eagleflow.train.online.share)
                 values["online_trainers"] = [self.for_drafter(d).layout.train.root for d in plan]

@@ -88,7 +88,7 @@ class VerifyCaptureOperator(EagleflowStepOperator):
         if reason:  # another GPU node's launched engine: a retry may land on that node's worker
             raise AirflowException(f"cannot check {reason}")
         self.log.info("Checking the capture of %s", server.describe())
-        return model_to_argv(pipeline_config(context).verify_capture_config(server.url, server.dump_dir, server.name))
+        return model_to_argv(pipeline_config(context).verify_capture_config(server))
 
 
 class ShardExtractOperator(EagleflowStepOperator):

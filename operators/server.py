@@ -9,13 +9,16 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, BaseSensorOperator, PokeReturnValue
-from airflow.sdk.exceptions import AirflowException, AirflowSensorTimeout
+from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSensorTimeout
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from operators.step import pipeline_config
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
+
+    from eagleflow.pipeline import PipelineConfig
+    from sglang_patch.mooncake_store import StoreAddress
 
 # How often the trigger hands the new server log lines back to the task log while waiting.
 LOG_REPORT_SECONDS = 60.0
@@ -96,7 +99,24 @@ class SGLangServerOperator(BaseOperator):
                 url=str(self.engine.get("url") or ""), pid=None, host="", log_path="", dump_dir=str(cfg.layout.dump_dir), name=name
             )
             return {**unstarted.as_dict(), NOT_LAUNCHED_KEY: idle}
-        return launch_engine(cfg, name, say=self.log.info).as_dict()
+        return launch_engine(cfg, name, say=self.log.info, sample_store=connection_store(cfg)).as_dict()
+
+
+def connection_store(cfg: PipelineConfig) -> StoreAddress | None:
+    """The Mooncake Store the Param ``sample_store_conn_id`` names (None: no connection given)."""
+    if cfg.sample_transport != "mooncake" or not cfg.sample_store_conn_id:
+        return None
+    from airflow.sdk import BaseHook
+    from airflow.sdk.exceptions import AirflowNotFoundException
+
+    from eagleflow.engine.launch import store_namespace
+    from eagleflow.engine.sample_store_service import address_from_connection
+
+    try:
+        conn = BaseHook.get_connection(cfg.sample_store_conn_id)
+    except AirflowNotFoundException as exc:
+        raise AirflowFailException(f"Param sample_store_conn_id: no Airflow connection {cfg.sample_store_conn_id!r}") from exc
+    return address_from_connection(conn.host or "", conn.port, conn.extra_dejson, store_namespace(cfg))
 
 
 class StopServerOperator(BaseOperator):

@@ -130,11 +130,13 @@ class TrainOperator(EagleflowStepOperator):
 
     def step_argv(self, context: Context) -> list[str]:
         from eagleflow.config import model_to_argv
+        from eagleflow.engine.launch import revive_sample_store
         from eagleflow.engine.pool import engines_from_xcom, unreachable_reason
 
         cfg = drafter_config(context, (self.node or {}).get("drafter"))
         if not cfg.online:
             return model_to_argv(cfg.train_config(node_rank=int((self.node or {}).get("rank", 0))))
+        revive_sample_store(cfg, say=self.log.info)
         engines = engines_from_xcom(self.engines)
         reachable = [e for e in engines if unreachable_reason(e) is None]
         for engine in engines:

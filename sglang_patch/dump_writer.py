@@ -23,9 +23,9 @@ process) and eagleflow's reference engine. What it guarantees the engine:
   final files durable once per shard.
 
 A request that cannot give a complete dump gets ``<rid>.error.json`` (:class:`ErrorRecord`);
-a status file says what is still queued (:mod:`sglang_patch.handoff`). The writer keeps a small
-reserve file beside them and gives it up when the disk is full, so that the "disk full" record
-itself still fits.
+a status file says what is still queued (:mod:`sglang_patch.handoff`). With a sample store
+(:mod:`sglang_patch.mooncake_store`) samples, records and status go there instead of the folder
+(:mod:`sglang_patch.handoff_sink` says where).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from __future__ import annotations
 import errno
 import os
 import queue
-import shutil
 import socket
 import sys
 import threading
@@ -53,10 +52,9 @@ from sglang_patch.handoff import (
     WRITER_BEHIND,
     ErrorRecord,
     WriterStatus,
-    dump_path,
-    reserve_path,
-    status_path,
 )
+from sglang_patch.handoff_sink import RECORD_RESERVE_BYTES, StorePutFailed, sink_for
+from sglang_patch.mooncake_store import StoreAddress, store_sample_limit
 from sglang_patch.sample_file import (
     HIDDEN_STATES_KEY,
     SCALES_DTYPE,
@@ -68,10 +66,9 @@ from sglang_patch.sample_file import (
     SlotMajor,
     decode_hidden_states,
     encode_hidden_states,
+    encode_sample,
     quantize_fp8_into,
     sample_file_bytes,
-    write_encoded_sample,
-    write_sample_file,
 )
 from sglang_patch.pending_dump import Job, PendingDump, host_bytes
 from sglang_patch.sample_format import DEFAULT_HIDDEN_STATES_DTYPE, HiddenStatesDtype, check_hidden_states_dtype
@@ -81,7 +78,6 @@ DEFAULT_WRITER_THREADS = 2
 _MEMORY_SHARE = 8  # default budget: this share of the host's memory ...
 _BUDGET_CAP = 32 << 30  # ... at most 32 GiB (pinned memory is locked memory)
 _BUDGET_FLOOR = 256 << 20
-RECORD_RESERVE_BYTES = 256 << 10  # kept free for the records that say the disk is full
 
 
 def _fp8_host_buffers(seq_len: int, n_slots: int, hidden: int, pinned: bool) -> dict[str, torch.Tensor]:
@@ -110,6 +106,7 @@ class DumpWriter:
     :param threads: writer threads (files are independent; more than one keeps a disk busy).
     :param write_delay: TEST ONLY: seconds each dump write sleeps first (a slow disk, for real queues).
     :param hidden_states_dtype: storage dtype of the dumps (``bf16`` or ``fp8``).
+    :param sample_store: hand the samples over through this Mooncake Store instead of ``dump_dir``.
     """
 
     def __init__(
@@ -120,11 +117,14 @@ class DumpWriter:
         threads: int = DEFAULT_WRITER_THREADS,
         write_delay: float = 0.0,
         hidden_states_dtype: HiddenStatesDtype = DEFAULT_HIDDEN_STATES_DTYPE,
+        sample_store: StoreAddress | None = None,
     ) -> None:
         self.hidden_states_dtype = check_hidden_states_dtype(hidden_states_dtype)
         self.dump_dir = Path(dump_dir)
-        self.dump_dir.mkdir(parents=True, exist_ok=True)
         self.budget = int(max_pending_bytes or default_queue_budget())
+        self.sink = sink_for(self.dump_dir, sample_store, self.budget)
+        # What one request may hold: the budget, and with a store its transfer buffer too.
+        self.largest_sample = self.budget if sample_store is None else store_sample_limit(self.budget)
         self.wait_seconds = wait_seconds
         self.write_delay = write_delay
         self._cond = threading.Condition()
@@ -135,8 +135,7 @@ class DumpWriter:
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._records: queue.Queue[ErrorRecord | None] = queue.Queue()
         self._closed = False
-        self._reserve_space()
-        self.status().write(self.dump_dir)  # at once: an extractor must not take a silent start for "no writer"
+        self.sink.write_status(self.status())  # at once: an extractor must not take a silent start for "no writer"
         self._threads = [threading.Thread(target=self._write_loop, name=f"hs-dump-writer-{i}", daemon=True) for i in range(threads)]
         self._threads.append(threading.Thread(target=self._record_loop, name="hs-dump-records", daemon=True))
         for thread in self._threads:
@@ -236,8 +235,7 @@ class DumpWriter:
         self._records.put(None)
         for thread in self._threads:
             thread.join()
-        status_path(self.dump_dir).unlink(missing_ok=True)
-        reserve_path(self.dump_dir).unlink(missing_ok=True)
+        self.sink.close()
 
     @property
     def write_errors(self) -> list[str]:
@@ -253,12 +251,12 @@ class DumpWriter:
     # -- budget ----------------------------------------------------------------------------
 
     def _reserve(self, rid: str, num_bytes: int, deadline: float | None = None) -> bool:
-        if num_bytes > self.budget:
+        if num_bytes > self.largest_sample:
             self.submit_error(
                 rid,
                 f"one request needs {num_bytes / 1e9:.2f} GB of dump buffer, more than the whole budget of "
-                f"{self.budget / 1e9:.2f} GB: raise the dump queue budget (eagleflow Param dump_queue_gb)",
-                kind=TOO_LARGE, needed_bytes=num_bytes, budget_bytes=self.budget,
+                f"{self.largest_sample / 1e9:.2f} GB: raise the dump queue budget (eagleflow Param dump_queue_gb)",
+                kind=TOO_LARGE, needed_bytes=num_bytes, budget_bytes=self.largest_sample,
             )
             return False
         wait = self.wait_seconds if deadline is None else max(0.0, min(self.wait_seconds, deadline - time.monotonic()))
@@ -318,25 +316,25 @@ class DumpWriter:
                 report = nonfinite_report(states, slot_axis=0 if pending.slot_major else 1)
             self.submit_error(pending.rid, report, kind=NONFINITE)
             return
-        free = shutil.disk_usage(self.dump_dir).free
-        if free < pending.stored_bytes + RECORD_RESERVE_BYTES:  # never eat into the room the records need
+        free = self.sink.free_bytes()
+        if free is not None and free < pending.stored_bytes + RECORD_RESERVE_BYTES:  # never eat into the room the records need
             self._disk_full(pending, free)
             return
         if self.write_delay:
             time.sleep(self.write_delay)
-        path, metadata = dump_path(self.dump_dir, pending.rid), {VALUES_KEY: VALUES_FINITE}
         if pending.encoded is not None:
-            write_encoded_sample(path, {**pending.encoded, TOKEN_IDS_KEY: job.token_ids}, metadata, durable=False)
+            tensors = {**pending.encoded, TOKEN_IDS_KEY: job.token_ids}
         else:
             states = SlotMajor(pending.host) if pending.slot_major else pending.host
-            write_sample_file(path, states, job.token_ids, self.hidden_states_dtype, metadata, durable=False)
+            tensors = encode_sample(states, job.token_ids, self.hidden_states_dtype)
+        self.sink.write_sample(pending.rid, tensors, {VALUES_KEY: VALUES_FINITE})
         with self._cond:
             self._status.written += 1
             self._status.last_write = time.time()
 
     def _disk_full(self, pending: PendingDump, free: int) -> None:
         """Record that ``pending`` does not fit; the reserve goes first, so the record does."""
-        reserve_path(self.dump_dir).unlink(missing_ok=True)
+        self.sink.give_up_reserve()
         self.submit_error(
             pending.rid,
             f"disk full: {self.dump_dir} has {free} bytes free, this dump needs {pending.stored_bytes} bytes",
@@ -349,27 +347,12 @@ class DumpWriter:
         with self._cond:
             self._status.failed += 1
         print(f"eagleflow dump writer: write failed: {message}", file=sys.stderr, flush=True)
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            self._disk_full(pending, shutil.disk_usage(self.dump_dir).free)  # another writer took the room first
+        if isinstance(exc, StorePutFailed):
+            self.submit_error(pending.rid, str(exc), kind=exc.kind, retryable=exc.retryable, store=self.sink.describe())
+        elif isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            self._disk_full(pending, self.sink.free_bytes() or 0)  # another writer took the room first
         else:
             self.submit_error(pending.rid, f"write failed: {message}", kind=WRITE_FAILED)
-
-    def _reserve_space(self) -> None:
-        try:
-            with open(reserve_path(self.dump_dir), "wb") as handle:
-                handle.write(b"\0" * RECORD_RESERVE_BYTES)
-        except OSError:
-            reserve_path(self.dump_dir).unlink(missing_ok=True)  # no room even for that: records may fail
-
-    def _write_record(self, record: ErrorRecord) -> None:
-        """Write ``record``; on a full disk give up the reserve (if still there) and try once more."""
-        try:
-            record.write(self.dump_dir)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not reserve_path(self.dump_dir).exists():
-                raise
-            reserve_path(self.dump_dir).unlink(missing_ok=True)
-            record.write(self.dump_dir)
 
     def _record_loop(self) -> None:
         last_status = 0.0
@@ -382,7 +365,7 @@ class DumpWriter:
                 return
             if record:
                 try:
-                    self._write_record(record)
+                    self.sink.write_record(record)
                 except Exception as exc:  # disk full even for a small record: say so in the log
                     print(f"eagleflow dump writer: cannot write error record for {record.rid}: {exc}", file=sys.stderr, flush=True)
                 finally:
@@ -394,6 +377,6 @@ class DumpWriter:
             if time.monotonic() - last_status >= STATUS_INTERVAL_S / 2:
                 last_status = time.monotonic()
                 try:
-                    self.status().write(self.dump_dir)
+                    self.sink.write_status(self.status())
                 except Exception:
                     pass  # a full disk: the records above say what matters

@@ -71,7 +71,10 @@ class ErrorRecord:
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> ErrorRecord:
         """Load a record; a record of an older writer (``rid``/``error`` plus loose fields) is accepted."""
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ErrorRecord:
         known = {f.name for f in fields(cls)}
         details = dict(data.get("details") or {}) | {k: v for k, v in data.items() if k not in known}
         return cls(

@@ -55,6 +55,7 @@ from sglang_patch.handoff import CAPTURE_FAILED, PREFIX_REUSED
 from sglang_patch.hook_spec import DUMP_DIR_ENV, HOOK_NAME, UnsupportedSGLangVersion
 from sglang_patch.layer_ids import validate_aux_layer_ids
 from sglang_patch.layer_output import LayerOutputReader, LayerTupleReader, StateSum, reader_for
+from sglang_patch.mooncake_store import SAMPLE_STORE_ENV, store_option
 from sglang_patch.request_ids import is_captured
 from sglang_patch.sample_format import DEFAULT_HIDDEN_STATES_DTYPE, HiddenStatesDtype, check_hidden_states_dtype
 
@@ -92,7 +93,8 @@ def capture_hook_factory(config: dict[str, Any] | None) -> HiddenStateCapture:
     ``SGLANG_HS_DUMP_DIR`` environment variable), optional ``hidden_states_dtype`` (``bf16``,
     the default, or ``fp8``), ``max_pending_bytes`` (the writer's byte budget; default: from the
     host's memory) and ``wait_seconds`` (how long a pass may wait for budget before its requests
-    get "writer behind").
+    get "writer behind"), optional ``sample_store`` (a Mooncake Store's address: samples go there, not to
+    the folder; else the ``EAGLEFLOW_SAMPLE_STORE`` environment variable).
     """
     version = installed_sglang_version()
     reader = reader_for(version)
@@ -108,7 +110,8 @@ def capture_hook_factory(config: dict[str, Any] | None) -> HiddenStateCapture:
         num_layers=int(config["num_layers"]),
         dump_dir=str(dump_dir),
         tp_rank=_sglang_tp_rank,
-        writer_options={key: config[key] for key in ("max_pending_bytes", "wait_seconds") if config.get(key) is not None},
+        writer_options={key: config[key] for key in ("max_pending_bytes", "wait_seconds") if config.get(key) is not None}
+        | store_option(config.get("sample_store") or os.environ.get(SAMPLE_STORE_ENV)),
         hidden_states_dtype=config.get("hidden_states_dtype", DEFAULT_HIDDEN_STATES_DTYPE),
         reader=reader,
     )

@@ -218,6 +218,13 @@ def write_sample_file(
     bf16 states held :class:`SlotMajor` are written as they are (the write interleaves the
     slots); fp8 is quantised first, which needs every slot of a token (one scale per token).
     """
+    return write_encoded_sample(path, encode_sample(hidden_states, token_ids, hidden_states_dtype), metadata=metadata, durable=durable)
+
+
+def encode_sample(
+    hidden_states: torch.Tensor | SlotMajor, token_ids: torch.Tensor, hidden_states_dtype: HiddenStatesDtype = "bf16"
+) -> dict[str, torch.Tensor | SlotMajor]:
+    """The tensors of one sample as stored (:func:`write_encoded_sample` and :func:`encoded_sample_bytes` take them)."""
     dtype = check_hidden_states_dtype(hidden_states_dtype)
     if isinstance(hidden_states, SlotMajor) and (dtype != "bf16" or hidden_states.states.dtype != STORAGE_DTYPES["bf16"]):
         hidden_states = hidden_states.states.permute(1, 0, 2)  # a view: the encoding below makes the token-major copy
@@ -225,7 +232,7 @@ def write_sample_file(
         encoded: dict[str, torch.Tensor | SlotMajor] = {HIDDEN_STATES_KEY: hidden_states}
     else:
         encoded = {k: v.to("cpu") for k, v in encode_hidden_states(hidden_states, dtype).items()}
-    return write_encoded_sample(path, {**encoded, TOKEN_IDS_KEY: token_ids}, metadata=metadata, durable=durable)
+    return {**encoded, TOKEN_IDS_KEY: token_ids}
 
 
 def write_encoded_sample(
@@ -242,6 +249,45 @@ def write_encoded_sample(
     reader makes them durable itself, once per batch of files.
     """
     path = Path(path)
+    out, held = _checked_tensors(tensors)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, published_file_mode())  # mkstemp makes 0600; the extractor may be another user
+        _write_all(fd, _header(out, metadata))
+        for name, (tensor, _) in out.items():
+            if name == HIDDEN_STATES_KEY and isinstance(held, SlotMajor):
+                _writev_all(fd, _slot_major_pieces(tensor))
+            else:
+                _write_all(fd, _bytes_view(tensor))
+        if durable:
+            os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp_name, path)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+    return path
+
+
+def encoded_sample_bytes(tensors: Mapping[str, torch.Tensor | SlotMajor], metadata: Mapping[str, str] | None = None) -> bytearray:
+    """The bytes :func:`write_encoded_sample` writes to a file, in memory: the value the sample store holds."""
+    out, held = _checked_tensors(tensors)
+    data = bytearray(_header(out, metadata))
+    for name, (tensor, _) in out.items():
+        if name == HIDDEN_STATES_KEY and isinstance(held, SlotMajor):
+            tensor = tensor.permute(1, 0, 2).contiguous()  # token-major, as the file interleaves it
+        data += _bytes_view(tensor)
+    return data
+
+
+def _checked_tensors(
+    tensors: Mapping[str, torch.Tensor | SlotMajor],
+) -> tuple[dict[str, tuple[torch.Tensor, list[int]]], torch.Tensor | SlotMajor]:
+    """The encoded sample's tensors in file order with their stored shapes, checked; and the states as given."""
     held = tensors[HIDDEN_STATES_KEY]
     states = _states_tensor(held)
     token_ids = tensors[TOKEN_IDS_KEY]
@@ -265,27 +311,7 @@ def write_encoded_sample(
     }
     if scales is not None:
         out[SCALES_KEY] = (scales.detach().to("cpu").contiguous(), [seq_len, 1, 1])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, published_file_mode())  # mkstemp makes 0600; the extractor may be another user
-        _write_all(fd, _header(out, metadata))
-        for name, (tensor, _) in out.items():
-            if name == HIDDEN_STATES_KEY and isinstance(held, SlotMajor):
-                _writev_all(fd, _slot_major_pieces(tensor))
-            else:
-                _write_all(fd, _bytes_view(tensor))
-        if durable:
-            os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        os.replace(tmp_name, path)
-    finally:
-        if fd >= 0:
-            os.close(fd)
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
-    return path
+    return out, held
 
 
 def _states_tensor(hidden_states: torch.Tensor | SlotMajor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from typing import Any
 
 from eagleflow.config import model_to_argv
 from eagleflow.engine.extra_args import check_reference_extra_args
+from eagleflow.engine.sample_store_service import ensure_store, stop_store
 from eagleflow.engine.process import (
     ServerInfo, free_port, launch_lock, recorded_server, running_server, start_server, stop_server
 )
@@ -26,6 +27,7 @@ from eagleflow.errors import UserError
 from eagleflow.export import ServedDrafter
 from eagleflow.pipeline import PipelineConfig, model_dir
 from eagleflow.results import emit_result
+from sglang_patch.mooncake_store import SAMPLE_STORE_ENV, StoreAddress
 
 STOP_GRACE_SECONDS = 30.0
 
@@ -46,21 +48,26 @@ def planned_engine(plan: list[dict[str, Any]], name: str) -> dict[str, Any]:
     raise UserError(f"the run has no engine {name!r}; its engines: {', '.join(e['name'] for e in plan)}")
 
 
-def launch_engine(cfg: PipelineConfig, name: str, say: Callable[[str], None] = print) -> ServerInfo:
+def launch_engine(cfg: PipelineConfig, name: str, say: Callable[[str], None] = print, sample_store: StoreAddress | None = None) -> ServerInfo:
     """Start engine ``name`` of the run in its own session, or reuse it when it is already up; its address.
 
     The engine outlives the caller, its output appended to ``<run>/server/<name>.log`` and its process
     recorded in ``<run>/server/<name>.json``. One launch at a time per run folder (a lock): an SGLang
     engine that shares its machine with engines of the same run already running takes the GPUs after
     theirs (``--base-gpu-id``). In remote mode (``server_urls``) nothing starts: the remote engine's
-    address comes back.
+    address comes back. With ``sample_transport`` mooncake the engine hands its samples to ``sample_store``
+    (what the Param ``sample_store_conn_id`` names), else to the run's own store, started here with the first
+    engine (:mod:`eagleflow.engine.sample_store_service`).
     """
     plan = cfg.engine_plan()
     engine = planned_engine(plan, name)
     layout = cfg.layout
     if cfg.remote:
         say(f"Remote mode: not launching anything; {name} is at {engine['url']}")
-        return ServerInfo(url=str(engine["url"]), pid=None, host="", log_path="", dump_dir=str(cfg.server_dump_dir), name=name)
+        return ServerInfo(
+            url=str(engine["url"]), pid=None, host="", log_path="", dump_dir=str(cfg.server_dump_dir), name=name,
+            sample_store=sample_store.as_dict() if sample_store else None,
+        )
     with launch_lock(layout.server):
         existing = running_server(layout.engine_state(name))
         if existing is not None:
@@ -69,9 +76,13 @@ def launch_engine(cfg: PipelineConfig, name: str, say: Callable[[str], None] = p
         # Engines of this run already running on this machine hold the first GPUs.
         neighbours = [e for e in plan if e["name"] != name and running_server(layout.engine_state(e["name"]))]
         port = int(engine["port"]) or free_port()
-        argv, env = engine_command(cfg, port, gpu_offset=len(neighbours) * cfg.tp_size)
+        store = run_sample_store(cfg, sample_store, say)
+        argv, env = engine_command(cfg, port, gpu_offset=len(neighbours) * cfg.tp_size, sample_store=store)
         say(f"Starting {cfg.engine} engine {name}: {' '.join(argv)}")
-        info = start_server(argv, env, layout.engine_log(name), layout.engine_state(name), f"http://127.0.0.1:{port}", layout.dump_dir, name)
+        info = start_server(
+            argv, env, layout.engine_log(name), layout.engine_state(name), f"http://127.0.0.1:{port}", layout.dump_dir, name,
+            sample_store=store.as_dict() if store else None,
+        )
     say(f"{info.describe()}: pid {info.pid}, log {info.log_path}")
     return info
 
@@ -94,15 +105,39 @@ def stop_engine(cfg: PipelineConfig, name: str, grace: float = STOP_GRACE_SECOND
         raise EngineElsewhere(info)
     message = stop_server(info.pid, grace)
     state.unlink(missing_ok=True)
+    if not any(running_server(cfg.layout.engine_state(e["name"])) for e in cfg.engine_plan()):
+        message += f"; {stop_store(cfg.layout.server)}"  # the run's own store goes with its last engine
     return message
 
 
-def engine_command(cfg: PipelineConfig, port: int, gpu_offset: int = 0) -> tuple[list[str], dict[str, str]]:
+def run_sample_store(cfg: PipelineConfig, given: StoreAddress | None, say: Callable[[str], None] = print) -> StoreAddress | None:
+    """Where the run's engines hand samples over: None (the dump folder), ``given``, or the run's own store."""
+    if cfg.sample_transport != "mooncake":
+        return None
+    return given or ensure_store(cfg.layout.server, store_namespace(cfg), say)
+
+
+def revive_sample_store(cfg: PipelineConfig, say: Callable[[str], None] = print) -> None:
+    """Before online training (a retry): bring the run's own store back on its ports if it died (its master was
+    killed); the engines' store clients reconnect to it. A store a connection names is its owner's to keep up."""
+    if cfg.sample_transport == "mooncake" and not cfg.sample_store_conn_id and not cfg.remote:
+        ensure_store(cfg.layout.server, store_namespace(cfg), say, start_new=False)
+
+
+def store_namespace(cfg: PipelineConfig) -> str:
+    """The run's keys in a store: ``eagleflow/<run name>``."""
+    return f"eagleflow/{cfg.run_name}"
+
+
+def engine_command(
+    cfg: PipelineConfig, port: int, gpu_offset: int = 0, sample_store: StoreAddress | None = None
+) -> tuple[list[str], dict[str, str]]:
     """argv and environment of one engine this run launches (never a shell string).
 
     :param port: the port it binds on 127.0.0.1.
     :param gpu_offset: first GPU of an SGLang engine (``--base-gpu-id``): the GPUs before it are
         taken by this run's other engines on the same machine.
+    :param sample_store: the store the capture hands samples to instead of the dump folder.
     """
     layout = cfg.layout
     aux_ids = cfg.captured_aux_layer_ids()
@@ -112,7 +147,7 @@ def engine_command(cfg: PipelineConfig, port: int, gpu_offset: int = 0) -> tuple
         engine = ReferenceEngineConfig(
             model=model_dir(cfg), dump_dir=layout.dump_dir, aux_layers=aux_ids, host="127.0.0.1", port=port,
             dump_queue_bytes=cfg.dump_queue_bytes,
-            hidden_states_dtype=cfg.hidden_states_dtype,
+            hidden_states_dtype=cfg.hidden_states_dtype, sample_store=sample_store.to_json() if sample_store else None,
         )
         check_reference_extra_args(cfg.server_extra_args)
         argv = [sys.executable, "-u", "-m", "eagleflow", "serve-reference", *model_to_argv(engine)]
@@ -131,7 +166,8 @@ def engine_command(cfg: PipelineConfig, port: int, gpu_offset: int = 0) -> tuple
         hidden_states_dtype=cfg.hidden_states_dtype,
         extra_args=list(cfg.server_extra_args),
     )
-    return build_command(sglang)
+    argv, env = build_command(sglang)
+    return argv, env | ({SAMPLE_STORE_ENV: sample_store.to_json()} if sample_store else {})
 
 
 def serving_engine_command(

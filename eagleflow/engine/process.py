@@ -41,9 +41,14 @@ class ServerInfo:
     log_path: str
     dump_dir: str
     name: str = "engine-0"
+    sample_store: dict[str, Any] | None = None  # the run's Mooncake Store, when samples go through one
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def store_json(self) -> str | None:
+        """The sample store's address as the steps' ``--sample-store`` flag takes it (None: the dump folder)."""
+        return json.dumps(self.sample_store, sort_keys=True) if self.sample_store else None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ServerInfo:
@@ -125,6 +130,7 @@ def start_server(
     name: str = "engine-0",
     *,
     owned: bool = False,
+    sample_store: dict[str, Any] | None = None,
 ) -> ServerInfo:
     """Start engine ``name`` in its own session, its output appended to ``log_path``.
 
@@ -134,6 +140,7 @@ def start_server(
 
     :param owned: the engine is the calling step's own (evaluation's): the kernel sends it SIGTERM when this
         process dies, even by SIGKILL. Call from the main thread: the signal is tied to the starting thread.
+    :param sample_store: the Mooncake Store the engine hands samples to (recorded with it).
     """
     parent = os.getpid()
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -152,7 +159,8 @@ def start_server(
             preexec_fn=(lambda: die_with_parent(signal.SIGTERM, parent)) if owned else None,
         )
     info = ServerInfo(
-        url=url, pid=process.pid, host=socket.gethostname(), log_path=str(log_path), dump_dir=str(dump_dir), name=name
+        url=url, pid=process.pid, host=socket.gethostname(), log_path=str(log_path), dump_dir=str(dump_dir), name=name,
+        sample_store=sample_store,
     )
     atomic_write_json(state_path, info.as_dict())
     return info

@@ -3,6 +3,7 @@
 - :mod:`~eagleflow.extract.shard`: one shard's rows, resumable (``python -m eagleflow extract``),
   with its flags in :mod:`~eagleflow.extract.config`;
 - :mod:`~eagleflow.extract.dump_wait`: waiting for a request's dump (late, lost, writer behind, disk full);
+- :mod:`~eagleflow.extract.handoff_reader`: where the dumps are read, the engine's folder or the run's sample store;
 - :mod:`~eagleflow.extract.sample_store`: where a row's file lives, whether it is complete,
   and moving a server dump into place;
 - :mod:`~eagleflow.extract.manifest`: the per-shard manifest (light: the UI reads it);
@@ -21,6 +22,7 @@ __all__, __getattr__ = lazy_exports(
         "config": ["ExtractConfig"],
         "dump_wait": ["DiskFull"],
         "row_fetch": ["RowFetcher", "SampleShape"],
+        "handoff_reader": ["FolderHandOff", "HandOff", "StoreHandOff", "StoreUnreachable", "handoff_for"],
         "sample_store": ["validate_dataset"],
         "completion": ["already_complete_message", "complete_shard", "incomplete_shards"],
     },

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pydantic import Field, field_validator
 
-from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype
+from eagleflow.config import AuxLayerIds, SampleStoreAddress, StoredHiddenStatesDtype
 from eagleflow.engine import EngineRequestSettings
 from eagleflow.errors import excerpt_repr
 
@@ -18,6 +18,7 @@ class ExtractConfig(EngineRequestSettings):
     server: str = Field(description="engine base URL, e.g. http://127.0.0.1:30000")
     engine_name: str = Field("", description="the engine's name (engine-0, …), for the log and the manifest")
     dump_dir: Path = Field(description="folder where the engine writes <rid>.safetensors")
+    sample_store: SampleStoreAddress
     rows: str = Field(description="START:END, end exclusive")
     verifier: Path = Field(description="verifier model folder (hidden size)")
     aux_layer_ids: AuxLayerIds = Field(description="captured layer ids; the files hold one more slot, the final state")

@@ -16,14 +16,14 @@ the disk gets to it (on a slow disk, long after the answer). For request ``rid``
 - the writer holds it but cannot even rewrite its status, and the folder has no room for the
   dump: :class:`DiskFull` (the writer's own record did not fit either).
 
-The status files are :mod:`sglang_patch.handoff`'s; this module only reads them.
+The status files are :mod:`sglang_patch.handoff`'s; this module only reads them, through the
+reader's hand-off (:mod:`eagleflow.extract.handoff_reader`: the folder, or the run's sample store).
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import socket
 import threading
 import time
@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from eagleflow.engine import RowFailed, pid_alive
+from eagleflow.extract.handoff_reader import FolderHandOff, HandOff
 from eagleflow.progress import format_bytes, format_gb
 from sglang_patch.handoff import (
     DISK_FULL,
@@ -38,8 +39,6 @@ from sglang_patch.handoff import (
     WRITER_BEHIND,
     ErrorRecord,
     WriterStatus,
-    dump_path,
-    error_path,
     read_writer_statuses,
     status_path,
 )
@@ -60,7 +59,7 @@ class DiskFull(Exception):
 
 
 def wait_for_dump(
-    dump_dir: Path,
+    handoff: HandOff,
     rid: str,
     answered_at: float,
     dump_wait: float,
@@ -68,16 +67,18 @@ def wait_for_dump(
     say: Callable[[str], None],
     sleep: Callable[[float], None] = time.sleep,
     needed_bytes: int = 0,
+    beside: Path | None = None,
 ) -> Path:
-    """Return the dump of ``rid`` once it is published; raise :class:`RowFailed` or :class:`DiskFull`.
+    """Return the dump of ``rid`` as a file here once it is published; raise :class:`RowFailed` or :class:`DiskFull`.
 
     :param answered_at: ``time.time()`` when the answer came (or was lost).
     :param needed_bytes: the dump's size, for telling a full disk from a slow one.
     :param dump_wait: seconds without any live writer before giving up, and between "still
         queued" lines.
     :param stop: set when the shard stops (then this raises at once).
+    :param beside: where the sample will be published: a store's sample is read into a part file
+        beside it (:meth:`~eagleflow.extract.handoff_reader.HandOff.local_copy`).
     """
-    dump, error = dump_path(dump_dir, rid), error_path(dump_dir, rid)
     delay = 0.002
     next_note = answered_at + dump_wait
     next_status = 0.0
@@ -86,21 +87,22 @@ def wait_for_dump(
         statuses = None
         if time.monotonic() >= next_status:
             next_status = time.monotonic() + STATUS_POLL_S
-            statuses = read_writer_statuses(dump_dir)  # before the files: a rid leaves a status only once its file exists
-        if error.exists():
-            raise_for_record(ErrorRecord.read(error))
-        if dump.exists():
-            return dump
+            statuses = handoff.statuses()  # before the files: a rid leaves a status only once its file exists
+        record = handoff.error_record(rid)
+        if record is not None:
+            raise_for_record(record)
+        if handoff.has_sample(rid):
+            return handoff.local_copy(rid, beside or Path(".") / rid)
         if stop.is_set():
             raise RowFailed("stopped")
         if statuses is not None:
-            next_note = _judge(statuses, dump_dir, rid, answered_at, dump_wait, next_note, needed_bytes, say)
+            next_note = _judge(statuses, handoff, rid, answered_at, dump_wait, next_note, needed_bytes, say)
         sleep(delay)
         delay = min(delay * 2, POLL_MAX_S)
 
 
 def _judge(
-    statuses: list[WriterStatus], dump_dir: Path, rid: str, answered_at: float, dump_wait: float,
+    statuses: list[WriterStatus], handoff: HandOff, rid: str, answered_at: float, dump_wait: float,
     next_note: float, needed_bytes: int, say: Callable[[str], None],
 ) -> float:
     """Neither file exists yet: decide from the writers' statuses whether to keep waiting; return the next note's time."""
@@ -116,17 +118,17 @@ def _judge(
             )
         if not live and now > answered_at + dump_wait:
             raise RowFailed(
-                f"no dump {dump_path(dump_dir, rid).name} in {dump_dir} within {dump_wait:.0f}s of the answer and no "
+                f"no dump {handoff.sample_name(rid)} in {handoff.describe()} within {dump_wait:.0f}s of the answer and no "
                 "live capture writer there (is the capture hook on, and is --dump-dir the engine's dump folder?)",
                 retryable=True,
             )
     elif now >= next_note:
-        free = shutil.disk_usage(dump_dir).free
-        if not any(s.fresh for s in holders) and free < needed_bytes:
+        free = handoff.free_bytes()
+        if not any(s.fresh for s in holders) and free is not None and free < needed_bytes:
             raise DiskFull(
-                f"disk full: {dump_dir} has {free} bytes free, the dump of {rid} needs {needed_bytes} bytes "
+                f"disk full: {handoff.describe()} has {free} bytes free, the dump of {rid} needs {needed_bytes} bytes "
                 "(the engine's writer cannot even update its status there)",
-                str(dump_dir), needed_bytes, free,
+                handoff.describe(), needed_bytes, free,
             )
         say(_queued_note(rid, holders[0], now - answered_at))
         return now + dump_wait
@@ -165,8 +167,14 @@ def raise_for_record(record: ErrorRecord) -> None:
     raise RowFailed(reason, retryable=record.retryable)
 
 
-def remove_dead_writer_statuses(dump_dir: Path) -> None:
-    """Status files of writers on this host whose process is gone (an engine killed with SIGKILL)."""
+def remove_dead_writer_statuses(handoff: HandOff) -> None:
+    """Status files of writers on this host whose process is gone (an engine killed with SIGKILL).
+
+    A store's statuses need no such care: a killed writer's status left in the store goes stale and
+    is passed over as any stale status is."""
+    if not isinstance(handoff, FolderHandOff):
+        return
+    dump_dir = handoff.dump_dir
     for status in read_writer_statuses(dump_dir):
         if status.host == socket.gethostname() and not pid_alive(status.pid):
             status_path(dump_dir, status.pid, status.host).unlink(missing_ok=True)

@@ -22,16 +22,16 @@ from pathlib import Path
 from typing import TextIO
 
 from eagleflow.engine import RowFailed
+from eagleflow.extract.handoff_reader import HandOff
 from eagleflow.files import atomic_write_text
-from sglang_patch.handoff import dump_path, error_path
 from sglang_patch.request_ids import rid_problem
 
 
 class RidJournal:
-    """The rids one shard sent into ``dump_dir``, kept in ``path``; see the module docstring."""
+    """The rids one shard sent through ``handoff`` (its dump folder or the run's store), kept in ``path``; see the module docstring."""
 
-    def __init__(self, path: Path, dump_dir: Path) -> None:
-        self.path, self.dump_dir = Path(path), Path(dump_dir)
+    def __init__(self, path: Path, handoff: HandOff) -> None:
+        self.path, self.handoff = Path(path), handoff
         self._lock = threading.Lock()
         self._left: list[str] = []  # an earlier attempt's rids: removed at the start, and again at the end
         self._uncollected: set[str] = set()  # this attempt's rids whose dump was not collected
@@ -87,5 +87,4 @@ class RidJournal:
 
     def _remove(self, rids: list[str]) -> None:
         for rid in rids:
-            dump_path(self.dump_dir, rid).unlink(missing_ok=True)
-            error_path(self.dump_dir, rid).unlink(missing_ok=True)
+            self.handoff.discard(rid)

@@ -7,15 +7,17 @@ ready folder and deletes each sample after use). For one row:
 
 - POST ``/generate`` (prefill only) under a new rid (:func:`~sglang_patch.request_ids.row_request_id`);
 - refuse an answer that reused cached prefix tokens or counted another prompt length;
-- wait for ``<dump_dir>/<rid>.safetensors`` under the **same** rid while the engine's writer
-  holds it (:func:`~eagleflow.extract.dump_wait.wait_for_dump`);
+- wait for ``<dump_dir>/<rid>.safetensors`` (or the sample in the run's store) under the **same**
+  rid while the engine's writer holds it (:func:`~eagleflow.extract.dump_wait.wait_for_dump`,
+  through :mod:`~eagleflow.extract.handoff_reader`);
 - check it (header, token ids, the writer's finiteness verdict) and rename it to ``target``.
 
 Retryable failures (5xx, timeouts, "writer behind") are tried again under the engine client's one
 policy (:func:`~eagleflow.engine.client.with_retries`) after ``/abort_request`` of the old rid, so the engine never works on one row twice; a 4xx or a bad
 dump is final for the row; :class:`~eagleflow.engine.client.ServerGone` and
 :class:`~eagleflow.extract.dump_wait.DiskFull` are for the caller to act on (every row would
-fail the same way). Whatever happens, no dump or error file of the row's rids is left behind.
+fail the same way), and so is :class:`~eagleflow.extract.handoff_reader.StoreUnreachable`. Whatever
+happens, no dump or error file (or store key) of the row's rids is left behind.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from pathlib import Path
 
 from eagleflow.engine import AnswerLost, EngineClient, RowFailed, with_retries
 from eagleflow.extract.dump_wait import DiskFull, wait_for_dump
+from eagleflow.extract.handoff_reader import HandOff
 from eagleflow.extract.sample_store import publish_dump, validate
-from sglang_patch.handoff import dump_path, error_path
 from sglang_patch.request_ids import row_request_id
 from sglang_patch.sample_format import HiddenStatesDtype, sample_file_bytes
 
@@ -55,7 +57,7 @@ class RowFetcher:
     """Fetches rows from one engine into files; thread-safe (one call per row at a time).
 
     :param client: the engine's client.
-    :param dump_dir: the folder its capture writes ``<rid>.safetensors`` to.
+    :param handoff: where its capture hands the samples over (its dump folder, or the run's store).
     :param shape: the samples' shape and storage dtype.
     :param dump_wait: seconds without a live capture writer before a dump is given up.
     :param max_retries: retries of a row after a retryable failure ("writer behind" does not count).
@@ -69,7 +71,7 @@ class RowFetcher:
     def __init__(
         self,
         client: EngineClient,
-        dump_dir: Path,
+        handoff: HandOff,
         shape: SampleShape,
         dump_wait: float,
         max_retries: int,
@@ -79,7 +81,7 @@ class RowFetcher:
         say: Callable[[str], None] = print,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        self.client, self.dump_dir, self.shape = client, Path(dump_dir), shape
+        self.client, self.handoff, self.shape = client, handoff, shape
         self.dump_wait, self.max_retries, self.stop = dump_wait, max_retries, stop
         self.in_flight = in_flight or nullcontext()
         self.publish_guard = publish_guard or nullcontext()
@@ -132,7 +134,7 @@ class RowFetcher:
             if prompt_tokens is not None and int(prompt_tokens) != len(ids):
                 raise RowFailed(f"engine counted {prompt_tokens} prompt tokens, the row has {len(ids)}")
             needed = self.shape.file_bytes(len(ids))
-            dump = wait_for_dump(self.dump_dir, rid, answered_at, self.dump_wait, self.stop, self.say, self.sleep, needed)
+            dump = wait_for_dump(self.handoff, rid, answered_at, self.dump_wait, self.stop, self.say, self.sleep, needed, target)
             check = validate(
                 dump, ids, self.shape.n_slots, self.shape.hidden_size, self.shape.dtype, trust_writer_verdict=True
             )
@@ -153,5 +155,4 @@ class RowFetcher:
                 raise
             return len(ids), check.num_bytes
         finally:
-            dump_path(self.dump_dir, rid).unlink(missing_ok=True)
-            error_path(self.dump_dir, rid).unlink(missing_ok=True)
+            self.handoff.discard(rid, target)

@@ -42,6 +42,7 @@ from eagleflow.errors import UserError
 from eagleflow.extract.config import ExtractConfig, parse_rows
 from eagleflow.extract.completion import drop_previous_files, previous_files_dir, set_aside_complete_shard
 from eagleflow.extract.dump_wait import DiskFull, remove_dead_writer_statuses
+from eagleflow.extract.handoff_reader import handoff_for
 from eagleflow.extract.manifest import FAILED, INTERRUPTED, SUCCESS, ShardManifest
 from eagleflow.extract.rid_journal import RidJournal
 from eagleflow.extract.row_fetch import RowFetcher, SampleShape
@@ -68,7 +69,6 @@ class ShardExtractor:
         # --dataset is <run>/dataset in a run folder, so its manifests live beside it.
         self.manifest_path = cfg.manifest or RunLayout(cfg.dataset.parent).shard_manifest(self.name)
         # The rids this shard sent: its own dumps in a folder other consumers may share (rid_journal).
-        self.rids = RidJournal(self.manifest_path.with_name(f".{self.name}.rids"), cfg.dump_dir)
         self.n_slots = len(resolve_aux_layer_ids(cfg.verifier, cfg.aux_layer_ids)) + 1
         self.hidden_size = config_int(cfg.verifier, "hidden_size")
         self.client = client or EngineClient(cfg.server, cfg.request_timeout)
@@ -80,8 +80,13 @@ class ShardExtractor:
         self._stop_error: BaseException | None = None  # what _extract re-raises for it
         self._lock = threading.Lock()
         self._durable = DurabilityBarrier()
+        shape = SampleShape(self.n_slots, self.hidden_size, cfg.hidden_states_dtype)
+        # Its dump folder, or the run's sample store (whose reader takes a sample as long as the shard's longest row).
+        longest = max(dataset_table(cfg.dataset, ["seq_len"]).column("seq_len").to_pylist()[self.start : self.end], default=1)
+        self.handoff = handoff_for(cfg.dump_dir, cfg.sample_store, shape.file_bytes(longest) if cfg.sample_store else 0)
+        self.rids = RidJournal(self.manifest_path.with_name(f".{self.name}.rids"), self.handoff)
         self.fetcher = RowFetcher(
-            self.client, cfg.dump_dir, SampleShape(self.n_slots, self.hidden_size, cfg.hidden_states_dtype),
+            self.client, self.handoff, shape,
             cfg.dump_wait, cfg.max_retries, self._stop,
             in_flight=threading.Semaphore(cfg.concurrency),  # requests the engine works on at once
             publish_guard=self._lock,  # a stopped shard publishes nothing more: its manifest has been counted
@@ -308,7 +313,7 @@ class ShardExtractor:
                 print(f"shard {self.name}: removed the dumps of {left} request(s) an earlier attempt left", flush=True)
         else:
             self.rids.close()
-        remove_dead_writer_statuses(self.cfg.dump_dir)
+        remove_dead_writer_statuses(self.handoff)
 
     def _write_manifest(self) -> None:
         self.report.write(self.manifest_path)

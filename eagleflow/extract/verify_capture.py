@@ -18,8 +18,10 @@ error and the likely cause, so the DAG stops before extraction.
 from __future__ import annotations
 
 import argparse
+import tempfile
 import threading
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,12 +50,12 @@ from eagleflow.extract.capture_checks import (
 )
 from eagleflow.engine import EngineClient, RowFailed, ServerGone, with_retries
 from eagleflow.extract.dump_wait import DiskFull, wait_for_dump
+from eagleflow.extract.handoff_reader import handoff_for
 from eagleflow.extract.sample_store import load_sample, validate
 from eagleflow.extract.verify_config import VerifyCaptureConfig
 from eagleflow.files import atomic_write_json
 from eagleflow.layout import CAPTURE_CHECK_REPORT, RunLayout, engine_name
 from eagleflow.results import emit_result
-from sglang_patch.handoff import dump_path, error_path
 from sglang_patch.request_ids import verify_request_id
 from sglang_patch.sample_file import decode_hidden_states
 from sglang_patch.sample_format import sample_file_bytes
@@ -99,17 +101,18 @@ def take_dump(cfg: VerifyCaptureConfig, rid: str, ids: list[int], n_slots: int, 
     It waits as the extractor does (:func:`~eagleflow.extract.dump_wait.wait_for_dump`): as long
     as a live writer still holds ``rid`` (a slow disk), and a "writer behind" record is a
     RowFailed with ``counts`` False, which :meth:`CaptureCheck._request` sends again."""
+    needed = sample_file_bytes(len(ids), n_slots, hidden, cfg.hidden_states_dtype)
+    handoff = handoff_for(cfg.dump_dir, cfg.sample_store, needed)
+    beside = Path(tempfile.gettempdir()) / "eagleflow-capture-check.safetensors"  # where a store's sample is read to
     try:
-        needed = sample_file_bytes(len(ids), n_slots, hidden, cfg.hidden_states_dtype)
         try:
-            dump = wait_for_dump(cfg.dump_dir, rid, time.time(), cfg.dump_wait, threading.Event(), _say, needed_bytes=needed)
+            dump = wait_for_dump(handoff, rid, time.time(), cfg.dump_wait, threading.Event(), _say, needed_bytes=needed, beside=beside)
         except DiskFull as exc:
             raise RowFailed(exc.reason) from exc
         check = validate(dump, ids, n_slots, hidden, cfg.hidden_states_dtype)
         return (load_sample(dump), "") if check.ok else (None, check.reason)
     finally:
-        dump_path(cfg.dump_dir, rid).unlink(missing_ok=True)
-        error_path(cfg.dump_dir, rid).unlink(missing_ok=True)
+        handoff.discard(rid, beside)
 
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype
+from eagleflow.config import AuxLayerIds, SampleStoreAddress, StoredHiddenStatesDtype
 from eagleflow.engine import EngineRequestSettings
 
 # The log-probability tolerance per position is atol + rtol x that position's largest |logit|.
@@ -25,6 +25,7 @@ class VerifyCaptureConfig(EngineRequestSettings):
     dataset: Path = Field(description="the prepared training dataset (rows are taken from its start)")
     server: str = Field(description="engine base URL, e.g. http://127.0.0.1:30000")
     dump_dir: Path = Field(description="folder where the engine writes <rid>.safetensors")
+    sample_store: SampleStoreAddress
     verifier: Path = Field(description="verifier model folder: its final norm and lm_head (and embedding rows) are read")
     aux_layer_ids: AuxLayerIds = Field(description="captured layer ids, as the engine captures them")
     verify_rows: int = Field(

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from eagleflow.config import AuxLayerIds, DraftVocabSize, StoredHiddenStatesDtype
+from eagleflow.config import AuxLayerIds, SampleStoreAddress, DraftVocabSize, StoredHiddenStatesDtype
 from eagleflow.drafters import DraftAlgorithm
 from eagleflow.export import ServingEngine
 from eagleflow.extract import ExtractConfig
@@ -185,6 +185,7 @@ class TrainConfig(BaseModel):
     )
     engine_names: list[str] = Field(default_factory=list, description="engine mode: their names (engine-0, …), for the log")
     dump_dir: Path | None = Field(None, description="engine mode: the folder the engines' capture writes dumps to")
+    sample_store: SampleStoreAddress
     hidden_states_dtype: StoredHiddenStatesDtype
     engine_wait: float = Field(
         120.0, ge=0,

@@ -40,6 +40,7 @@ from eagleflow.train.nodes import follow_node_0, lead_nodes
 from eagleflow.train.resume import best_checkpoint, epoch_dirs, prepare_checkpoints
 from eagleflow.train.online.settings import feed_settings, online_window_bytes, read_status
 from eagleflow.train.speculators_support import check_online, installed_release
+from sglang_patch.mooncake_store import store_sample_limit
 from sglang_patch.sample_format import HiddenStatesDtype, sample_file_bytes
 
 if TYPE_CHECKING:
@@ -87,9 +88,11 @@ def check_online_window(cfg: TrainConfig, hidden_size: int, lengths: list[int]) 
     longest = max(range(len(lengths)), key=lengths.__getitem__)
     needed = sample_file_bytes(lengths[longest], n_slots, hidden_size, cfg.hidden_states_dtype)
     window = online_window_bytes(cfg)
-    if needed > window:
+    limit = store_sample_limit(window) if cfg.sample_store else window  # a store's sample must fit its writer's buffer
+    if needed > limit:
+        what = "the sample store's room for one sample" if cfg.sample_store else "the online window"
         raise UserError(
-            f"the online window ({format_bytes(window)}: Param dump_queue_gb, flag --online-window-gb) is smaller than "
+            f"{what} ({format_bytes(limit)}: Param dump_queue_gb, flag --online-window-gb) is smaller than "
             f"the largest sample, row {longest} ({lengths[longest]} tokens, {format_bytes(needed)} as "
             f"{cfg.hidden_states_dtype}); raise it to at least {format_gb(needed)} GB or lower max_len"
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 import sys
 from pathlib import Path
 from typing import Any
@@ -139,7 +140,8 @@ def remote_conf(tmp_path: Path, model: Path, engine: ServerInfo, run_name: str) 
     return {
         "model_path": str(model), "dataset_input": str(tmp_path / "conv.jsonl"), "output_root": str(tmp_path / "runs"),
         "run_name": run_name, "shard_size": 5, "max_len": 256, "server_urls": [engine.url], "server_dump_dir": engine.dump_dir,
-        "stop_after_extraction": False,  # said explicitly: dag.test() keeps an earlier test's run_conf
+        # said explicitly: dag.test() keeps an earlier test's run_conf
+        "stop_after_extraction": False, "sample_transport": "file", "sample_store_conn_id": "",
     }
 
 
@@ -196,14 +198,20 @@ def test_a_wrong_capture_stops_the_run_before_any_shard(eagleflow_dag, tmp_path:
 
 
 @pytest.mark.e2e
-def test_online_mode_skips_every_shard_trains_from_the_engine_and_stops_it_after_training(
+def test_online_mode_skips_every_shard_trains_from_the_engine_through_the_runs_store_and_stops_both_after_training(
     eagleflow_dag, tmp_path: Path, random_tiny_model: Path
 ) -> None:
     """hidden_states_source engine through dag.test(): the run launches its engine, every shard is skipped
     (visibly, by name), the engine outlives the teardown after extraction, training asks it for every
-    sample, and the stop after training stops it. The drafter is a DFlash block drafter (the online feed
-    hands it the same samples as EAGLE-3), exported for SGLang's DFLASH worker."""
+    sample, and the stop after training stops it. The samples travel through the Mooncake Store the run
+    starts beside its engine (sample_transport mooncake, no connection): the capture check and the trainer
+    read them there, the engine's dump folder never holds one, and the store stops with the engine. The
+    drafter is a DFlash block drafter (the online feed hands it the same samples as EAGLE-3), exported for
+    SGLang's DFLASH worker."""
+    import threading
+
     from eagleflow.demo.synthetic_data import DatasetConfig, make_dataset
+    from eagleflow.engine.sample_store_service import STATE_FILE
     from eagleflow.layout import RunLayout
 
     make_dataset(DatasetConfig(verifier=random_tiny_model, out=tmp_path / "conv.jsonl", rows=12))
@@ -212,16 +220,32 @@ def test_online_mode_skips_every_shard_trains_from_the_engine_and_stops_it_after
         "run_name": "online", "shard_size": 5, "max_len": 256, "server_port": 0, "server_extra_args": ENGINE_COMPUTE_FLAGS,
         "hidden_states_source": "engine", "dump_queue_gb": 0.001, "epochs": 1, "total_seq_len": 256, "num_workers": 0,
         "device": "cpu", "draft_algorithm": "dflash", "num_layers": 1, "block_size": 4, "mask_token_id": 0, "max_anchors": 16,
+        "sample_transport": "mooncake", "sample_store_conn_id": "",
         # Said explicitly: dag.test() keeps an earlier test's run_conf in the shared DAG's params.
         "server_urls": [], "server_dump_dir": None, "stop_after_extraction": False,
     }
-    run = eagleflow_dag.test(run_conf=conf, mark_success_pattern="plot_metrics|evaluate_drafter|compare_drafters")
+    layout = RunLayout(tmp_path / "runs" / "online")
+    held: list[str] = []
+    looks, done = [0], threading.Event()
+
+    def watch() -> None:  # the engine's dump folder, sampled throughout the run
+        while not done.is_set():
+            held.extend(p.name for p in layout.dump_dir.glob("*") if p.name.endswith((".safetensors", ".tmp")))
+            looks[0] += 1
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        run = eagleflow_dag.test(run_conf=conf, mark_success_pattern="plot_metrics|evaluate_drafter|compare_drafters")
+    finally:
+        done.set()
+        watcher.join()
     tis = {(ti.task_id, ti.map_index): ti for ti in run.get_task_instances()}
     states = {f"{task}[{index}]": ti.state for (task, index), ti in tis.items()}
     assert str(run.state) == "success", states
     shards = {ti.rendered_map_index: ti.state for (task, _), ti in tis.items() if task == "extract_shard"}
     assert shards == {"rows_0-5": "skipped", "rows_5-10": "skipped", "rows_10-12": "skipped"}
-    layout = RunLayout(tmp_path / "runs" / "online")
     assert not layout.hidden_states.exists() and not list(layout.shards.glob("*.json")), "nothing was extracted"
     assert tis[("stop_server", 0)].xcom_pull(task_ids="stop_server", map_indexes=0) == "left for the stop after training"
     engine = tis[("launch_server", 0)].xcom_pull(task_ids="launch_server", map_indexes=0)
@@ -230,6 +254,11 @@ def test_online_mode_skips_every_shard_trains_from_the_engine_and_stops_it_after
     assert 0 < result["online"]["peak_bytes"] <= result["online"]["window_bytes"] + 256 * 4 * 64 * 2 + 64
     assert tis[("stop_server_after_training", 0)].state == "success"
     assert not pid_alive(int(engine["pid"])), "the stop after training stopped the engine"
+    store = engine["sample_store"]
+    assert store["namespace"] == "eagleflow/online" and store["master"].startswith("127.0.0.1:"), store
+    assert json.loads(layout.capture_check_report("engine-0").read_text())["passed"], "the capture check read its samples from the store"
+    assert looks[0] > 100 and held == [], f"the dump folder held {sorted(set(held))[:5]}"
+    assert not (layout.server / STATE_FILE).exists(), "the run's store stopped with its last engine"
     records = [json.loads(line) for line in layout.train.metrics.read_text().splitlines()]
     assert {"eal", "full_acc", "position_3_acc"} <= set(records[-1]), "a block drafter's metrics"
     exported = json.loads((layout.drafter / "export.json").read_text())["sglang"]
@@ -246,7 +275,7 @@ def test_a_missing_model_folder_fails_the_first_task_saying_so_and_nothing_start
         "model_path": str(tmp_path / "models" / "Kimi-K2.5"), "dataset_input": str(tmp_path / "conv.jsonl"),
         "output_root": str(tmp_path / "runs"), "run_name": "missing-model",
         # Said explicitly: dag.test() keeps an earlier test's run_conf in the shared DAG's params.
-        "server_urls": [], "server_dump_dir": None, "stop_after_extraction": False, "drafters": [],
+        "server_urls": [], "server_dump_dir": None, "stop_after_extraction": False, "drafters": [], "sample_transport": "file",
     }
     run = eagleflow_dag.test(run_conf=conf)
     tis = {(ti.task_id, ti.map_index): ti for ti in run.get_task_instances()}

@@ -34,13 +34,16 @@ TOGETHER = {"eval_prompts": {"eval_sets": ["heldout", "file"]}, "eval_sets": {"e
 ENGINE_RECORD_ONLY = {"server_dump_dir"}
 # Decides which tasks run, not what a step is given (build_vocab skips: tests/dags/test_dag.py's remote run).
 TASKS_ONLY = {"stop_after_extraction"}
+# Decide where the launched engines hand their samples (a store the launch starts or a connection names), checked
+# where a run really launches: tests/dags/test_dag.py's online run, tests/operators/test_server.py.
+LAUNCH_ONLY = {"sample_transport", "sample_store_conn_id"}
 
 
 def step_configs(cfg: PipelineConfig) -> list[BaseModel]:
     """Every step config a run's operators turn into argv."""
     return [
         cfg.prepare_config(), cfg.regenerate_config(ENGINE.url, None), cfg.stats_config(),
-        cfg.disk_check_config(Path("/hs"), 1), cfg.verify_capture_config(ENGINE.url, ENGINE.dump_dir, ENGINE.name),
+        cfg.disk_check_config(Path("/hs"), 1), cfg.verify_capture_config(ENGINE),
         cfg.extract_config(ENGINE, SHARD), cfg.vocab_config(), cfg.train_config(), cfg.plot_config(), cfg.export_config(),
         cfg.evaluate_config(),
     ]
@@ -109,7 +112,7 @@ def test_every_run_param_changes_what_a_step_or_the_plan_gets(tmp_path: Path, ra
                "num_engines": 2, "server_urls": remote["server_urls"],
                # a second drafter reading another layer: the capture takes the union
                "drafters": ["eagle3", {"name": "wide", "aux_layer_ids": [1, 2, 4]}]}
-    assert set(changes) | ENGINE_RECORD_ONLY | TASKS_ONLY == set(PIPELINE_PARAMS)
+    assert set(changes) | ENGINE_RECORD_ONLY | TASKS_ONLY | LAUNCH_ONLY == set(PIPELINE_PARAMS)
     for name, value in changes.items():
         extra = {"server_dump_dir": remote["server_dump_dir"]} if name == "server_urls" else {}
         assert seen(**extra, **{name: value}) != seen(**extra), name

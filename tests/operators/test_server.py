@@ -392,11 +392,46 @@ def test_remote_mode_launches_nothing_and_stops_nothing(params, tmp_path: Path) 
     infos = [SGLangServerOperator(task_id="launch_server", engine=e).execute(make_context(params)) for e in engines]
     assert infos[1] == {
         "url": "http://gpu-node-2:30000", "pid": None, "host": "", "log_path": "", "dump_dir": str(dumps), "name": "engine-1",
+        "sample_store": None,
     }
     assert not (tmp_path / "out").exists()  # no server folder, log or state: nothing started
     for engine in engines:
         stopped = StopServerOperator(task_id="stop_server", engine=engine).execute(make_context(params))
         assert stopped == "remote engine left running"
+
+
+def test_remote_engines_hand_samples_through_the_store_an_airflow_connection_names(
+    params, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sample_transport mooncake with remote engines: no dump folder needed, the store is the connection's (its
+    master's RPC and admin addresses, metadata server, namespace), and it reaches every step that reads samples."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from eagleflow.engine import ServerInfo
+    from eagleflow.pipeline import PipelineConfig
+
+    params.update(server_urls=["http://gpu-node-1:30000"], server_dump_dir=None, sample_transport="mooncake")
+    with pytest.raises(Exception, match="sample_transport mooncake with server_urls needs sample_store_conn_id"):
+        plan(params)
+    params["sample_store_conn_id"] = "mooncake_store"
+    engine = plan(params)[0]
+    with pytest.raises(AirflowFailException, match="Param sample_store_conn_id: no Airflow connection 'mooncake_store'"):
+        SGLangServerOperator(task_id="launch_server", engine=engine).execute(make_context(params))
+    monkeypatch.setenv("AIRFLOW_CONN_MOONCAKE_STORE", json.dumps({
+        "conn_type": "generic", "host": "mooncake-master", "port": 50051,
+        "extra": {"admin_port": 9003, "metadata_server": "http://mooncake-metadata:8080/metadata", "namespace": "eagleflow"},
+    }))
+    info = SGLangServerOperator(task_id="launch_server", engine=engine).execute(make_context(params))
+    assert info["sample_store"] == {
+        "master": "mooncake-master:50051", "admin": "mooncake-master:9003",
+        "metadata_server": "http://mooncake-metadata:8080/metadata", "namespace": "eagleflow", "protocol": "tcp",
+    }
+    server = ServerInfo.from_dict(info)
+    cfg = PipelineConfig.from_params(params, "manual__x")
+    assert json.loads(cfg.verify_capture_config(server).sample_store) == info["sample_store"]
+    assert json.loads(cfg.extract_config(server, {"name": "rows_0-5", "start": 0, "end": 5}).sample_store) == info["sample_store"]
+    assert json.loads(cfg.train_config([server]).sample_store) == info["sample_store"]
+    assert not (tmp_path / "out").exists(), "nothing started here: the store is the connection's"
 
 
 def test_the_engine_plan_gives_each_launched_engine_its_port(params) -> None:
@@ -438,6 +473,7 @@ def test_setup_readiness_generate_teardown_with_the_reference_engine(params, pro
     """Issue 3 Done-when: setup -> readiness through a >= 10 s warmup -> /generate -> teardown, no process left."""
     from eagleflow.extract.sample_store import load_sample
     from eagleflow.extract.dump_wait import wait_for_dump
+    from eagleflow.extract.handoff_reader import FolderHandOff
 
     params["server_extra_args"] = ["--threads", "1", "--warmup-seconds", "10"]
     context = make_context(params)
@@ -487,7 +523,7 @@ def test_setup_readiness_generate_teardown_with_the_reference_engine(params, pro
     assert response.status_code == 200, response.text
     meta = response.json()["meta_info"]
     assert (meta["id"], meta["prompt_tokens"], meta["cached_tokens"]) == ("roundtrip-1", 5, 0)
-    sample = load_sample(wait_for_dump(Path(server["dump_dir"]), "roundtrip-1", time.time(), 30.0, threading.Event(), print))
+    sample = load_sample(wait_for_dump(FolderHandOff(Path(server["dump_dir"])), "roundtrip-1", time.time(), 30.0, threading.Event(), print))
     assert sample["token_ids"].tolist() == [5, 6, 7, 8, 9]
     assert tuple(sample["hidden_states"].shape) == (5, 4, 64)  # aux [2, 4, 5] + final, hidden 64
 

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype
+from eagleflow.config import AuxLayerIds, SampleStoreAddress, StoredHiddenStatesDtype
 from eagleflow.sglang_rules import check_block_flags, check_tree_flags
 
 
@@ -67,6 +67,7 @@ class ReferenceEngineConfig(BaseModel):
     speculative_draft_window_size: int | None = Field(
         None, ge=1, description="sliding window of the draft's attention (the drafter's, from the export)"
     )
+    sample_store: SampleStoreAddress
     dump_queue_bytes: int | None = Field(
         None, ge=1,
         description="bytes of captured, not yet written dumps the engine may hold; past that, for 2s, a request "

@@ -59,6 +59,7 @@ class ReferenceEngine:
     def __init__(self, model: Any, tokenizer: Any, config: ReferenceEngineConfig) -> None:
         from eagleflow.engine.capture import decoder_layers_and_norm, model_device
         from sglang_patch.dump_writer import DumpWriter
+        from sglang_patch.mooncake_store import store_option
 
         self.model = model
         self.tokenizer = tokenizer
@@ -91,7 +92,7 @@ class ReferenceEngine:
         self.writer = (
             DumpWriter(
                 config.dump_dir, max_pending_bytes=config.dump_queue_bytes, write_delay=self.faults.settings.write_delay,
-                hidden_states_dtype=config.hidden_states_dtype,
+                hidden_states_dtype=config.hidden_states_dtype, **store_option(config.sample_store),
             )
             if config.dump_dir is not None
             else None

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from eagleflow.engine import EngineClient, Readiness, RowFailed, ServerGone, ServerInfo, check_ready
-from eagleflow.extract import DiskFull, RowFetcher, SampleShape
+from eagleflow.extract import DiskFull, RowFetcher, SampleShape, StoreUnreachable, handoff_for
 from eagleflow.files import atomic_write_json
 from eagleflow.progress import format_bytes
 from eagleflow.train.online.journal import settle_journal
@@ -53,11 +53,14 @@ class FeedFailed(Exception):
 
 
 class _Engine:
-    def __init__(self, endpoint: EngineEndpoint, settings: FeedSettings, stop: threading.Event, say: Callable[[str], None]) -> None:
+    def __init__(
+        self, endpoint: EngineEndpoint, settings: FeedSettings, largest: int, stop: threading.Event, say: Callable[[str], None]
+    ) -> None:
         self.endpoint = endpoint
         self.client = EngineClient(endpoint.url, settings.request_timeout)
         shape = SampleShape(settings.n_slots, settings.hidden_size, settings.hidden_states_dtype)
-        self.fetcher = RowFetcher(self.client, endpoint.dump_dir, shape, settings.dump_wait, settings.max_retries, stop, say=say)
+        handoff = handoff_for(endpoint.dump_dir, endpoint.sample_store, largest)
+        self.fetcher = RowFetcher(self.client, handoff, shape, settings.dump_wait, settings.max_retries, stop, say=say)
         self.in_flight = 0
         self.down_since: float | None = None
         self.down_reason = ""
@@ -83,12 +86,17 @@ class SampleFeed:
         self._stop = threading.Event()
         self._cond = threading.Condition()
         self._queue: collections.deque[int] = collections.deque()
-        self._engines = [_Engine(e, settings, self._stop, say) for e in settings.engines]
+        largest = self._shape.file_bytes(max(lengths, default=1))  # what a store's reader must take whole
+        self._unreachable = ""  # the run's sample store did not answer at the start: the trainer stops naming it
+        try:
+            self._engines = [_Engine(e, settings, largest, self._stop, say) for e in settings.engines]
+        except StoreUnreachable as exc:
+            self._engines, self._unreachable = [], str(exc)
         self._reserved = 0  # bytes of rows sent and not yet consumed (in flight, or waiting in ready/)
         self._awaiting: dict[int, int] = {}  # row -> bytes, published in ready/ and not yet consumed
         self._cached: dict[int, int] = {}  # row -> bytes, kept in cache/ (or on its way there)
         self._cache_reserved = 0
-        # rid -> {row, rid, url, dump_dir}: each request sent and not collected (an aborted retry's dump may still come)
+        # rid -> {row, rid, url, dump_dir, sample_store}: each request sent and not collected (an aborted retry's dump may still come)
         self._journal: dict[str, dict[str, Any]] = {}
         self._latest: dict[int, str] = {}  # row -> the rid of its attempt under way
         self._threads: list[threading.Thread] = []
@@ -110,6 +118,9 @@ class SampleFeed:
             folder.mkdir(parents=True, exist_ok=True)
         settle_journal(layout, self.say)
         layout.failure.unlink(missing_ok=True)
+        if self._unreachable:
+            self._fail(self._unreachable)
+            return self
         for stale in [*layout.ready.iterdir(), *(layout.staging.iterdir() if layout.staging.exists() else [])]:
             stale.unlink(missing_ok=True)  # an earlier attempt's prefetch: its order is not this one's
         for stale in layout.passes.glob("*.json") if layout.passes.exists() else []:
@@ -272,6 +283,8 @@ class SampleFeed:
                 self._engine_down(engine, exc.reason)
             except DiskFull as exc:
                 raise FeedFailed(f"row {row}: {exc.reason}") from exc
+            except StoreUnreachable as exc:
+                raise FeedFailed(f"row {row}: {exc}") from exc
             except RowFailed as exc:
                 if self._stop.is_set():
                     return False
@@ -330,14 +343,18 @@ class SampleFeed:
                 self._journal.pop(self._latest.pop(row, ""), None)
             else:
                 self._latest[row] = rid
-                self._journal[rid] = {"row": row, "rid": rid, "url": engine.endpoint.url, "dump_dir": str(engine.endpoint.dump_dir)}
+                endpoint = engine.endpoint
+                self._journal[rid] = {
+                    "row": row, "rid": rid, "url": endpoint.url, "dump_dir": str(endpoint.dump_dir), "sample_store": endpoint.sample_store,
+                }
             self._write_journal()
 
     def _write_journal(self) -> None:
         atomic_write_json(self.layout.journal, dict(self._journal))
 
     def _monitor(self) -> None:
-        folders = [self.layout.ready, self.layout.staging, self.layout.cache, *{e.endpoint.dump_dir for e in self._engines}]
+        dump_dirs = {e.endpoint.dump_dir for e in self._engines if not e.endpoint.sample_store}  # a store's samples are not on disk
+        folders = [self.layout.ready, self.layout.staging, self.layout.cache, *dump_dirs]
         folders += self.followers.folders() if self.followers is not None else []
         next_status = 0.0
         while not self._stop.is_set():

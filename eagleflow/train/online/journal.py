@@ -11,12 +11,11 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from eagleflow.engine import HUNG_PROBE_SECONDS, EngineClient, ServerInfo, check_ready
 from eagleflow.files import atomic_write_json
 from eagleflow.layout import FeedLayout
-from sglang_patch.handoff import dump_path, error_path, read_writer_statuses
+from eagleflow.extract import HandOff, StoreUnreachable, handoff_for
 
 SETTLE_WAIT_S = 30.0  # how long a left-over request's dump is awaited before it is removed anyway
 
@@ -26,7 +25,8 @@ def settle_journal(layout: FeedLayout, say: Callable[[str], None] = print, wait:
 
     A dump the engine's writer still holds is awaited (up to ``wait`` seconds) so it is removed
     once written, not left behind; a gone engine's requests are simply forgotten. The journal maps
-    each entry (keyed by rid; by row in journals of earlier releases) to its ``rid``, ``url`` and ``dump_dir``.
+    each entry (keyed by rid; by row in journals of earlier releases) to its ``rid``, ``url``, ``dump_dir`` and
+    ``sample_store`` (the run's store, when the samples went through one: they are removed from there).
     """
     try:
         journal = json.loads(layout.journal.read_text())
@@ -47,17 +47,20 @@ def settle_journal(layout: FeedLayout, say: Callable[[str], None] = print, wait:
     barrier = time.time()
     deadline = time.monotonic() + wait
     for entry in journal.values():
-        dump_dir, rid = Path(entry["dump_dir"]), str(entry["rid"])
-        while time.monotonic() < deadline and _may_still_come(dump_dir, rid, barrier):
-            time.sleep(0.1)
-        dump_path(dump_dir, rid).unlink(missing_ok=True)  # exactly this request's files: never a row's others
-        error_path(dump_dir, rid).unlink(missing_ok=True)
+        rid = str(entry["rid"])
+        try:
+            handoff = handoff_for(entry.get("dump_dir"), entry.get("sample_store"))
+            while time.monotonic() < deadline and _may_still_come(handoff, rid, barrier):
+                time.sleep(0.1)
+            handoff.discard(rid)  # exactly this request's files (or keys): never a row's others
+        except StoreUnreachable as exc:  # a gone master took its keys with it: nothing of this rid is left there
+            say(f"online feed: {rid}: {exc}")
     atomic_write_json(layout.journal, {})
     say(f"online feed: settled {len(journal)} request(s) an earlier trainer left (aborted, dumps removed)")
     return len(journal)
 
 
-def _may_still_come(dump_dir: Path, rid: str, barrier: float) -> bool:
+def _may_still_come(handoff: HandOff, rid: str, barrier: float) -> bool:
     """A live writer holds the dump of ``rid``, or has not rewritten its status since ``barrier``."""
-    live = [status for status in read_writer_statuses(dump_dir) if status.fresh]
+    live = [status for status in handoff.statuses() if status.fresh]
     return any(status.updated < barrier or rid in status.pending for status in live)

@@ -24,11 +24,13 @@ SETTINGS_FLAG = "--eagleflow-feed"  # the backend's one flag: the settings file
 
 
 class EngineEndpoint(BaseModel):
-    """One engine the feed asks: its name, URL and the folder its capture writes dumps to."""
+    """One engine the feed asks: its name, URL and where its capture hands samples over (its dump folder, or the
+    run's sample store: an address as JSON)."""
 
     name: str
     url: str
     dump_dir: Path
+    sample_store: str | None = None
 
 
 class FeedSettings(BaseModel):
@@ -127,7 +129,10 @@ def feed_settings(cfg: TrainConfig, paths: TrainLayout, hidden_size: int) -> Fee
     return FeedSettings(
         dataset=cfg.dataset,
         folder=paths.online,
-        engines=[EngineEndpoint(name=n, url=u, dump_dir=cfg.dump_dir.absolute()) for n, u in zip(names, cfg.engine_urls)],
+        engines=[
+            EngineEndpoint(name=n, url=u, dump_dir=cfg.dump_dir.absolute(), sample_store=cfg.sample_store)
+            for n, u in zip(names, cfg.engine_urls)
+        ],
         n_slots=len(cfg.captured) + 1,
         slots=cfg.sample_slots,
         hidden_size=hidden_size,

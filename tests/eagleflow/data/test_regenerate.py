@@ -38,6 +38,7 @@ from eagleflow.engine.process import ServerInfo, stop_server
 from eagleflow.errors import UserError
 from eagleflow.engine.client import EngineClient
 from eagleflow.extract.dump_wait import wait_for_dump
+from eagleflow.extract.handoff_reader import FolderHandOff
 from sglang_patch.handoff import STATUS_PREFIX, read_writer_statuses
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -141,7 +142,7 @@ def test_answers_are_the_verifiers_greedy_continuations_and_leave_no_dump(engine
     # The writer publishes after the answer, so wait for a captured request's dump and for the
     # writer to hold nothing more: a regeneration dump, had one been queued, is on disk by then.
     rid, _ = EngineClient(engine.url, 60).generate(0, [5, 6, 7, 8])
-    control = wait_for_dump(Path(engine.dump_dir), rid, time.time(), 30.0, threading.Event(), print)
+    control = wait_for_dump(FolderHandOff(Path(engine.dump_dir)), rid, time.time(), 30.0, threading.Event(), print)
     deadline = time.monotonic() + 30
     while any(status.pending for status in read_writer_statuses(engine.dump_dir)) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -35,6 +35,7 @@ from eagleflow.engine.reference.protocol import READY_LINE
 from eagleflow.engine.reference.server import serve
 from eagleflow.extract.sample_store import load_sample, validate
 from eagleflow.extract.dump_wait import wait_for_dump
+from eagleflow.extract.handoff_reader import FolderHandOff
 from sglang_patch.handoff import dump_path, error_path
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -193,7 +194,7 @@ def independent_states(model, input_ids: list[int]) -> tuple[torch.Tensor, torch
 
 def landed(dump_dir: Path, rid: str) -> Path:
     """The dump of ``rid`` once the engine's writer published it (the answer does not wait for the disk)."""
-    return wait_for_dump(dump_dir, rid, time.time(), 30.0, threading.Event(), print)
+    return wait_for_dump(FolderHandOff(dump_dir), rid, time.time(), 30.0, threading.Event(), print)
 
 
 def assert_bf16_close(actual: torch.Tensor, expected: torch.Tensor) -> None:

@@ -134,6 +134,7 @@ def test_an_engine_budget_below_one_sample_is_said_in_units_that_show_it(
 
 def test_the_journal_keeps_only_what_may_still_land_and_refuses_a_request_once_closed(tmp_path: Path) -> None:
     from eagleflow.engine.client import RowFailed
+    from eagleflow.extract.handoff_reader import FolderHandOff
     from eagleflow.extract.rid_journal import RidJournal
 
     dumps = tmp_path / "dumps"
@@ -145,7 +146,7 @@ def test_the_journal_keeps_only_what_may_still_land_and_refuses_a_request_once_c
         dump_path(dumps, rid).write_bytes(b"a dump")
     journal_path.write_text(f"{killed}\nrow2-0a1b")  # a killed attempt's, its last line torn mid-write
 
-    journal = RidJournal(journal_path, dumps)
+    journal = RidJournal(journal_path, FolderHandOff(dumps))
     assert journal.open() == 2
     assert sorted(p.name for p in dumps.iterdir()) == [dump_path(dumps, other).name], "another consumer's dump of row 1 stays"
     collected, aborted = row_request_id(3), row_request_id(4)
@@ -157,7 +158,7 @@ def test_the_journal_keeps_only_what_may_still_land_and_refuses_a_request_once_c
     with pytest.raises(RowFailed, match="stopped"):
         journal.sent(row_request_id(5))
 
-    again = RidJournal(journal_path, dumps)
+    again = RidJournal(journal_path, FolderHandOff(dumps))
     assert again.open() == 1
     again.close()
     assert not journal_path.exists(), "every dump collected: no journal left"
