@@ -44,6 +44,15 @@ ENV EAGLEFLOW_SGLANG_PYTHON=/usr/bin/python3 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1
 
+# Mooncake's store client (Param sample_transport mooncake; the CUDA 13 build the requirement list
+# pins) loads libibverbs and its mlx5 provider (even over TCP), libnuma and libcurl. SGLang's images
+# ship them for their own Mooncake; installed here so that this image does not depend on it. No
+# version pins: they follow the base image's Ubuntu release.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends libibverbs1 ibverbs-providers libnuma1 libcurl4 \
+ && rm -rf /var/lib/apt/lists/*
+
 # 1. The worker side: a venv over the image's Python, torch family pinned to the image's builds.
 # --without-pip: ensurepip may be missing from the image; the venv runs the image's pip module,
 # which installs into the venv because that is the running interpreter's prefix.
@@ -58,10 +67,16 @@ RUN "${EAGLEFLOW_SGLANG_PYTHON}" -c "import sglang, sys; v = sglang.__version__;
  && echo /opt/eagleflow/server > "${site_dir}/eagleflow_sglang_patch.pth" \
  && "${EAGLEFLOW_SGLANG_PYTHON}" -c "import sglang_patch, sglang_patch.dump_writer"
 
+# The capture hook puts samples into the Mooncake Store (sample_transport mooncake) from the server's
+# Python: a Mooncake the image already has there stays (nothing of the image is replaced), an image
+# without one gets the worker's pinned build, named once, in the requirement list.
 COPY docker/requirements-gpu-worker.txt /opt/eagleflow/requirements-gpu-worker.txt
 RUN "${EAGLEFLOW_VENV}/bin/python" -m pip install --no-cache-dir --constraint /opt/eagleflow/image-torch.txt \
       "apache-airflow[celery,postgres,fab]==${AIRFLOW_VERSION}" \
-      --requirement /opt/eagleflow/requirements-gpu-worker.txt
+      --requirement /opt/eagleflow/requirements-gpu-worker.txt \
+ && if ! "${EAGLEFLOW_SGLANG_PYTHON}" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('mooncake') is None)"; then \
+      "${EAGLEFLOW_SGLANG_PYTHON}" -m pip install --no-cache-dir "$(grep '^mooncake-transfer-engine' /opt/eagleflow/requirements-gpu-worker.txt)"; \
+    fi
 
 COPY pyproject.toml README.md /opt/eagleflow/src/
 COPY eagleflow /opt/eagleflow/src/eagleflow

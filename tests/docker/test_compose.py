@@ -8,6 +8,9 @@
 - The names the DAG uses (``eagleflow.deploy``) are the queue the GPU worker and the GPU triggerer
   consume and the pool that ``airflow pools import docker/pools.json`` really creates.
 - The images' requirement lists and version pins cannot drift from pyproject.toml.
+- The Mooncake Store (``sample_transport=mooncake``): its two services, their health checks (run
+  for real against the servers the ``mooncake`` extra installs), and the connection the GPU worker
+  gets, all read from the ports the services' commands bind.
 
 Without the two tools the tests skip locally and fail under CI (``CI`` set), where they must be
 installed.
@@ -16,13 +19,18 @@ installed.
 from __future__ import annotations
 
 import fnmatch
+import http.server
 import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import threading
+import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +49,26 @@ POOLS = DOCKER / "pools.json"
 SHARED_SETTINGS = DOCKER / "airflow.env"
 AIRFLOW_DOCKERFILE = DOCKER / "airflow.Dockerfile"
 SGLANG_DOCKERFILE = DOCKER / "sglang.Dockerfile"
+MOONCAKE_DOCKERFILE = DOCKER / "mooncake.Dockerfile"
+DOCKERFILES = [AIRFLOW_DOCKERFILE, SGLANG_DOCKERFILE, MOONCAKE_DOCKERFILE]
 
 RUNS_PATH = "/opt/eagleflow/runs"
 POOLS_IN_IMAGE = "/opt/eagleflow/deploy/pools.json"
 CONTROL_SERVICES = {"airflow-apiserver", "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer"}
 AIRFLOW_SERVICES = CONTROL_SERVICES | {"airflow-init", "airflow-worker", "airflow-worker-gpu", "airflow-triggerer-gpu"}
+
+MOONCAKE_MASTER = "mooncake-master"
+MOONCAKE_METADATA = "mooncake-metadata"
+GPU_WORKER = "airflow-worker-gpu"
+# What users give the DAG as Param sample_store_conn_id (docker/README.md).
+MOONCAKE_CONN_ID = "mooncake_store"
+# pyproject's `mooncake` extra is Mooncake's CPU build (CI, the store's image). The GPU worker installs
+# the same version built for the CUDA of its SGLang image instead: each CUDA build links that CUDA's
+# libcudart (mooncake-transfer-engine: libcudart.so.12, -cuda13: libcudart.so.13).
+MOONCAKE_CPU_BUILD = "mooncake-transfer-engine-non-cuda"
+MOONCAKE_GPU_BUILD_FOR_CUDA = {"12": "mooncake-transfer-engine", "13": "mooncake-transfer-engine-cuda13"}
+# What Mooncake's binaries load from the system (the wheels bundle the rest); the CUDA builds add libmlx5.
+MOONCAKE_SYSTEM_PACKAGES = {"libibverbs1", "libnuma1", "libcurl4"}
 
 
 # ---------------------------------------------------------------- tools
@@ -140,7 +163,7 @@ def _mounts(service: dict[str, Any]) -> dict[str, str]:
 
 def test_compose_file_validates_with_the_env_example(config: dict[str, Any]) -> None:
     assert config["name"] == "eagleflow"
-    assert set(config["services"]) == {"postgres", "redis"} | AIRFLOW_SERVICES
+    assert set(config["services"]) == {"postgres", "redis", MOONCAKE_MASTER, MOONCAKE_METADATA} | AIRFLOW_SERVICES
 
 
 def test_control_host_override_publishes_database_and_broker_on_the_bind_address(compose_cmd: list[str]) -> None:
@@ -159,8 +182,13 @@ def test_control_host_override_publishes_database_and_broker_on_the_bind_address
         ("network_mode: service:airflow-worker-gpu", "network_mode: service:airflow-worker-cpu", "airflow-worker-cpu"),
         ("      - eagleflow-runs:/opt/eagleflow/runs", "      - eagleflow-run:/opt/eagleflow/runs", "eagleflow-run"),
         ("      redis:\n        condition: service_healthy", "      broker:\n        condition: service_healthy", "broker"),
+        (
+            "      mooncake-metadata:\n        condition: service_healthy",
+            "      mooncake-meta:\n        condition: service_healthy",
+            "mooncake-meta",
+        ),
     ],
-    ids=["network-namespace-of-missing-service", "undefined-volume", "depends-on-missing-service"],
+    ids=["network-namespace-of-missing-service", "undefined-volume", "depends-on-missing-service", "depends-on-missing-store"],
 )
 def test_compose_check_rejects_broken_references(
     compose_cmd: list[str], tmp_path: Path, old: str, new: str, error: str
@@ -316,6 +344,243 @@ def test_every_component_shares_the_secrets_that_sign_tokens_and_log_requests(co
         assert {key: services[name]["environment"][key] for key in keys} == reference, name
 
 
+# ---------------------------------------------------------------- Mooncake Store
+
+
+def _flags(command: list[str]) -> dict[str, str]:
+    """``--name=value`` and ``--name value`` arguments of a command line, by name."""
+    flags: dict[str, str] = {}
+    for index, arg in enumerate(command):
+        if not arg.startswith("--"):
+            continue
+        name, equals, value = arg[2:].partition("=")
+        if not equals and index + 1 < len(command) and not command[index + 1].startswith("--"):
+            value = command[index + 1]
+        flags[name] = value
+    return flags
+
+
+def _with_flags(command: list[str], values: dict[str, str]) -> list[str]:
+    """``command`` with the values of some of its flags replaced (either spelling)."""
+    out = list(command)
+    for index, arg in enumerate(out):
+        name = arg[2:].partition("=")[0] if arg.startswith("--") else None
+        if name in values:
+            if "=" in arg:
+                out[index] = f"--{name}={values[name]}"
+            else:
+                out[index + 1] = values[name]
+    return out
+
+
+def _store_ports(services: dict[str, Any]) -> dict[str, int]:
+    """The store's ports as its services' commands bind them: master RPC, master HTTP, metadata server."""
+    master = _flags(services[MOONCAKE_MASTER]["command"])
+    metadata = _flags(services[MOONCAKE_METADATA]["command"])
+    return {"rpc": int(master["rpc_port"]), "admin": int(master["metrics_port"]), "metadata": int(metadata["port"])}
+
+
+def _python_healthcheck(service: dict[str, Any]) -> str:
+    """The script of a ``python -c`` health check (the store's image has Python, not curl)."""
+    test = service["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "python", "-c"] and len(test) == 4, test
+    return test[3]
+
+
+def _probed_url(script: str) -> tuple[str, int, str]:
+    (url,) = re.findall(r"http://([\w.]+):(\d+)(/\w*)", script)
+    return url[0], int(url[1]), url[2]
+
+
+def _check_store_services(config: dict[str, Any]) -> None:
+    services = config["services"]
+    master, metadata = services[MOONCAKE_MASTER], services[MOONCAKE_METADATA]
+    assert master["command"][0] == "mooncake_master"
+    assert metadata["command"][0] == "mooncake_http_metadata_server"
+    # Reached from the other containers by service name, on the default network, published nowhere.
+    assert _flags(master["command"])["rpc_address"] == "0.0.0.0"
+    assert _flags(master["command"])["metrics_host"] == "0.0.0.0"
+    assert _flags(metadata["command"])["host"] == "0.0.0.0"
+    for service in (master, metadata):
+        assert service["build"]["dockerfile"] == f"docker/{MOONCAKE_DOCKERFILE.name}"
+        assert service["image"] == master["image"]
+        assert set(service["networks"]) == {"default"} and "network_mode" not in service
+        assert not service.get("ports")
+        assert service["restart"] == services["airflow-scheduler"]["restart"] == "always"
+
+
+def _check_store_healthchecks(config: dict[str, Any]) -> None:
+    services = config["services"]
+    ports = _store_ports(services)
+    master = _python_healthcheck(services[MOONCAKE_MASTER])
+    assert _probed_url(master) == ("127.0.0.1", ports["admin"], "/health")
+    assert 'get("service_ready") is True' in master  # a master that answers is not yet one that serves
+    metadata = _python_healthcheck(services[MOONCAKE_METADATA])
+    assert _probed_url(metadata) == ("127.0.0.1", ports["metadata"], "/metadata")
+    assert "except urllib.error.HTTPError" in metadata  # its 404 for an unknown key is an answer
+
+
+def _check_gpu_worker_store(config: dict[str, Any]) -> None:
+    """The GPU worker starts after the store is healthy and finds it as the connection the DAG is given."""
+    from airflow.secrets.environment_variables import CONN_ENV_PREFIX, EnvironmentVariablesBackend
+
+    from eagleflow.engine.sample_store_service import address_from_connection
+    from sglang_patch.mooncake_store import LOCAL_HOST_ENV
+
+    services = config["services"]
+    worker = services[GPU_WORKER]
+    for name in (MOONCAKE_MASTER, MOONCAKE_METADATA):
+        assert worker["depends_on"][name]["condition"] == "service_healthy", name
+    variable = CONN_ENV_PREFIX + MOONCAKE_CONN_ID.upper()
+    # Resolved the way a task on the worker resolves it: Airflow's environment-variable secrets backend.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(variable, worker["environment"][variable])
+        conn = EnvironmentVariablesBackend().get_connection(MOONCAKE_CONN_ID)
+    assert conn is not None
+    address = address_from_connection(conn.host or "", conn.port, conn.extra_dejson, "eagleflow/run")
+    ports = _store_ports(services)
+    assert address.master == f"{MOONCAKE_MASTER}:{ports['rpc']}"
+    assert address.admin == f"{MOONCAKE_MASTER}:{ports['admin']}"
+    assert address.metadata_server == f"http://{MOONCAKE_METADATA}:{ports['metadata']}/metadata"
+    assert address.protocol == "tcp"
+    # The address its store clients announce: its own service name, which the network resolves to it.
+    assert worker["environment"][LOCAL_HOST_ENV] == GPU_WORKER
+
+
+def test_mooncake_store_runs_as_two_unpublished_services_of_one_image(config: dict[str, Any]) -> None:
+    _check_store_services(config)
+
+
+def test_mooncake_healthchecks_probe_the_ports_the_commands_bind(config: dict[str, Any]) -> None:
+    _check_store_healthchecks(config)
+
+
+def test_gpu_worker_waits_for_the_store_and_gets_it_as_a_connection(config: dict[str, Any]) -> None:
+    _check_gpu_worker_store(config)
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "check"),
+    [
+        ('"--rpc_address=0.0.0.0"', '"--rpc_address=127.0.0.1"', _check_store_services),
+        ("  restart: always\n\nx-worker-healthcheck", "  restart: on-failure\n\nx-worker-healthcheck", _check_store_services),
+        ('"http://127.0.0.1:9003/health"', '"http://127.0.0.1:9004/health"', _check_store_healthchecks),
+        ('"--metrics_port=9003"', '"--metrics_port=9004"', _check_store_healthchecks),
+        ('get("service_ready") is True', 'get("status") == "ok"', _check_store_healthchecks),
+        ('"http://127.0.0.1:8080/metadata', '"http://127.0.0.1:8081/metadata', _check_store_healthchecks),
+        ('"host": "mooncake-master"', '"host": "mooncake-metadata"', _check_gpu_worker_store),
+        ('"port": 50051', '"port": 50052', _check_gpu_worker_store),
+        ('"admin_port": 9003', '"admin_port": 9004', _check_gpu_worker_store),
+        ("http://mooncake-metadata:8080/metadata", "http://mooncake-metadata:8081/metadata", _check_gpu_worker_store),
+        ('"--rpc_port=50051"', '"--rpc_port=50052"', _check_gpu_worker_store),
+        (
+            "      mooncake-master:\n        condition: service_healthy",
+            "      mooncake-master:\n        condition: service_started",
+            _check_gpu_worker_store,
+        ),
+        ("EAGLEFLOW_MOONCAKE_HOST: airflow-worker-gpu", "EAGLEFLOW_MOONCAKE_HOST: 127.0.0.1", _check_gpu_worker_store),
+    ],
+    ids=[
+        "master-bound-to-loopback", "store-not-restarted", "master-healthcheck-port", "master-moved-its-http-port",
+        "master-healthcheck-ignores-service-ready", "metadata-healthcheck-port", "connection-host", "connection-port",
+        "connection-admin-port", "connection-metadata-server", "master-moved-its-rpc-port", "worker-waits-for-start-only",
+        "worker-announces-loopback",
+    ],
+)
+def test_mooncake_checks_reject_a_broken_copy(
+    compose_cmd: list[str], tmp_path: Path, old: str, new: str, check: Callable[[dict[str, Any]], None]
+) -> None:
+    text = COMPOSE.read_text()
+    assert text.count(old) == 1, f"mutation anchor {old!r} is not once in {COMPOSE.name}; update this test"
+    (tmp_path / "docker").mkdir()
+    shutil.copy(SHARED_SETTINGS, tmp_path / "docker")
+    broken = tmp_path / "docker" / COMPOSE.name
+    broken.write_text(text.replace(old, new))
+    result = _compose_config(compose_cmd, [broken])
+    assert result.returncode == 0, result.stderr  # valid Compose: only the check can catch it
+    with pytest.raises(AssertionError):
+        check(json.loads(result.stdout))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _healthcheck_passes(script: str) -> bool:
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=30).returncode == 0
+
+
+def _wait_healthy(script: str, server: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 60
+    while not _healthcheck_passes(script):
+        assert server.poll() is None, f"{server.args[0]} exited {server.returncode}:\n{log.read_text()[-2000:]}"
+        assert time.monotonic() < deadline, f"health check still failing after a minute:\n{log.read_text()[-2000:]}"
+        time.sleep(0.2)
+
+
+class _NotReadyMaster(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        body = json.dumps({"status": "ok", "service_ready": False}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_mooncake_healthchecks_pass_on_the_real_servers_and_fail_without_them(config: dict[str, Any], tmp_path: Path) -> None:
+    """The services' own check scripts and commands, on free loopback ports, with the binaries of the mooncake extra."""
+    master_tool, metadata_tool = _find_tool("mooncake_master"), _find_tool("mooncake_http_metadata_server")
+    if not (master_tool and metadata_tool):
+        _missing("mooncake_master", MOONCAKE_CPU_BUILD)
+    assert master_tool and metadata_tool
+    services = config["services"]
+    ports = _store_ports(services)
+    free = {name: _free_port() for name in ports}
+
+    def moved(script: str) -> str:
+        for name, port in ports.items():
+            script = script.replace(f":{port}/", f":{free[name]}/")
+        return script
+
+    master_check, metadata_check = (moved(_python_healthcheck(services[n])) for n in (MOONCAKE_MASTER, MOONCAKE_METADATA))
+    assert not _healthcheck_passes(master_check) and not _healthcheck_passes(metadata_check)  # nothing listens
+    not_ready = http.server.ThreadingHTTPServer(("127.0.0.1", free["admin"]), _NotReadyMaster)
+    threading.Thread(target=not_ready.serve_forever, daemon=True).start()
+    try:
+        assert not _healthcheck_passes(master_check)  # answers, not ready
+    finally:
+        not_ready.shutdown()
+        not_ready.server_close()
+
+    master_argv = [master_tool, *_with_flags(services[MOONCAKE_MASTER]["command"][1:], {
+        "rpc_address": "127.0.0.1", "metrics_host": "127.0.0.1", "rpc_port": str(free["rpc"]), "metrics_port": str(free["admin"]),
+    })]
+    metadata_argv = [sys.executable, metadata_tool, *_with_flags(services[MOONCAKE_METADATA]["command"][1:], {
+        "host": "127.0.0.1", "port": str(free["metadata"]),
+    })]
+    started: list[subprocess.Popen[bytes]] = []
+    try:
+        for argv, script, name in ((master_argv, master_check, "master"), (metadata_argv, metadata_check, "metadata")):
+            log = tmp_path / f"{name}.log"
+            with open(log, "wb") as out:
+                started.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+            _wait_healthy(script, started[-1], log)
+    finally:
+        for server in started:
+            server.terminate()
+            try:
+                server.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+
+
 # ---------------------------------------------------------------- pool
 
 
@@ -371,13 +636,46 @@ def test_airflow_init_refuses_placeholder_secrets(config: dict[str, Any], tmp_pa
 # ---------------------------------------------------------------- Dockerfiles
 
 
-def test_dockerfiles_pass_hadolint(hadolint: str) -> None:
-    result = subprocess.run(
-        [hadolint, "--no-color", str(AIRFLOW_DOCKERFILE), str(SGLANG_DOCKERFILE)],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
+def _hadolint(hadolint: str, *dockerfiles: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [hadolint, "--no-color", *map(str, dockerfiles)], capture_output=True, text=True, cwd=REPO, timeout=120
     )
+
+
+def test_dockerfiles_pass_hadolint(hadolint: str) -> None:
+    result = _hadolint(hadolint, *DOCKERFILES)
     # The default failure threshold is "info": any finding at all fails.
     assert result.returncode == 0 and not result.stdout.strip(), result.stdout + result.stderr
+
+
+def test_the_only_hadolint_exception_is_unpinned_apt_packages() -> None:
+    """DL3008 (pin apt versions) alone is waived, right above an apt-get install: Debian and Ubuntu keep
+    only a package's newest build in their index, so a pinned version breaks at its next update."""
+    for dockerfile in DOCKERFILES:
+        lines = dockerfile.read_text().splitlines()
+        for number, line in enumerate(lines):
+            if "hadolint" in line:
+                assert line == "# hadolint ignore=DL3008", f"{dockerfile.name}:{number + 1}: {line}"
+                assert lines[number + 1].startswith("RUN apt-get update"), f"{dockerfile.name}:{number + 2}"
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "rule"),
+    [
+        ("apt-get install -y --no-install-recommends", "apt-get install -y", "DL3015"),
+        (" \\\n && rm -rf /var/lib/apt/lists/*", "", "DL3009"),
+        ("pip install --no-cache-dir", "pip install", "DL3042"),
+        ("# hadolint ignore=DL3008\n", "", "DL3008"),
+    ],
+    ids=["apt-recommends", "apt-lists-kept", "pip-cache-kept", "apt-unpinned-unexplained"],
+)
+def test_hadolint_rejects_a_broken_copy_of_the_store_image(hadolint: str, tmp_path: Path, old: str, new: str, rule: str) -> None:
+    text = MOONCAKE_DOCKERFILE.read_text()
+    assert text.count(old) == 1, f"mutation anchor {old!r} is not once in {MOONCAKE_DOCKERFILE.name}; update this test"
+    broken = tmp_path / MOONCAKE_DOCKERFILE.name
+    broken.write_text(text.replace(old, new))
+    result = _hadolint(hadolint, broken)
+    assert result.returncode != 0 and rule in result.stdout, result.stdout + result.stderr
 
 
 def _instructions(dockerfile: Path) -> list[tuple[str, str]]:
@@ -415,7 +713,7 @@ def _ignored(path: str, ignore_file: Path) -> bool:
     return ignored
 
 
-@pytest.mark.parametrize("dockerfile", [AIRFLOW_DOCKERFILE, SGLANG_DOCKERFILE], ids=lambda p: p.name)
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_dockerfile_copies_files_that_exist_and_reach_the_build_context(dockerfile: Path) -> None:
     ignore_file = dockerfile.with_name(dockerfile.name + ".dockerignore")
     assert ignore_file.exists(), "without it the build context would carry .venv and .cache"
@@ -431,6 +729,30 @@ def _arg(dockerfile: Path, name: str) -> str:
     values = {rest.split("=", 1)[1] for keyword, rest in _instructions(dockerfile) if keyword == "ARG" and rest.startswith(name + "=")}
     assert len(values) == 1, f"{dockerfile.name}: ARG {name} defaults {values}"
     return values.pop()
+
+
+def _apt_packages(dockerfile: Path) -> set[str]:
+    """What the Dockerfile's ``apt-get install`` lines install."""
+    packages: set[str] = set()
+    for keyword, rest in _instructions(dockerfile):
+        for command in re.findall(r"apt-get install ([^&;|]+)", rest) if keyword == "RUN" else []:
+            packages |= {word for word in command.split() if not word.startswith("-")}
+    return packages
+
+
+def test_images_with_a_mooncake_client_install_the_libraries_it_loads() -> None:
+    assert _apt_packages(MOONCAKE_DOCKERFILE) >= MOONCAKE_SYSTEM_PACKAGES
+    # The CUDA builds also load libmlx5, from ibverbs-providers.
+    assert _apt_packages(SGLANG_DOCKERFILE) >= MOONCAKE_SYSTEM_PACKAGES | {"ibverbs-providers"}
+
+
+def test_store_image_installs_pyprojects_mooncake_pin_and_runs_unprivileged() -> None:
+    (pin,) = map(Requirement, _pyproject()["project"]["optional-dependencies"]["mooncake"])
+    assert canonicalize_name(pin.name) == MOONCAKE_CPU_BUILD
+    assert _arg(MOONCAKE_DOCKERFILE, "MOONCAKE_VERSION") == _exact(pin)
+    assert f'pip install --no-cache-dir "{MOONCAKE_CPU_BUILD}==${{MOONCAKE_VERSION}}"' in MOONCAKE_DOCKERFILE.read_text()
+    users = [rest for keyword, rest in _instructions(MOONCAKE_DOCKERFILE) if keyword == "USER"]
+    assert users and users[-1] == "${MOONCAKE_UID}:0" and _arg(MOONCAKE_DOCKERFILE, "MOONCAKE_UID") != "0"
 
 
 # ---------------------------------------------------------------- versions and requirement lists
@@ -466,6 +788,7 @@ def test_image_versions_match_pyproject() -> None:
     assert _arg(SGLANG_DOCKERFILE, "SGLANG_VERSION") == sglang
     assert _arg(SGLANG_DOCKERFILE, "SGLANG_IMAGE").startswith(f"lmsysorg/sglang:v{sglang}-")
     assert f"ENV {SGLANG_PYTHON_ENV}=" in SGLANG_DOCKERFILE.read_text()
+    assert _arg(MOONCAKE_DOCKERFILE, "MOONCAKE_VERSION") == _exact(_pins(extras["mooncake"])[MOONCAKE_CPU_BUILD])
 
 
 def test_control_requirements_are_pyproject_pins() -> None:
@@ -477,9 +800,44 @@ def test_control_requirements_are_pyproject_pins() -> None:
         assert str(req) == str(project[name]), f"{name}: {req} in the image, {project[name]} in pyproject.toml"
 
 
-def test_gpu_worker_requirements_are_pyproject_minus_torch_plus_speculators() -> None:
+def _mooncake_gpu_build() -> str:
+    """The Mooncake build for the CUDA of the SGLang image (``...-cu130``: CUDA 13)."""
+    cuda = re.search(r"-cu(\d\d)\d$", _arg(SGLANG_DOCKERFILE, "SGLANG_IMAGE"))
+    assert cuda and cuda[1] in MOONCAKE_GPU_BUILD_FOR_CUDA, f"no Mooncake build known for {_arg(SGLANG_DOCKERFILE, 'SGLANG_IMAGE')}"
+    return MOONCAKE_GPU_BUILD_FOR_CUDA[cuda[1]]
+
+
+def _check_gpu_worker_requirements(lines: list[str]) -> None:
+    """pyproject's dependencies minus torch (the image's CUDA build) and Airflow (its own pip argument), plus the
+    speculators extra and the mooncake extra, whose CPU build maps to the GPU image's CUDA build at the same version."""
     project = _pyproject()["project"]
     expected = _pins(project["dependencies"]) | _pins(project["optional-dependencies"]["speculators"])
     del expected["torch"], expected["apache-airflow"]
-    listed = _pins(_requirement_file(DOCKER / "requirements-gpu-worker.txt"))
+    for name, req in _pins(project["optional-dependencies"]["mooncake"]).items():
+        assert name == MOONCAKE_CPU_BUILD, f"the mooncake extra holds {req}: say which GPU build it maps to"
+        expected[_mooncake_gpu_build()] = Requirement(f"{_mooncake_gpu_build()}=={_exact(req)}")
+    listed = _pins(lines)
     assert {n: str(r) for n, r in listed.items()} == {n: str(r) for n, r in expected.items()}
+    # The server side's install (sglang.Dockerfile) greps its one line by this prefix.
+    assert len([line for line in lines if line.startswith("mooncake-transfer-engine")]) == 1
+
+
+def test_gpu_worker_requirements_are_pyproject_minus_torch_plus_speculators_and_mooncake() -> None:
+    assert MOONCAKE_GPU_BUILD_FOR_CUDA["13"] == "mooncake-transfer-engine-cuda13" == _mooncake_gpu_build()
+    _check_gpu_worker_requirements(_requirement_file(DOCKER / "requirements-gpu-worker.txt"))
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("mooncake-transfer-engine-cuda13==", "mooncake-transfer-engine=="),
+        ("mooncake-transfer-engine-cuda13==", "mooncake-transfer-engine-non-cuda=="),
+        ("mooncake-transfer-engine-cuda13==0.3.13.post1", "mooncake-transfer-engine-cuda13==0.3.14"),
+    ],
+    ids=["cuda12-build", "cpu-build", "other-version"],
+)
+def test_gpu_worker_requirement_check_rejects_a_wrong_mooncake_build(old: str, new: str) -> None:
+    lines = _requirement_file(DOCKER / "requirements-gpu-worker.txt")
+    assert sum(old in line for line in lines) == 1, f"mutation anchor {old!r} is gone; update this test"
+    with pytest.raises(AssertionError):
+        _check_gpu_worker_requirements([line.replace(old, new) for line in lines])
