@@ -10,7 +10,10 @@ untrained verifier: the figures are about bytes and time, not accuracy). Reporte
   before training); online, the feed's own peak (dumps + samples fetched ahead, sampled every
   50 ms), which the window bounds whatever the dataset's size;
 - wall time of the online run against extraction + training;
-- the share of the online run's training time the trainer waited for data.
+- the share of the online run's training time the trainer waited for data;
+- the same online run with ``sample_transport`` mooncake (a second engine handing its samples to a
+  Mooncake Store the run starts on 127.0.0.1, the feed reading them back): samples and bytes per
+  second of the feed through the store against the dump folder, and its trainer's data-wait share.
 
 Run: ``.venv/bin/python benchmarks/bench_online.py``.
 """
@@ -57,13 +60,13 @@ def copy_rows(dataset: Path, dest: Path) -> Path:
     return dest
 
 
-def engine(model: Path, dump_dir: Path, log: Path, budget: int):  # noqa: ANN201 - ServerInfo
+def engine(model: Path, dump_dir: Path, log: Path, budget: int, store: str | None = None):  # noqa: ANN201 - ServerInfo
     from eagleflow.config import model_to_argv
     from eagleflow.engine.process import Readiness, check_ready, free_port, pid_alive, start_server
     from eagleflow.engine.reference.config import ReferenceEngineConfig
 
     port = free_port()
-    config = ReferenceEngineConfig(model=model, dump_dir=dump_dir, aux_layers=AUX, port=port, dump_queue_bytes=budget)
+    config = ReferenceEngineConfig(model=model, dump_dir=dump_dir, aux_layers=AUX, port=port, dump_queue_bytes=budget, sample_store=store)
     info = start_server([sys.executable, "-m", "eagleflow", "serve-reference", *model_to_argv(config), "--threads", "1"], {},
                         log, log.with_suffix(".json"), f"http://127.0.0.1:{port}", dump_dir)
     while check_ready(info).state is not Readiness.READY:
@@ -91,6 +94,7 @@ def measure(work: Path) -> list[Row]:
     import datasets
 
     from eagleflow.engine.process import stop_server
+    from eagleflow.engine.sample_store_service import ensure_store, stop_store
     from eagleflow.layout import hidden_states_dir
     from eagleflow.results import find_result
     from sglang_patch.sample_file import sample_file_bytes
@@ -114,7 +118,21 @@ def measure(work: Path) -> list[Row]:
                                             f"--online-window-gb={window / 1e9}"))
     finally:
         stop_server(server.pid, grace=10)
+    # The same online run, the samples through the run's Mooncake Store.
+    address = ensure_store(work / "store", "eagleflow/bench")
+    assert address is not None
+    store_server = engine(model, work / "store-dumps", work / "store-engine.log", window, address.to_json())
+    try:
+        store_s, store_stdout = timed(train_argv(copy_rows(dataset, work / "store-online"), model, work / "store-train",
+                                                 "--hidden-states-source", "engine", f"--engine-urls={store_server.url}",
+                                                 "--dump-dir", str(work / "store-dumps"), f"--sample-store={address.to_json()}",
+                                                 f"--online-window-gb={window / 1e9}"))
+    finally:
+        stop_server(store_server.pid, grace=10)
+        stop_store(work / "store")
     figures = find_result(stdout.splitlines())["online"]
+    through_store = find_result(store_stdout.splitlines())["online"]
+    print(f"online through the store: {store_s:.1f}s, {json.dumps(through_store)}", flush=True)
     peak, wait, seconds = figures["peak_bytes"], figures["data_wait_s"], figures["seconds"]
     print(f"online: {online_s:.1f}s, {json.dumps(figures)}", flush=True)
     peak_ratio, time_ratio = peak / stored, online_s / (extract_s + train_s)
@@ -129,6 +147,22 @@ def measure(work: Path) -> list[Row]:
             "trainer share 2 cores"),
         Row("trainer data-wait share, online", f"{wait:.1f} s of {seconds:.1f} s = {wait / seconds:.1%}", "report", None,
             f"the trainer's wait for batches (online_prefetch 8, {figures['fetched']} samples fetched)"),
+        *store_rows(figures, through_store),
+    ]
+
+
+def store_rows(by_file: dict, by_store: dict) -> list[Row]:  # noqa: D103 - the feed's figures, file vs Mooncake Store
+    def rates(figures: dict) -> tuple[float, float]:
+        return figures["fetched"] / figures["seconds"], figures["fetched_bytes"] / figures["seconds"] / 1e6
+
+    (file_n, file_mb), (store_n, store_mb) = rates(by_file), rates(by_store)
+    wait, seconds = by_store["data_wait_s"], by_store["seconds"]
+    return [
+        Row("feed samples/s and MB/s, Mooncake Store vs dump folder",
+            f"{store_n:.1f} vs {file_n:.1f} samples/s, {store_mb:.2f} vs {file_mb:.2f} MB/s = {store_n / file_n:.2f}x",
+            "report", None, "the same rows and window; the tiny engine's prefill, not the transport, sets the pace on 2 cores"),
+        Row("trainer data-wait share, online through the store", f"{wait:.1f} s of {seconds:.1f} s = {wait / seconds:.1%}",
+            "report", None, "sample_transport mooncake: master and metadata server on 127.0.0.1, TCP"),
     ]
 
 
