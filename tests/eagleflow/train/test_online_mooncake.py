@@ -27,9 +27,11 @@ from eagleflow.engine.process import ServerInfo, pid_alive
 from eagleflow.engine.sample_store_service import STATE_FILE, ensure_store, read_store_state, stop_store
 from eagleflow.extract.dump_wait import raise_for_record
 from eagleflow.extract.handoff_reader import StoreHandOff, StoreUnreachable
+from eagleflow.extract.config import ExtractConfig
 from eagleflow.extract.sample_store import validate
+from eagleflow.extract.shard import ShardExtractor
 from eagleflow.engine import RowFailed
-from eagleflow.layout import FeedLayout, TrainLayout
+from eagleflow.layout import FeedLayout, TrainLayout, hidden_states_dir
 from eagleflow.results import find_result
 from sglang_patch.dump_writer import DumpWriter
 from sglang_patch.mooncake_store import STATUS_MARK, StoreAddress
@@ -172,6 +174,16 @@ def test_samples_through_the_store_train_as_files_do_and_the_dump_folder_never_h
     assert online["fetched"] == 2 * FAULT_ROWS and 0 < online["peak_bytes"] <= window + largest_sample(dataset)
     assert sample_keys(address) == [], "every sample read was removed from the store"
     assert list(FeedLayout(TrainLayout(tmp_path / "store").online).ready.iterdir()) == []
+
+    # Extraction to disk reads through the same seam: the same files, byte for byte, whichever way they came.
+    for name, engine in (("by-file", by_file), ("by-store", by_store)):
+        ShardExtractor(ExtractConfig(
+            dataset=rows_only(dataset, tmp_path / name / "dataset", 8), server=engine.url, dump_dir=Path(engine.dump_dir),
+            sample_store=engine.store_json(), rows="0:8", verifier=tiny_model, aux_layer_ids=AUX, manifest=tmp_path / name / "shard.json",
+        )).run()
+    files = [sorted(hidden_states_dir(tmp_path / name / "dataset").iterdir()) for name in ("by-file", "by-store")]
+    assert len(files[0]) == 8 and [p.read_bytes() for p in files[0]] == [p.read_bytes() for p in files[1]]
+    assert sample_keys(address) == [] and not [p for p in dumps.glob("*") if p.name.endswith(".safetensors")]
 
 
 @pytest.mark.e2e
