@@ -162,7 +162,7 @@ def test_remote_server_mode_launches_and_stops_nothing_and_extracts_everything(
     assert {task: tis[(task, 0)].state for task in per_drafter} == dict.fromkeys(per_drafter, "skipped")
     assert tis[("launch_server", 0)].xcom_pull(task_ids="launch_server", map_indexes=0) == {
         "url": outside_engine.url, "pid": None, "host": "", "log_path": "", "dump_dir": outside_engine.dump_dir,
-        "name": "engine-0",
+        "name": "engine-0", "sample_store": None,
     }
     assert tis[("stop_server", 0)].xcom_pull(task_ids="stop_server", map_indexes=0) == "remote engine left running"
     assert pid_alive(outside_engine.pid)  # nobody stopped the remote engine
