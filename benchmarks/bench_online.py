@@ -122,6 +122,7 @@ def measure(work: Path) -> list[Row]:
     address = ensure_store(work / "store", "eagleflow/bench")
     assert address is not None
     store_server = engine(model, work / "store-dumps", work / "store-engine.log", window, address.to_json())
+    raw = (handoff_rate(work, None), handoff_rate(work, address))
     try:
         store_s, store_stdout = timed(train_argv(copy_rows(dataset, work / "store-online"), model, work / "store-train",
                                                  "--hidden-states-source", "engine", f"--engine-urls={store_server.url}",
@@ -147,11 +148,40 @@ def measure(work: Path) -> list[Row]:
             "trainer share 2 cores"),
         Row("trainer data-wait share, online", f"{wait:.1f} s of {seconds:.1f} s = {wait / seconds:.1%}", "report", None,
             f"the trainer's wait for batches (online_prefetch 8, {figures['fetched']} samples fetched)"),
-        *store_rows(figures, through_store),
+        *store_rows(figures, through_store, raw),
     ]
 
 
-def store_rows(by_file: dict, by_store: dict) -> list[Row]:  # noqa: D103 - the feed's figures, file vs Mooncake Store
+def handoff_rate(work: Path, store: object | None, samples: int = 24, tokens: int = 512, hidden: int = 2048) -> float:
+    """MB/s of the hand-off alone, writer to reader (queued, published, read whole, checked, removed): bf16
+    samples of ``tokens`` x 4 slots x ``hidden`` (8 MiB each), through the dump folder or the store."""
+    import torch
+
+    from eagleflow.extract import handoff_for
+    from eagleflow.extract.sample_store import validate
+    from sglang_patch.dump_writer import DumpWriter
+
+    sample = torch.randn(tokens, 4, hidden).to(torch.bfloat16)
+    ids = torch.arange(tokens)
+    size = tokens * 4 * hidden * 2
+    dumps, ready = work / f"handoff-{'store' if store else 'file'}", work / f"handoff-ready-{'store' if store else 'file'}"
+    ready.mkdir(parents=True, exist_ok=True)
+    writer = DumpWriter(dumps, max_pending_bytes=4 * size, sample_store=store)
+    reader = handoff_for(dumps, store.to_json() if store else None, 2 * size)  # type: ignore[attr-defined]
+    started = time.perf_counter()
+    for n in range(samples):
+        rid = f"row{n}-bench"
+        assert writer.submit(rid, sample, ids)
+        writer.flush(60)
+        local = reader.local_copy(rid, ready / f"hs_{n}.safetensors")
+        assert validate(local, ids.tolist(), 4, hidden, "bf16", trust_writer_verdict=True).ok
+        reader.discard(rid, ready / f"hs_{n}.safetensors")
+    seconds = time.perf_counter() - started
+    writer.close()
+    return samples * size / seconds / 1e6
+
+
+def store_rows(by_file: dict, by_store: dict, raw: tuple[float, float]) -> list[Row]:  # noqa: D103 - file vs Mooncake Store
     def rates(figures: dict) -> tuple[float, float]:
         return figures["fetched"] / figures["seconds"], figures["fetched_bytes"] / figures["seconds"] / 1e6
 
@@ -163,6 +193,9 @@ def store_rows(by_file: dict, by_store: dict) -> list[Row]:  # noqa: D103 - the 
             "report", None, "the same rows and window; the tiny engine's prefill, not the transport, sets the pace on 2 cores"),
         Row("trainer data-wait share, online through the store", f"{wait:.1f} s of {seconds:.1f} s = {wait / seconds:.1%}",
             "report", None, "sample_transport mooncake: master and metadata server on 127.0.0.1, TCP"),
+        Row("hand-off alone, MB/s, Mooncake Store vs dump folder", f"{raw[1]:.0f} vs {raw[0]:.0f} MB/s = {raw[1] / raw[0]:.2f}x",
+            "report", None, "8 MiB bf16 samples one at a time: queued, put (or written), read whole (or found), checked, "
+            "removed; the folder's file is found in place, the store's copied out of the engine's segment over TCP"),
     ]
 
 
