@@ -14,6 +14,8 @@ each can be compared with ``demo``. ``--draft-algorithm dflash`` trains, exports
 a DFlash block drafter instead of EAGLE-3 (``demo-dflash``) from the same capture settings.
 ``--thinking`` serves the verifier as a thinking, tool-calling model (``demo-thinking``): its thinking
 template, the conversations with thinking and tool calls, and ``chat_template_kwargs``.
+``--sample-transport mooncake`` hands the samples over through a Mooncake Store the run starts beside
+its engine instead of the dump folder (``demo-mooncake``; with ``--online``, ``demo-online-mooncake``).
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ def main() -> int:
     parser.add_argument("--thinking", action="store_true",
                         help="serve the verifier as a thinking, tool-calling model: its thinking template, conversations "
                         "with thinking and tool calls, and the Param chat_template_kwargs {\"enable_thinking\": true}")
+    parser.add_argument("--sample-transport", choices=["file", "mooncake"], default="file",
+                        help="how the engine hands samples over (the Param sample_transport; mooncake: through a Mooncake "
+                        "Store the run starts on 127.0.0.1)")
     args = parser.parse_args()
     if args.compare and (args.online or args.draft_algorithm != "eagle3"):
         parser.error("--compare trains both families from extracted hidden states: without --online or --draft-algorithm")
@@ -91,9 +96,10 @@ def main() -> int:
         + ([args.draft_algorithm] if args.draft_algorithm != "eagle3" else [])
         + (["compare"] if args.compare else [])
         + (["thinking"] if args.thinking else [])
+        + (["mooncake"] if args.sample_transport == "mooncake" else [])
     )
     conf = {**demo_params(DEMO_DIR), "run_name": "-".join([DEMO_RUN_NAME, *variant]), "hidden_states_dtype": dtype,
-            "regenerate_responses": args.regenerate}
+            "regenerate_responses": args.regenerate, "sample_transport": args.sample_transport}
     if args.draft_algorithm == "dflash":
         conf.update(DEMO_DFLASH_PARAMS)
     if args.compare:
