@@ -42,7 +42,7 @@ from eagleflow.errors import UserError
 from eagleflow.extract.config import ExtractConfig, parse_rows
 from eagleflow.extract.completion import drop_previous_files, previous_files_dir, set_aside_complete_shard
 from eagleflow.extract.dump_wait import DiskFull, remove_dead_writer_statuses
-from eagleflow.extract.handoff_reader import handoff_for
+from eagleflow.extract.handoff_reader import StoreUnreachable, handoff_for
 from eagleflow.extract.manifest import FAILED, INTERRUPTED, SUCCESS, ShardManifest
 from eagleflow.extract.rid_journal import RidJournal
 from eagleflow.extract.row_fetch import RowFetcher, SampleShape
@@ -245,6 +245,9 @@ class ShardExtractor:
                     except (ServerGone, DiskFull) as exc:
                         self._stop_shard(FAILED, exc.reason, exc)
                         break
+                    except StoreUnreachable as exc:  # the run's sample store: every row would fail alike
+                        self._stop_shard(FAILED, str(exc), exc)
+                        break
                     except RowFailed as exc:
                         if self._stopped:
                             break  # stopped: the row is not at fault
@@ -330,14 +333,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     cfg = model_from_args(ExtractConfig, args)
     signal.signal(signal.SIGTERM, _raise_interrupt)
-    extractor = ShardExtractor(cfg)
+    try:
+        extractor = ShardExtractor(cfg)
+    except StoreUnreachable as exc:
+        print(f"error: extract --rows {cfg.rows}: {exc}; a retry resumes once it answers", flush=True)
+        return 1
     try:
         report = extractor.run()
     except ServerGone as exc:
         print(f"error: shard {extractor.name} stopped: {exc.reason}; a retry resumes on an engine that is up", flush=True)
         os._exit(EXIT_ENGINE_GONE)  # worker threads may still sit in a dead connection; the manifest is written
-    except DiskFull as exc:
-        print(f"error: shard {extractor.name} stopped: {exc.reason}; finished rows are kept, a retry resumes", flush=True)
+    except (DiskFull, StoreUnreachable) as exc:
+        print(f"error: shard {extractor.name} stopped: {getattr(exc, 'reason', exc)}; finished rows are kept, a retry resumes", flush=True)
         os._exit(1)  # worker threads may still sit in a dead connection; the manifest is written
     except KeyboardInterrupt:
         print(f"shard {extractor.name} interrupted; finished rows are kept, a rerun resumes", flush=True)

@@ -50,7 +50,7 @@ from eagleflow.extract.capture_checks import (
 )
 from eagleflow.engine import EngineClient, RowFailed, ServerGone, with_retries
 from eagleflow.extract.dump_wait import DiskFull, wait_for_dump
-from eagleflow.extract.handoff_reader import handoff_for
+from eagleflow.extract.handoff_reader import StoreUnreachable, handoff_for
 from eagleflow.extract.sample_store import load_sample, validate
 from eagleflow.extract.verify_config import VerifyCaptureConfig
 from eagleflow.files import atomic_write_json
@@ -333,6 +333,9 @@ def main(args: argparse.Namespace) -> int:
         report = verify_capture(cfg)
     except ServerGone as exc:
         print(f"error: verify-capture: {exc.reason}", flush=True)
+        return 1
+    except StoreUnreachable as exc:
+        print(f"error: verify-capture: {exc}", flush=True)
         return 1
     final = report["final_slot"]
     worst = final.get("worst") or {}

@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -110,7 +111,9 @@ def test_a_sample_goes_through_the_store_as_its_file_bytes_and_is_removed_once_r
     assert reader.statuses() == [], "a closed writer removes its status"
 
 
-def test_a_gone_master_is_named_and_a_sample_that_left_the_store_is_never_published(store, tmp_path: Path) -> None:  # noqa: ANN001
+def test_a_gone_master_is_named_and_a_sample_that_left_the_store_is_never_published(
+    store, trained_data: Path, tiny_model: Path, tmp_path: Path  # noqa: ANN001
+) -> None:
     folder, address = store
     reader = StoreHandOff(address)
     with pytest.raises(RowFailed, match="left .* before it was read"):
@@ -119,6 +122,12 @@ def test_a_gone_master_is_named_and_a_sample_that_left_the_store_is_never_publis
     os.kill(read_store_state(folder)["master_pid"], signal.SIGKILL)
     with pytest.raises(StoreUnreachable, match=rf"the Mooncake master at {address.master}.*does not answer"):
         reader.has_sample("row1-gone")
+    # A step that reads through the store stops naming it, no traceback (here an extraction starting meanwhile).
+    extract = run([sys.executable, "-m", "eagleflow", "extract", "--dataset", str(rows_only(trained_data, tmp_path / "ds", 4)),
+                   "--server", "http://127.0.0.1:9", "--dump-dir", str(tmp_path / "dumps"), f"--sample-store={address.to_json()}",
+                   "--rows", "0:4", "--verifier", str(tiny_model), "--aux-layer-ids", ",".join(map(str, AUX))])
+    assert extract.returncode == 1 and "Traceback" not in extract.stdout + extract.stderr, extract.stdout + extract.stderr
+    assert f"error: extract --rows 0:4: cannot connect to the Mooncake master at {address.master}" in extract.stdout, extract.stdout
     assert ensure_store(folder, "eagleflow/test", start_new=False) == address, "brought back on the same ports"
     wait_for(lambda: answers(reader), "the client to reconnect to the master on its old address", timeout=30)
 
