@@ -19,7 +19,16 @@ from pathlib import Path
 
 import torch
 
-from sglang_patch.handoff import ErrorRecord, WriterStatus, dump_path, reserve_path, status_path
+from sglang_patch.handoff import (
+    TOO_LARGE,
+    WRITE_FAILED,
+    WRITER_BEHIND,
+    ErrorRecord,
+    WriterStatus,
+    dump_path,
+    reserve_path,
+    status_path,
+)
 from sglang_patch.mooncake_store import (
     BUFFER_OVERFLOW,
     MIN_BUFFER_BYTES,
@@ -109,8 +118,6 @@ class StoreSink:
         return None
 
     def write_sample(self, rid: str, tensors: Mapping[str, torch.Tensor | SlotMajor], metadata: Mapping[str, str]) -> None:
-        from sglang_patch.handoff import TOO_LARGE, WRITE_FAILED, WRITER_BEHIND
-
         code = self.store.put(self.address.sample_key(rid), encoded_sample_bytes(tensors, metadata))
         if code == 0:
             return

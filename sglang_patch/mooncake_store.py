@@ -104,6 +104,11 @@ class StoreAddress:
     def from_json(cls, text: str) -> StoreAddress:
         return cls.from_dict(json.loads(text))
 
+    @classmethod
+    def parse(cls, address: str | dict[str, Any]) -> StoreAddress:
+        """An address as the steps pass it (JSON) or as the XCom carries it (a mapping)."""
+        return cls.from_json(address) if isinstance(address, str) else cls.from_dict(address)
+
     def describe(self) -> str:
         return f"the Mooncake master at {self.master}"
 
@@ -119,9 +124,7 @@ class StoreAddress:
 
 def store_option(address: str | dict[str, Any] | None) -> dict[str, StoreAddress]:
     """A writer's ``sample_store`` keyword from an address given as JSON or a mapping (nothing when none is)."""
-    if not address:
-        return {}
-    return {"sample_store": StoreAddress.from_json(address) if isinstance(address, str) else StoreAddress.from_dict(address)}
+    return {"sample_store": StoreAddress.parse(address)} if address else {}
 
 
 class StoreError(Exception):

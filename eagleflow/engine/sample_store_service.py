@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from eagleflow.engine.process import free_port, group_alive, pid_alive, stop_server
+from eagleflow.engine.process import free_port, pid_alive, stop_server
 from eagleflow.errors import UserError
 from eagleflow.files import atomic_write_json
 from sglang_patch.mooncake_store import StoreAddress, master_healthy
@@ -147,8 +147,7 @@ def stop_store(folder: Path) -> str:
 
 def _stop(state: dict[str, Any]) -> None:
     for key in ("master_pid", "metadata_pid"):
-        pid = int(state.get(key) or 0)
-        if pid and (pid_alive(pid) or group_alive(pid)):
-            stop_server(pid, grace=5.0)
+        if state.get(key):
+            stop_server(int(state[key]), grace=5.0)  # a process already gone is only reaped
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 from dataclasses import fields
 from pathlib import Path
@@ -74,8 +75,6 @@ class FolderHandOff:
         return read_writer_statuses(self.dump_dir)
 
     def free_bytes(self) -> int | None:
-        import shutil
-
         return shutil.disk_usage(self.dump_dir).free
 
     def local_copy(self, rid: str, beside: Path) -> Path:
@@ -180,8 +179,7 @@ class StoreHandOff:
 def handoff_for(dump_dir: str | os.PathLike[str] | None, sample_store: str | dict[str, Any] | None, buffer_bytes: int = 0) -> HandOff:
     """The hand-off an engine writes to: its store when it has one (an address as JSON or a mapping), else its folder."""
     if sample_store:
-        address = StoreAddress.from_json(sample_store) if isinstance(sample_store, str) else StoreAddress.from_dict(sample_store)
-        return StoreHandOff(address, max(buffer_bytes, MIN_BUFFER_BYTES))
+        return StoreHandOff(StoreAddress.parse(sample_store), buffer_bytes)  # the client raises it to its minimum
     if dump_dir is None:
         raise ValueError("a hand-off needs a dump folder or a sample store")
     return FolderHandOff(Path(dump_dir))

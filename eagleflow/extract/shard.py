@@ -82,8 +82,11 @@ class ShardExtractor:
         self._durable = DurabilityBarrier()
         shape = SampleShape(self.n_slots, self.hidden_size, cfg.hidden_states_dtype)
         # Its dump folder, or the run's sample store (whose reader takes a sample as long as the shard's longest row).
-        longest = max(dataset_table(cfg.dataset, ["seq_len"]).column("seq_len").to_pylist()[self.start : self.end], default=1)
-        self.handoff = handoff_for(cfg.dump_dir, cfg.sample_store, shape.file_bytes(longest) if cfg.sample_store else 0)
+        largest = 0
+        if cfg.sample_store:
+            lengths = dataset_table(cfg.dataset, ["seq_len"]).column("seq_len").to_pylist()[self.start : self.end]
+            largest = shape.file_bytes(max(lengths, default=1))
+        self.handoff = handoff_for(cfg.dump_dir, cfg.sample_store, largest)
         self.rids = RidJournal(self.manifest_path.with_name(f".{self.name}.rids"), self.handoff)
         self.fetcher = RowFetcher(
             self.client, self.handoff, shape,
