@@ -122,7 +122,7 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=int(DEMO_PARAMS["epochs"]), help="training epochs per dtype")
     args = parser.parse_args()
 
-    from eagleflow.data.verifier import config_int, resolve_aux_layer_ids
+    from eagleflow.verifier.config import config_int, resolve_aux_layer_ids
     from eagleflow.demo import make_demo_inputs
 
     paths = make_demo_inputs(REPO / ".cache" / "demo")

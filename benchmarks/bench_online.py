@@ -63,7 +63,7 @@ def copy_rows(dataset: Path, dest: Path) -> Path:
 def engine(model: Path, dump_dir: Path, log: Path, budget: int, store: str | None = None):  # noqa: ANN201 - ServerInfo
     from eagleflow.config import model_to_argv
     from eagleflow.engine.process import Readiness, check_ready, free_port, pid_alive, start_server
-    from eagleflow.engine.reference.config import ReferenceEngineConfig
+    from eagleflow.engine.reference_config import ReferenceEngineConfig
 
     port = free_port()
     config = ReferenceEngineConfig(model=model, dump_dir=dump_dir, aux_layers=AUX, port=port, dump_queue_bytes=budget, sample_store=store)

@@ -214,11 +214,11 @@ def load_decoder(model: Any, bundle: Path, block: bool) -> Any:
     """The bundled EAGLE-3 drafter's chain decoder, or (``block``) the bundled DFlash drafter's block decoder."""
     manifest = json.loads((bundle / BUNDLE_MANIFEST).read_text())
     if block:
-        from eagleflow.engine.reference.dflash import load_dflash_decoder
+        from eagleflow.drafters.dflash.reference import load_dflash_decoder
 
         entry = manifest["block_drafter"]
         return load_dflash_decoder(model, bundle / entry["path"], int(entry["block_size"]))
-    from eagleflow.engine.reference.speculative import load_speculative_decoder
+    from eagleflow.drafters.eagle3.reference import load_speculative_decoder
 
     return load_speculative_decoder(model, bundle / "drafter", int(manifest["num_steps"]), manifest.get("window"))
 
@@ -312,7 +312,7 @@ def training_rows(bundle: Path, work: Path, device: str) -> list[Row]:
 def prepare(run: Path, verifier: Path, bundle: Path, block_run: Path | None = None) -> Path:
     """Copy a finished demo run's verifier, exported drafter, dataset and held-out prompts into ``bundle``, and
     the DFlash drafter of ``block_run`` (``demo.py --draft-algorithm dflash``) when it finished."""
-    from eagleflow.data.verifier import resolve_aux_layer_ids
+    from eagleflow.verifier.config import resolve_aux_layer_ids
     from eagleflow.evaluate.prompts import held_out_prompts
     from eagleflow.export.manifest import ServedDrafter
     from eagleflow.layout import RunLayout

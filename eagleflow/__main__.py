@@ -25,8 +25,8 @@ STEPS: dict[str, tuple[str, str]] = {
     "make-tiny-model": ("eagleflow.demo.tiny_model", "write a tiny DeepSeek-V3-architecture verifier"),
     "make-dataset": ("eagleflow.demo.synthetic_data", "write synthetic chat conversations as JSONL"),
     "serve-reference": ("eagleflow.engine.reference.server", "serve the CPU reference engine"),
-    "launch": ("eagleflow.engine.launch", "start one engine of a run (or reuse it when it is up) and print its address"),
-    "stop": ("eagleflow.engine.launch", "stop one engine of a run and its whole process group"),
+    "launch": ("eagleflow.run.launch", "start one engine of a run (or reuse it when it is up) and print its address"),
+    "stop": ("eagleflow.run.launch", "stop one engine of a run and its whole process group"),
     "sglang-command": ("eagleflow.engine.sglang_command", "print the SGLang server command with the capture hook (starts nothing)"),
     "regenerate": ("eagleflow.data.regenerate", "rewrite the assistant turns with the verifier through a running engine"),
     "prepare-dataset": ("eagleflow.data.prepare", "tokenize conversations into the training dataset"),
@@ -39,7 +39,7 @@ STEPS: dict[str, tuple[str, str]] = {
     "plot": ("eagleflow.metrics.plot", "draw loss and accuracy charts from training metrics"),
     "export": ("eagleflow.export.step", "write the drafter folders SGLang and vLLM serve from a checkpoint"),
     "evaluate": ("eagleflow.evaluate.step", "serve the drafter, measure accept length and speedup on held-out prompts"),
-    "compare": ("eagleflow.evaluate.compare", "every drafter of the run side by side: accept length, speedup, size, training time"),
+    "compare": ("eagleflow.report.compare", "every drafter of the run side by side: accept length, speedup, size, training time"),
 }
 
 

@@ -27,7 +27,7 @@ M = TypeVar("M", bound=BaseModel)
 
 # Aux layer ids as every config declares them: the one rule (distinct, non-negative) checked
 # on input, and said in the JSON schema too (the Params form refuses a repeated id at trigger
-# time). The range needs the model's depth: eagleflow.data.verifier.resolve_aux_layer_ids.
+# time). The range needs the model's depth: eagleflow.verifier.config.resolve_aux_layer_ids.
 AuxLayerIds = Annotated[
     list[Annotated[int, Field(ge=0)]],
     AfterValidator(validate_aux_layer_ids),

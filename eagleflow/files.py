@@ -65,14 +65,24 @@ def atomic_folder(target: str | os.PathLike[str]) -> Iterator[Path]:
 
 def remove_dead_siblings(target: Path) -> None:
     """Remove ``.<name>.staging-<pid>`` / ``.<name>.old-<pid>`` folders beside ``target`` whose process is gone."""
-    from eagleflow.engine.process import pid_alive  # process.py imports this module
-
     if not target.parent.is_dir():
         return
     for sibling in target.parent.glob(f".{glob_escape(target.name)}.*-*"):
         kind, _, pid = sibling.name[len(target.name) + 2:].rpartition("-")
         if kind in ("staging", "old") and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(sibling, ignore_errors=True)
+
+
+def pid_alive(pid: int) -> bool:
+    """True while process ``pid`` exists and is not a zombie (the owner of a staging folder or a lock, an engine)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:  # someone else's: it exists
+        return True
 
 
 def glob_escape(name: str) -> str:

@@ -15,7 +15,7 @@ from operators.step import EagleflowStepOperator, StepFailed, pipeline_config
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-    from eagleflow.pipeline import PipelineConfig
+    from eagleflow.run.pipeline import PipelineConfig
 
 # The task that plans the shards (its XCom: [{name, start, end}, ...]); the DAG names it so.
 PLAN_SHARDS_TASK_ID = "plan_shards"
@@ -118,7 +118,7 @@ class ShardExtractOperator(EagleflowStepOperator):
     def execute(self, context: Context) -> Any:
         """A complete shard (a finished one, cleared) says so and extracts nothing, unless the run re-extracts complete shards."""
         from eagleflow.extract import already_complete_message, complete_shard
-        from eagleflow.pipeline import param_name
+        from eagleflow.run.pipeline import param_name
 
         cfg = pipeline_config(context)
         if not cfg.online and not cfg.step_param("reextract_complete_shards"):

@@ -6,7 +6,7 @@ runner calls :meth:`EagleflowRunLink.get_link` in the worker and stores the URL 
 name, which an operator records under :data:`RUN_NAME_XCOM_KEY` with :func:`push_run_name`
 as the first thing its ``execute`` does (so the link exists even when the step then fails).
 Without that XCom, the link falls back to the DAG run's ``run_name`` Param, else the name
-derived from the run id, the same rule as :meth:`eagleflow.pipeline.PipelineConfig.from_params`.
+derived from the run id, the same rule as :meth:`eagleflow.run.pipeline.PipelineConfig.from_params`.
 
 Usage on an operator::
 

@@ -1,4 +1,4 @@
-"""The DAG's Params form, derived from :class:`eagleflow.pipeline.PipelineConfig`."""
+"""The DAG's Params form, derived from :class:`eagleflow.run.pipeline.PipelineConfig`."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def pipeline_params(defaults: dict[str, Any] | None = None) -> dict[str, dict[st
     Each entry is a JSON schema (``default``, ``type``, ``title``, ``description``, bounds)
     that ``airflow.sdk.Param(**entry)`` accepts, so the trigger form shows titles and help.
     """
-    from eagleflow.pipeline import param_schemas
+    from eagleflow.run.pipeline import param_schemas
 
     schemas = param_schemas()
     for name, value in (defaults or {}).items():

@@ -17,7 +17,7 @@ from operators.step import pipeline_config
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-    from eagleflow.pipeline import PipelineConfig
+    from eagleflow.run.pipeline import PipelineConfig
     from sglang_patch.mooncake_store import StoreAddress
 
 # How often the trigger hands the new server log lines back to the task log while waiting.
@@ -60,7 +60,7 @@ class PlanEnginesOperator(BaseOperator):
 
 class SGLangServerOperator(BaseOperator):
     """Start one engine of this run (SGLang with the capture hook, or the reference engine):
-    :func:`eagleflow.engine.launch.launch_engine`, which ``python -m eagleflow launch`` runs too.
+    :func:`eagleflow.run.launch.launch_engine`, which ``python -m eagleflow launch`` runs too.
 
     The server runs in its own session and outlives this task; its output goes to
     ``<run>/server/<engine>.log``. If that engine is already up (a retry, or a cleared shard
@@ -87,7 +87,8 @@ class SGLangServerOperator(BaseOperator):
         self.engine = engine
 
     def execute(self, context: Context) -> dict[str, Any]:
-        from eagleflow.engine import ServerInfo, launch_engine
+        from eagleflow.engine import ServerInfo
+        from eagleflow.run import launch_engine
         from operators.extract import nothing_to_extract
 
         cfg = pipeline_config(context)
@@ -109,7 +110,7 @@ def connection_store(cfg: PipelineConfig) -> StoreAddress | None:
     from airflow.sdk import BaseHook
     from airflow.sdk.exceptions import AirflowNotFoundException
 
-    from eagleflow.engine.launch import store_namespace
+    from eagleflow.run.launch import store_namespace
     from eagleflow.engine.sample_store_service import address_from_connection
 
     try:
@@ -121,7 +122,7 @@ def connection_store(cfg: PipelineConfig) -> StoreAddress | None:
 
 class StopServerOperator(BaseOperator):
     """Teardown: stop one engine of the run and its whole process group (TERM, then KILL), with
-    :func:`eagleflow.engine.launch.stop_engine` (``python -m eagleflow stop``).
+    :func:`eagleflow.run.launch.stop_engine` (``python -m eagleflow stop``).
 
     Finds the engine's process in ``<run>/server/<engine>.json``, which launch wrote, so it works
     whatever launch pushed or whether it failed.
@@ -144,7 +145,7 @@ class StopServerOperator(BaseOperator):
         self.after_training = after_training
 
     def execute(self, context: Context) -> str:
-        from eagleflow.engine import EngineElsewhere, stop_engine
+        from eagleflow.run import EngineElsewhere, stop_engine
 
         cfg = pipeline_config(context, check_model=False)  # the teardown must work whatever the Params say
         name = str(self.engine["name"])

@@ -19,7 +19,7 @@ from eagleflow.errors import UserError
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-    from eagleflow.pipeline import PipelineConfig
+    from eagleflow.run.pipeline import PipelineConfig
 
 KILL_GRACE_SECONDS = 30
 ERROR_TAIL_LINES = 30
@@ -35,14 +35,14 @@ def pipeline_config(context: Context, check_model: bool = True, check_paths: boo
 
     With ``check_model`` (every task but the teardown) the Params that need the model folder
     are checked too, so a bad aux id list fails the first task that starts, not an extraction;
-    with ``check_paths`` (the first task) every path Param (:func:`eagleflow.param_checks.check_paths`).
+    with ``check_paths`` (the first task) every path Param (:func:`eagleflow.run.param_checks.check_paths`).
     """
-    from eagleflow.pipeline import PipelineConfig
+    from eagleflow.run.pipeline import PipelineConfig
 
     try:
         cfg = PipelineConfig.from_params(context["params"], context["run_id"])
         if check_paths:
-            from eagleflow.param_checks import check_paths as check_path_params
+            from eagleflow.run.param_checks import check_paths as check_path_params
 
             check_path_params(cfg)
         return cfg.check_model() if check_model else cfg
@@ -72,7 +72,7 @@ class EagleflowStepOperator(BaseOperator):
     """Run ``python -m eagleflow <step> <argv>``, stream its output, return its result line.
 
     Subclasses override :meth:`step_argv` to build the argv from the run's
-    :class:`~eagleflow.pipeline.PipelineConfig` and upstream XCom; the default passes
+    :class:`~eagleflow.run.pipeline.PipelineConfig` and upstream XCom; the default passes
     ``arguments`` through. The child runs in its own session so :meth:`on_kill` can stop it
     and everything it started; its output is unbuffered so the task log is live.
 

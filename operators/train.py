@@ -130,7 +130,7 @@ class TrainOperator(EagleflowStepOperator):
 
     def step_argv(self, context: Context) -> list[str]:
         from eagleflow.config import model_to_argv
-        from eagleflow.engine.launch import revive_sample_store
+        from eagleflow.run.launch import revive_sample_store
         from eagleflow.engine.pool import engines_from_xcom, unreachable_reason
 
         cfg = drafter_config(context, (self.node or {}).get("drafter"))

@@ -22,11 +22,11 @@ own ``get_user`` (the ``_token`` cookie the UI sets at login, or an ``Authorizat
 token), so the pages are exactly as private as the rest of the UI. Errors of every kind go
 through :func:`error_response`, which answers HTML to a browser and JSON to anything else.
 
-Every file is opened through :class:`eagleflow.run_report.RunFiles`, the pages' and the file route's
+Every file is opened through :class:`eagleflow.report.run_page.RunFiles`, the pages' and the file route's
 alike: a path is resolved, symlinks followed, and refused when it lands outside the output root, is not
 a regular file (``/dev/zero``, a FIFO) or is over its kind's bound; a refused file is named on the page.
 
-The routes only gather facts from the core (:mod:`eagleflow.run_report`) and render the Jinja2
+The routes only gather facts from the core (:mod:`eagleflow.report.run_page`) and render the Jinja2
 templates in ``templates/`` beside this file. Settings are read when :func:`create_app` is
 called: the output root comes from the argument, else ``$EAGLEFLOW_OUTPUT_ROOT``, else Airflow's
 ``[eagleflow] output_root`` option.
@@ -55,7 +55,7 @@ from eagleflow.errors import UserError
 from eagleflow.files import RefusedFile, resolve_under
 from eagleflow.layout import RunLayout
 from eagleflow.progress import format_duration
-from eagleflow.run_report import MetricsCache, RunFiles, list_runs, run_summary
+from eagleflow.report import MetricsCache, RunFiles, list_runs, run_summary
 
 try:
     from plugins.eagleflow_dag_runs import dag_run_url, dag_runs_by_folder, dag_runs_list_url

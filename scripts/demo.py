@@ -112,7 +112,7 @@ def main() -> int:
     print(f"[demo] running DAG eagleflow with conf {json.dumps(conf)}", flush=True)
     run = bag.get_dag("eagleflow").test(run_conf=conf)
     states = {f"{ti.task_id}{'' if ti.map_index < 0 else f'[{ti.map_index}]'}": ti.state for ti in run.get_task_instances()}
-    from eagleflow.pipeline import PipelineConfig
+    from eagleflow.run.pipeline import PipelineConfig
 
     cfg = PipelineConfig.from_params(conf)
     summary = run_summary(cfg.layout.root, cfg.model_path, cfg.captured_aux_layer_ids(), cfg.hidden_states_dtype)

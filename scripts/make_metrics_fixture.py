@@ -155,7 +155,7 @@ def main() -> int:
     from eagleflow.demo import demo_paths
     from sglang_patch.layer_ids import default_aux_layer_ids
     from eagleflow.demo.tiny_model import TinyModelConfig, make_tiny_model
-    from eagleflow.data.verifier import config_int
+    from eagleflow.verifier.config import config_int
 
     work = args.work.absolute()
     layout = RunLayout.of(work / "runs", "fixture")

@@ -9,7 +9,7 @@ from typing import Any
 
 from eagleflow.config import model_to_argv
 from eagleflow.engine.process import Readiness, ServerInfo, check_ready, free_port, pid_alive, start_server, stop_server
-from eagleflow.engine.reference.config import ReferenceEngineConfig
+from eagleflow.engine.reference_config import ReferenceEngineConfig
 from eagleflow.engine.reference.faults import faults_env
 
 # How the tests' engines compute (capturing, serving training, evaluating), where a test is not about the

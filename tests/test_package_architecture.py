@@ -12,13 +12,20 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 CORE = REPO / "eagleflow"
-# The top of eagleflow/ holds only what every stage uses; each stage is a package.
-CROSS_CUTTING = {
-    "__init__.py", "__main__.py", "config.py", "deploy.py", "errors.py", "files.py", "layout.py",
-    "pipeline.py", "progress.py", "results.py", "reuse.py", "param_checks.py", "run_report.py", "run_drafters.py", "report_shapes.py", "startup.py", "step_params.py",
+# The foundation at the top of eagleflow/ (docs/design.md §2): what every room may use, nothing more.
+FOUNDATION = {
+    "__init__.py", "__main__.py", "config.py", "deploy.py", "errors.py", "files.py", "layout.py", "progress.py",
+    "results.py", "reuse.py", "startup.py",
 }
-STAGES = {"engine", "data", "extract", "train", "metrics", "export", "evaluate", "demo", "sglang_rules", "drafters"}
-MAX_MODULE_LINES = 400
+MAX_TOP_MODULES = 12
+STAGES = {"engine", "data", "extract", "train", "metrics", "export", "evaluate", "demo", "sglang_rules", "drafters", "verifier", "run", "report"}
+# A module past this many lines asks for a reason (below): past it, a file usually holds two things, and
+# the fix is to split it along its seam, never to join lines to fit.
+SIZE_BUDGET = 400
+OVER_BUDGET: dict[str, str] = {
+    "eagleflow/engine/reference/runner.py": "one engine's model, its forward passes and the capture, held together by the "
+    "lock that orders them; /model_info's speculative_num_draft_tokens was once cut to fit the line limit",
+}
 
 
 def imported_modules(path: Path) -> list[str]:
@@ -58,21 +65,24 @@ def test_the_products_stages_never_import_the_demo() -> None:
     assert bad == []
 
 
-def test_the_top_of_the_core_holds_only_the_cross_cutting_modules() -> None:
+def test_the_top_of_the_core_holds_only_the_foundation() -> None:
     top = {p.name for p in CORE.iterdir() if p.suffix == ".py"}
     packages = {p.name for p in CORE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
-    assert top == CROSS_CUTTING
+    assert top == FOUNDATION
+    assert len(top) <= MAX_TOP_MODULES
     assert packages == STAGES
 
 
-def test_no_module_is_over_the_size_limit() -> None:
-    big = [
-        f"{path.relative_to(REPO)}: {n} lines"
+def test_a_module_over_its_size_budget_has_a_reason() -> None:
+    """Past :data:`SIZE_BUDGET` lines a module is named in :data:`OVER_BUDGET` with why it stays whole; a named
+    one back under the budget leaves the list."""
+    sizes = {
+        str(path.relative_to(REPO)): len(path.read_text(encoding="utf-8").splitlines())
         for folder in ("eagleflow", "operators", "plugins", "sglang_patch", "dags")
         for path in sorted((REPO / folder).rglob("*.py"))
-        if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
-    ]
-    assert big == []
+    }
+    assert [f"{p}: {n} lines" for p, n in sizes.items() if n > SIZE_BUDGET and p not in OVER_BUDGET] == []
+    assert [p for p in OVER_BUDGET if sizes.get(p, 0) <= SIZE_BUDGET] == []
 
 
 def stage_of(path: Path) -> str | None:

@@ -6,11 +6,9 @@
   conversation's training rows under the verifier's chat template and its switches;
 - :mod:`~eagleflow.data.stats` and :mod:`~eagleflow.data.disk_check`: how big the hidden
   states will be, and whether the disk holds them;
-- :mod:`~eagleflow.data.vocab`: the draft vocabulary (d2t/t2d);
-- :mod:`~eagleflow.data.verifier`: facts about the verifier read from its ``config.json``,
-  the aux layer ids a run captures, and its tokenizer;
-- :mod:`~eagleflow.data.verifier_weights`: its embedding, final norm and ``lm_head`` (found whatever
-  their prefix, read alone), the RMSNorm, and the head applied to hidden states.
+- :mod:`~eagleflow.data.vocab`: the draft vocabulary (d2t/t2d).
+
+What the verifier is (its config, tokenizer and weights) is :mod:`eagleflow.verifier`'s.
 """
 
 from eagleflow import lazy_exports
@@ -18,18 +16,13 @@ from eagleflow import lazy_exports
 __all__, __getattr__ = lazy_exports(
     __name__,
     {
-        "verifier": [
-            "config_float", "config_int", "load_tokenizer", "model_folder_problem", "read_config", "resolve_aux_layer_ids", "text_config",
-            "text_config_of",
-        ],
-        "verifier_weights": [
-            "EMBED", "LM_HEAD", "NORM", "VerifierHead", "VerifierWeights", "load_verifier_head", "locate_weights",
-            "read_weight", "rms_norm"
-        ],
         "dataset_files": ["dataset_column", "dataset_fingerprint", "dataset_shape", "dataset_state", "dataset_table"],
-        "prepare": ["MARKER_FILE"],
+        "prepare": ["MARKER_FILE", "PrepareConfig"],
         "conversation": ["Chat", "chat_of", "is_chat_row", "read_input_rows"],
         "chat_tokens": ["ChatTokenizer", "render_ids", "rows_of_turns"],
         "vocab": ["VocabConfig", "VocabFiles", "build_vocab", "load_mappings"],
+        "regenerate": ["CONVERSATIONS_FILE", "RegenerateConfig", "SKIPPED_FILE", "SUMMARY_FILE"],
+        "disk_check": ["DiskCheckConfig"],
+        "stats": ["StatsConfig"],
     },
 )

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from eagleflow.data.conversation import Chat
-from eagleflow.data.verifier import load_tokenizer
+from eagleflow.verifier import load_tokenizer
 from eagleflow.errors import UserError
 
 # Where a huge message is first cut before tokenizing (characters per wanted token): a token spans

@@ -32,7 +32,7 @@ from eagleflow.progress import Progress
 from eagleflow.results import emit_result
 from eagleflow.data.chat_tokens import LazyChatTokenizer, Row
 from eagleflow.data.conversation import chat_of, count_input_rows, is_chat_row, read_input_rows
-from eagleflow.data.verifier import config_int, load_tokenizer
+from eagleflow.verifier import config_int, load_tokenizer
 
 MARKER_FILE = "prepare.json"
 BAD_ROWS_FILE = "bad_rows.jsonl"

@@ -37,7 +37,7 @@ from eagleflow.config import ChatTemplateKwargs, WarmupTimeout, add_model_argume
 from eagleflow.data.chat_tokens import render_ids, rows_of_turns
 from eagleflow.data.conversation import Chat, chat_of, is_chat_row, read_input_rows
 from eagleflow.data.prepare import MAX_LISTED_ERRORS, SkipBadRows
-from eagleflow.data.verifier import load_tokenizer, text_config
+from eagleflow.verifier import load_tokenizer, text_config
 from eagleflow.engine import (
     EngineClient, EngineGone, EngineRequestSettings, RowFailed, ServerGone, ServerInfo, derived_context_length,
     max_new_tokens_left, wait_until_ready, with_retries,

@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 
 from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype, add_model_arguments, model_from_args
 from eagleflow.data.dataset_files import dataset_column
-from eagleflow.data.verifier import config_int, resolve_aux_layer_ids
+from eagleflow.verifier import config_int, resolve_aux_layer_ids
 from eagleflow.progress import format_bytes, format_table
 from eagleflow.results import emit_result
 from sglang_patch.sample_format import HiddenStatesDtype, bytes_per_token

@@ -89,7 +89,7 @@ class VocabFiles:
 
 def resolve_target_vocab_size(cfg: VocabConfig) -> int:
     """The verifier vocabulary size: ``--target-vocab-size``, ``--verifier``'s config, or prepare.json."""
-    from eagleflow.data.verifier import config_int
+    from eagleflow.verifier import config_int
 
     if cfg.target_vocab_size is not None:
         if cfg.verifier is not None:

@@ -135,11 +135,12 @@ def run_summary(
 ) -> dict[str, Any]:
     """What a finished run produced: the run report (capture check included), every row's file validated, tokens,
     step-0 accuracy."""
-    from eagleflow.data import MARKER_FILE, config_int
+    from eagleflow.data import MARKER_FILE
+    from eagleflow.verifier import config_int
     from eagleflow.extract import validate_dataset
     from eagleflow.layout import RunLayout
     from eagleflow.metrics import read_metrics
-    from eagleflow.run_report import run_summary as report
+    from eagleflow.report import run_summary as report
 
     layout = RunLayout(Path(run_dir))
     facts = report(layout)

@@ -312,7 +312,7 @@ def length_summary(lengths: list[int], long_tokens: int) -> dict[str, Any]:
 
 def make_dataset(config: DatasetConfig) -> dict[str, Any]:
     """Write ``config.rows`` conversations to ``config.out`` atomically; return the length summary."""
-    from eagleflow.data import load_tokenizer
+    from eagleflow.verifier import load_tokenizer
 
     if not (config.verifier / "tokenizer_config.json").is_file():
         raise UserError(f"--verifier {config.verifier}: no tokenizer_config.json there (run make-tiny-model first)")

@@ -1,12 +1,14 @@
-"""Drafter families: the one table (:mod:`~eagleflow.drafters.registry`) and each family's own module.
+"""Drafter families: the one table (:mod:`~eagleflow.drafters.registry`) and each family's own folder.
 
-- :mod:`~eagleflow.drafters.registry`: :data:`FAMILIES`, :func:`family` — what the pipeline asks;
-- :mod:`~eagleflow.drafters.eagle3`: EAGLE-3 and EAGLE-3.1 (chains and trees of one-token steps);
-- :mod:`~eagleflow.drafters.dflash`: DFlash (one pass drafts a block);
-- :mod:`~eagleflow.drafters.plan`: several drafters from one capture (the ``drafters`` Param), and
-  :mod:`~eagleflow.drafters.run_params` its part of the run's config.
+- :mod:`~eagleflow.drafters.registry`: :data:`FAMILIES`, :func:`family` — what the stages and the run ask;
+- :mod:`~eagleflow.drafters.plan`: several drafters from one capture (the ``drafters`` Param), and where
+  each drafter's layers sit in a sample captured for all of them;
+- ``eagle3/``: EAGLE-3 and EAGLE-3.1 (chains and trees of one-token steps);
+- ``dflash/``: DFlash (one pass drafts a block).
 
-Light: the Params form and the DAG file read the table.
+The table and the plan are light and sit below the stages (the Params form and the DAG file read them);
+a family's folder sits above the stages whose machinery it uses, reached only through the table's owners
+(``docs/design.md`` §2).
 """
 
 from eagleflow import lazy_exports
@@ -15,7 +17,8 @@ __all__, __getattr__ = lazy_exports(
     __name__,
     {
         "registry": [
-            "FAMILIES", "NOT_OFFERED", "DraftAlgorithm", "DrafterFamily", "check_family_settings", "family", "family_of_algorithm", "family_of_checkpoint",
+            "FAMILIES", "NOT_OFFERED", "STAGES", "DraftAlgorithm", "DrafterFamily", "check_family_settings", "family",
+            "family_of_algorithm", "family_of_checkpoint",
         ],
         "plan": ["DRAFTER_SETTINGS", "drafter_plan", "slots_of", "union_of_layers"],
     },

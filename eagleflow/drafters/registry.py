@@ -2,28 +2,34 @@
 
 Modelled on speculators (``@SpeculatorModelConfig.register("dflash")``; its trainer looks the family
 up by ``--speculator-type``) and SGLang (``SpeculativeAlgorithm`` → ``create_worker``): what differs
-between families is owned by one module per stage, and the pipeline asks this table instead of
-branching on a family's name. An entry names those owners as ``"module:attribute"`` strings,
-imported when first used, so reading the table (the Params form, the DAG file) costs no torch:
+between families lives in the family's own folder, ``eagleflow/drafters/<family>/``, and the stages
+(training, export, the reference engine, evaluation) ask this table instead of branching on a family's
+name. An entry names its owners as ``"module:attribute"`` strings, imported when first used, so reading
+the table (the Params form, the DAG file) costs no torch, and the stages, below the families in
+``docs/design.md`` §2, never import one (``tests/test_package_architecture.py`` imports every owner named
+here and checks it lives in its family's folder):
 
-- ``train``: the family's speculators ``train`` flags (:mod:`eagleflow.drafters.eagle3`, ``.dflash``);
-- ``export``: its SGLang folder (``export_sglang`` of :mod:`eagleflow.export.step` for EAGLE-3,
-  :mod:`eagleflow.export.dflash_drafter` for DFlash);
-- ``serving``: its SGLang serving flags (in the family module);
+- ``train``: the family's speculators ``train`` flags;
+- ``export``: its SGLang folder, and ``checkpoint``: what its speculators checkpoint holds;
+- ``serving``: its SGLang serving flags;
 - ``reference``: the reference engine's decoder for ``(model, ReferenceEngineConfig)``, SGLang's
-  semantics on CPU (:mod:`eagleflow.engine.reference.speculative`, ``.dflash``).
+  semantics on CPU.
 
-Adding a family (README: "Adding a drafter family"): one module per stage at most, and one entry here.
+Adding a family (README: "Adding a drafter family"): one folder, and one entry here.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 DraftAlgorithm = Literal["eagle3", "eagle3.1", "dflash"]
+
+
+# What a family owns, each named by a "module:attribute" string of its entry.
+Stage = Literal["train", "export", "checkpoint", "serving", "reference"]
+STAGES: tuple[Stage, ...] = ("train", "export", "checkpoint", "serving", "reference")
 
 
 @dataclass(frozen=True)
@@ -39,10 +45,11 @@ class DrafterFamily:
     default_block_size: int | None  # block drafters: tokens per block when left empty (speculators' own default)
     train: str
     export: str
+    checkpoint: str
     serving: str
     reference: str
 
-    def owner(self, stage: Literal["train", "export", "serving", "reference"]) -> Callable[..., Any]:
+    def owner(self, stage: Stage) -> Any:
         """The function that owns ``stage`` for this family, imported on first use."""
         module, _, attribute = getattr(self, stage).partition(":")
         return getattr(importlib.import_module(module), attribute)
@@ -51,8 +58,9 @@ class DrafterFamily:
 _EAGLE3 = dict(
     speculator_type="eagle3", sglang_algorithm="EAGLE3", block=False, minimum_speculators="0.8.1",
     default_layers=1, default_block_size=None,
-    train="eagleflow.drafters.eagle3:train_flags", export="eagleflow.export.step:export_sglang",
-    serving="eagleflow.drafters.eagle3:serving_flags", reference="eagleflow.engine.reference.speculative:speculative_decoder",
+    train="eagleflow.drafters.eagle3.flags:train_flags", export="eagleflow.drafters.eagle3.sglang_export:export_eagle3_sglang",
+    checkpoint="eagleflow.drafters.eagle3.sglang_export:CHECKPOINT", serving="eagleflow.drafters.eagle3.flags:serving_flags",
+    reference="eagleflow.drafters.eagle3.reference:speculative_decoder",
 )
 FAMILIES: dict[str, DrafterFamily] = {
     "eagle3": DrafterFamily("eagle3", **_EAGLE3),
@@ -61,8 +69,9 @@ FAMILIES: dict[str, DrafterFamily] = {
         # speculators 0.9.0's DFlash recipe (RFC speculators#979): 5 layers, block 16 (z-lab's drafts use 16 too).
         "dflash", speculator_type="dflash", sglang_algorithm="DFLASH", block=True, minimum_speculators="0.9.0",
         default_layers=5, default_block_size=16,
-        train="eagleflow.drafters.dflash:train_flags", export="eagleflow.export.dflash_drafter:export_dflash_sglang",
-        serving="eagleflow.drafters.dflash:serving_flags", reference="eagleflow.engine.reference.dflash:dflash_decoder",
+        train="eagleflow.drafters.dflash.flags:train_flags", export="eagleflow.drafters.dflash.sglang_export:export_dflash_sglang",
+        checkpoint="eagleflow.drafters.dflash.sglang_export:CHECKPOINT", serving="eagleflow.drafters.dflash.flags:serving_flags",
+        reference="eagleflow.drafters.dflash.reference:dflash_decoder",
     ),
 }
 # Families speculators trains and SGLang serves that eagleflow does not (yet) carry end to end, and why:

@@ -19,7 +19,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from eagleflow.errors import UserError, excerpt_repr
 
 LISTEN = "the run's engines listen on 127.0.0.1 only: README, 'Where a run may write and listen'"
-# The reference engine's flags the run sets itself (eagleflow.engine.launch), and where their values come from.
+# The reference engine's flags the run sets itself (eagleflow.run.launch), and where their values come from.
 REFERENCE_OWNED: dict[str, str] = {
     "--host": LISTEN,
     "--port": "server_port",
@@ -70,7 +70,7 @@ def check_extra_args(
 def reference_options() -> set[str]:
     """Every long option of ``serve-reference`` (its config's fields, booleans' ``--no-`` forms too)."""
     from eagleflow.config import _strip_optional, flag_name
-    from eagleflow.engine.reference.config import ReferenceEngineConfig
+    from eagleflow.engine.reference_config import ReferenceEngineConfig
 
     options = {"--help"}
     for name, field in ReferenceEngineConfig.model_fields.items():

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from eagleflow.engine.server_log import START_MARKER, engine_error_line
-from eagleflow.files import atomic_write_json
+from eagleflow.files import atomic_write_json, pid_alive
 
 READY_PATH = "/health_generate"
 
@@ -79,18 +79,6 @@ class Readiness(str, enum.Enum):
 class ReadinessCheck:
     state: Readiness
     message: str
-
-
-def pid_alive(pid: int) -> bool:
-    """True while process ``pid`` exists and is not a zombie."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:  # someone else's: it exists
-        return True
 
 
 def check_ready(server: ServerInfo, timeout: float = 5.0) -> ReadinessCheck:

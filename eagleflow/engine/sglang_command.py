@@ -38,7 +38,7 @@ from pydantic import BaseModel, Field, field_validator
 from eagleflow.config import AuxLayerIds, StoredHiddenStatesDtype, add_model_arguments, model_from_args
 from eagleflow.deploy import SGLANG_PYTHON_ENV
 from eagleflow.errors import UserError
-from eagleflow.data import config_int, text_config
+from eagleflow.verifier import config_int, text_config
 from sglang_patch import hook_spec
 
 # Seed tuning (90.0 tok/s single-stream on the reference node).

@@ -9,4 +9,13 @@
 from eagleflow import lazy_exports
 
 # What another stage uses of evaluation: the serving configs' rules (the drafters' settings are checked by them).
-__all__, __getattr__ = lazy_exports(__name__, {"sweep": ["check_configs_param"]})
+__all__, __getattr__ = lazy_exports(
+    __name__,
+    {
+        "sweep": ["check_configs_param", "fastest_per_batch_size"],
+        "charts": ["write_compare_chart"],
+        "report": ["num"],
+        "step": ["REPORT_FILE"],
+        "config": ["EvaluateConfig"],
+    },
+)

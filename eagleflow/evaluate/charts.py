@@ -1,6 +1,6 @@
 """The evaluation's charts: ``accept.{png,svg}`` (the headline accept lengths and speeds),
 ``sweep.{png,svg}`` (speedup by config and prompt set, with each figure's spread over rounds) and the
-run's ``compare.{png,svg}`` (every drafter's fastest config per batch size, :mod:`eagleflow.evaluate.compare`)."""
+run's ``compare.{png,svg}`` (every drafter's fastest config per batch size, :mod:`eagleflow.report.compare`)."""
 
 from __future__ import annotations
 

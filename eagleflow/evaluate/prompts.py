@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagleflow.data import dataset_table, load_tokenizer, text_config
+from eagleflow.data import dataset_table
+from eagleflow.verifier import load_tokenizer, text_config
 from eagleflow.engine import derived_context_length, flag_values, max_new_tokens_left
 from eagleflow.errors import UserError, excerpt
 from eagleflow.evaluate.config import param_label

@@ -1,11 +1,11 @@
 """The export stage: a trained checkpoint as the drafter folders serving engines load.
 
-- :mod:`~eagleflow.export.step`: ``python -m eagleflow export`` (SGLang and speculators folders);
+- :mod:`~eagleflow.export.step`: ``python -m eagleflow export`` (SGLang and speculators folders), reading and
+  checking the checkpoint; the SGLang folder is the checkpoint's family's (:mod:`eagleflow.drafters`);
 - :mod:`~eagleflow.export.manifest`: ``export.json``, and :class:`ServedDrafter`, what an engine serving the drafter reads;
-- :mod:`~eagleflow.export.sglang_drafter`: what SGLang's ``LlamaForCausalLMEagle3`` reads;
-- :mod:`~eagleflow.export.dflash_drafter`: what SGLang's ``DFlashDraftModel`` reads;
-- :mod:`~eagleflow.export.tensors`: the tensors a config makes each family's class build, and the one check against them;
-- :mod:`~eagleflow.export.targets`: what each serving engine needs from training.
+- :mod:`~eagleflow.export.tensors`: the tensors a config makes a family's class build, the one check against them,
+  the one writer of a weights file, and what every family's checkpoint layout says;
+- :mod:`~eagleflow.export.rotary`: the draft layers' rotary as trained, checked against SGLang's.
 
 Nothing heavy is imported here: training, the engines and the Params form read the light modules.
 """
@@ -16,8 +16,11 @@ __all__, __getattr__ = lazy_exports(
     __name__,
     {
         "manifest": ["EXPORT_MANIFEST", "ServedDrafter"],
-        "targets": ["ServeWith", "ServingEngine", "serving_target"],
-        "sglang_drafter": ["NotServable", "captured_layer_ids"],
-        "dflash_drafter": ["DFLASH_ARCHITECTURE", "dflash_sglang_config", "expected_dflash_weights", "export_dflash_sglang"],
+        "step": ["Checkpoint", "read_checkpoint", "ExportConfig"],
+        "tensors": [
+            "COMMON_CONFIG_KEYS", "CheckpointLayout", "Expected", "LayerShape", "NotServable", "check_tensors",
+            "decoder_layer", "layer_config", "save_weights", "vocabulary_tensors",
+        ],
+        "rotary": ["check_rotary"],
     },
 )

@@ -1,7 +1,7 @@
 """``<drafter>/export.json``, the export's manifest, and what a serving engine takes from it.
 
 :mod:`eagleflow.export.step` writes the manifest; :class:`ServedDrafter` is how the engines that
-serve the drafter (evaluation's, the launch commands of :mod:`eagleflow.engine.launch` and
+serve the drafter (evaluation's, the launch commands of :mod:`eagleflow.run.launch` and
 :mod:`eagleflow.engine.sglang_serving`) read it back. Light (no torch): the engine stage imports it.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagleflow.errors import UserError, excerpt
-from eagleflow.export.sglang_drafter import SINCE
+from eagleflow.sglang_rules import OLDEST_SGLANG
 
 EXPORT_MANIFEST = "export.json"
 
@@ -25,7 +25,7 @@ class ServedDrafter:
     path: Path
     num_steps: int
     window: int | None = None
-    minimum_sglang: str = ".".join(str(n) for n in SINCE["base"])
+    minimum_sglang: str = ".".join(str(n) for n in OLDEST_SGLANG)
     algorithm: str = "EAGLE3"  # manifests written before DFlash say nothing: they are EAGLE-3's
     block_size: int | None = None
 

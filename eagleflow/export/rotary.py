@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from eagleflow.export.sglang_drafter import NotServable
+from eagleflow.export.tensors import NotServable
 
 
 def trained_rotary(layer: Mapping[str, Any], config_class: Any = None, rotary_class: Any = None) -> tuple[Any, float, int]:

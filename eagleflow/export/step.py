@@ -2,11 +2,10 @@
 
 ``python -m eagleflow export --train-dir RUN/train --verifier MODEL --out RUN/drafter``
 
-- ``OUT/sglang/``: what ``--speculative-algorithm EAGLE3 --speculative-draft-model-path`` loads
-  (:mod:`eagleflow.export.sglang_drafter`), or ``DFLASH``'s for a DFlash checkpoint
-  (:mod:`eagleflow.export.dflash_drafter`; the family is the checkpoint's ``speculators_model_type``,
-  looked up in :mod:`eagleflow.drafters`): SGLang's ``config.json`` and the weights under the names
-  its ``load_weights`` maps;
+- ``OUT/sglang/``: what ``--speculative-algorithm … --speculative-draft-model-path`` loads, written by the
+  checkpoint's family (its ``speculators_model_type``, looked up in :mod:`eagleflow.drafters`; EAGLE-3's
+  :mod:`eagleflow.drafters.eagle3.sglang_export`, DFlash's :mod:`eagleflow.drafters.dflash.sglang_export`):
+  SGLang's ``config.json`` and the weights under the names its ``load_weights`` maps;
 - ``OUT/speculators/``: the checkpoint's own format (config and weights, no optimizer state),
   which vLLM loads natively;
 - ``OUT/export.json``: what was exported from where, the aux ids SGLang will capture, the draft
@@ -35,7 +34,7 @@ import argparse
 import errno
 import json
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,26 +42,12 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from eagleflow.config import RedoFinished, add_model_arguments, model_from_args
-from eagleflow.data import config_int, read_config
 from eagleflow.errors import UserError, excerpt
-from eagleflow.export.dflash_drafter import checkpoint_dflash_weights
-from eagleflow.export.sglang_drafter import (
-    NotServable,
-    captured_layer_ids,
-    draft_window_size,
-    expected_eagle3_weights,
-    minimum_sglang,
-    sglang_config,
-    sglang_features,
-    sglang_weights,
-    unserved_weights,
-)
 from eagleflow.export.manifest import EXPORT_MANIFEST
-from eagleflow.export.rotary import check_rotary
-from eagleflow.export.targets import ServingEngine
-from eagleflow.export.tensors import Expected, check_tensors, save_weights
+from eagleflow.export.tensors import COMMON_CONFIG_KEYS, CheckpointLayout, NotServable, check_tensors
 from eagleflow.files import atomic_folder, fsync_path
 from eagleflow.layout import TrainLayout
+from eagleflow.sglang_rules import ServingEngine
 from eagleflow.results import emit_result
 
 SPECULATORS_FILES = ("config.json", "config.py", "model.safetensors")
@@ -105,26 +90,15 @@ class Checkpoint:
         return self.folder / "config.json"
 
 
-# What the export reads from a checkpoint's config.json, per family (speculators_model_type), and what it
-# says when one is missing; a family eagleflow does not export needs only what every checkpoint has.
-COMMON_CONFIG_KEYS = {
-    "transformer_layer_config": "the draft layer's config",
-    "draft_vocab_size": "the draft vocabulary size",
-}
-# Each family's tensors as its speculators class saves them, by speculators_model_type (a family
-# without a list is one eagleflow does not export: its refusal says so).
-CHECKPOINT_TENSORS: dict[str, Callable[[Mapping[str, Any]], dict[str, Expected]]] = {
-    "eagle3": expected_eagle3_weights,
-    "dflash": checkpoint_dflash_weights,
-}
-REQUIRED_CONFIG_KEYS: dict[str, dict[str, str]] = {
-    "eagle3": {**COMMON_CONFIG_KEYS, "eagle_aux_hidden_state_layer_ids": "the verifier layers the drafter reads"},
-    "dflash": {
-        **COMMON_CONFIG_KEYS,
-        "aux_hidden_state_layer_ids": "the verifier layers the drafter reads",
-        "block_size": "the tokens of one draft block",
-    },
-}
+def checkpoint_layout(speculators_model_type: str) -> CheckpointLayout | None:
+    """What a checkpoint of this ``speculators_model_type`` holds, its family's (:mod:`eagleflow.drafters`);
+    None for a family eagleflow does not export (its refusal comes with the export)."""
+    from eagleflow.drafters import family_of_checkpoint
+
+    try:
+        return family_of_checkpoint(speculators_model_type).owner("checkpoint")
+    except ValueError:
+        return None
 
 
 def read_checkpoint(folder: Path) -> Checkpoint:
@@ -143,8 +117,8 @@ def read_checkpoint(folder: Path) -> Checkpoint:
         raise UserError(f"{config_path}: not readable JSON ({excerpt(exc)}); {damaged}") from exc
     if not isinstance(config, dict):
         raise UserError(f"{config_path}: expected a JSON object, got {type(config).__name__}; {damaged}")
-    kind = config.get("speculators_model_type", "eagle3")
-    for key, what in REQUIRED_CONFIG_KEYS.get(kind, COMMON_CONFIG_KEYS).items():
+    layout = checkpoint_layout(str(config.get("speculators_model_type", "eagle3")))
+    for key, what in (layout.config_keys if layout else COMMON_CONFIG_KEYS).items():
         if key not in config:
             raise UserError(f"{config_path}: no {key} ({what}); {damaged}")
     layer = config["transformer_layer_config"]
@@ -155,10 +129,9 @@ def read_checkpoint(folder: Path) -> Checkpoint:
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise UserError(f"{weights_path}: not readable safetensors ({excerpt(exc)}); {damaged}") from exc
     checkpoint = Checkpoint(folder, config, weights)
-    tensors = CHECKPOINT_TENSORS.get(kind)
-    if tensors is not None:
+    if layout is not None:
         try:
-            expected = tensors(config)
+            expected = layout.tensors(config)
         except (KeyError, TypeError, ValueError) as exc:
             raise UserError(f"{config_path}: unusable draft config ({type(exc).__name__}: {excerpt(exc)}); {damaged}") from exc
         check_tensors(expected, weights, weights_path, config_path)
@@ -173,51 +146,6 @@ def export_speculators(checkpoint: Checkpoint, target: Path) -> None:
             shutil.copyfile(checkpoint.folder / name, target / name)
             if (target / name).stat().st_size != (checkpoint.folder / name).stat().st_size:
                 raise OSError(f"{target / name}: copy is shorter than {checkpoint.folder / name}")
-
-
-def export_sglang(checkpoint: Checkpoint | Path, verifier: Path, target: Path) -> dict[str, Any]:
-    """SGLang's folder for ``checkpoint`` written to ``target``; returns what ``export.json`` says about it
-    (``path`` relative to the drafter folder, ``target``'s parent).
-
-    :raises NotServable: SGLang would not compute what was trained.
-    """
-    if isinstance(checkpoint, Path):
-        checkpoint = read_checkpoint(checkpoint)
-    architecture = (read_config(verifier).get("architectures") or ["?"])[0]
-    try:
-        config = sglang_config(checkpoint.config, architecture, config_int(verifier, "hidden_size"))
-        window = draft_window_size(checkpoint.config["transformer_layer_config"])
-        check_rotary(checkpoint.config["transformer_layer_config"], config)
-        dropped = unserved_weights(checkpoint.weights)
-        if dropped:
-            raise NotServable(f"SGLang's draft layer builds no {', '.join(dropped)} (q/k/v and MLP without bias) and would drop them")
-    except (KeyError, TypeError, ValueError) as exc:
-        if isinstance(exc, NotServable):
-            raise
-        raise UserError(f"{checkpoint.config_path}: unusable draft config ({type(exc).__name__}: {excerpt(exc)})") from exc
-    weights = sglang_weights(checkpoint.weights)
-    target.mkdir(parents=True)
-    save_weights(weights, target / "model.safetensors")
-    (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    sglang_ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-    return {
-        "path": target.name,
-        "algorithm": "EAGLE3",
-        "target_architecture": architecture,
-        "eagle_aux_hidden_state_layer_ids": sglang_ids,
-        "captures_layers": captured_layer_ids(sglang_ids, architecture),
-        "draft_window_size": window,
-        "num_steps": _proposal_steps(checkpoint.config),
-        "minimum_sglang": minimum_sglang(config),
-        "sglang_features": sglang_features(config),
-        "weights": sorted(weights),
-    }
-
-
-def _proposal_steps(checkpoint_config: dict[str, Any]) -> int:
-    """The draft length the drafter was trained for (its TTT steps), a natural --speculative-num-steps."""
-    methods = (checkpoint_config.get("speculators_config") or {}).get("proposal_methods") or [{}]
-    return int(methods[0].get("speculative_tokens") or 3)
 
 
 def check_written(folder: Path) -> None:
@@ -240,8 +168,7 @@ def check_written(folder: Path) -> None:
 
 
 def export_family(checkpoint: Checkpoint) -> Callable[[Checkpoint, Path, Path], dict[str, Any]]:
-    """The SGLang export of the checkpoint's family (:mod:`eagleflow.drafters`, by ``speculators_model_type``):
-    :func:`export_sglang` for EAGLE-3, :func:`eagleflow.export.dflash_drafter.export_dflash_sglang` for DFlash.
+    """The SGLang export of the checkpoint's family (:mod:`eagleflow.drafters`, by ``speculators_model_type``).
 
     :raises NotServable: a family eagleflow does not export (its reason).
     """

@@ -3,9 +3,10 @@ them, and the one writer of an exported weights file.
 
 Each family owns its list, with shapes derived from the config (``hidden_size``, heads × ``head_dim``,
 ``num_key_value_heads``, ``intermediate_size``, the vocabularies, the layers, the aux layer count):
-EAGLE-3's is :func:`eagleflow.export.sglang_drafter.expected_eagle3_weights`, DFlash's
-:func:`eagleflow.export.dflash_drafter.expected_dflash_weights` (SGLang's folder) and
-:func:`~eagleflow.export.dflash_drafter.checkpoint_dflash_weights` (the checkpoint). What both
+EAGLE-3's is :func:`eagleflow.drafters.eagle3.sglang_export.expected_eagle3_weights`, DFlash's
+:func:`eagleflow.drafters.dflash.sglang_export.expected_dflash_weights` (SGLang's folder) and
+:func:`~eagleflow.drafters.dflash.sglang_export.checkpoint_dflash_weights` (the checkpoint), each named
+to the export by its family's :class:`CheckpointLayout`. What all
 share is here: speculators' draft decoder layer (``transformers``' Llama and Qwen3 layers, as
 speculators' ``model_definitions.py`` builds them) and its vocabulary tensors (``DraftVocabMixin``
 in ``speculators/model.py``). Each entry names the config keys and values that decide it, so a
@@ -25,7 +26,7 @@ import errno
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,21 @@ DISAGREE = (
     "(refused whatever --serve-with says); export another checkpoint (--checkpoint) or rerun training"
 )
 SHOWN_PROBLEMS = 4  # a checkpoint of another model disagrees everywhere: the first few say enough
+
+
+class NotServable(ValueError):
+    """A checkpoint SGLang would serve as another function than the one trained."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+# What the export reads from every checkpoint's config.json, and what it says when one is missing.
+COMMON_CONFIG_KEYS = {
+    "transformer_layer_config": "the draft layer's config",
+    "draft_vocab_size": "the draft vocabulary size",
+}
 
 
 @dataclass(frozen=True)
@@ -76,6 +92,15 @@ class LayerShape:
     @property
     def width(self) -> str:
         return f"hidden_size {self.hidden}"
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """What a family's speculators checkpoint holds: the config keys the export reads (key -> what it is, for
+    the message when one is missing) and the tensors its config makes the family's class save."""
+
+    config_keys: Mapping[str, str]
+    tensors: Callable[[Mapping[str, Any]], dict[str, Expected]]
 
 
 def layer_config(layer: Mapping[str, Any]) -> dict[str, Any]:

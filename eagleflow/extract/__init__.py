@@ -25,5 +25,6 @@ __all__, __getattr__ = lazy_exports(
         "handoff_reader": ["FolderHandOff", "HandOff", "StoreHandOff", "StoreUnreachable", "handoff_for"],
         "sample_store": ["validate_dataset"],
         "completion": ["already_complete_message", "complete_shard", "incomplete_shards"],
+        "verify_config": ["VerifyCaptureConfig"],
     },
 )

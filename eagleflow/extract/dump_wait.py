@@ -30,7 +30,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from eagleflow.engine import RowFailed, pid_alive
+from eagleflow.engine import RowFailed
+from eagleflow.files import pid_alive
 from eagleflow.extract.handoff_reader import FolderHandOff, HandOff
 from eagleflow.progress import format_bytes, format_gb
 from sglang_patch.handoff import (

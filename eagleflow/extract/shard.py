@@ -36,8 +36,10 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Callable
 
 from eagleflow.config import add_model_arguments, model_from_args
-from eagleflow.data import config_int, dataset_table, resolve_aux_layer_ids
-from eagleflow.engine import EngineClient, RowFailed, ServerGone, engine_label, pid_alive
+from eagleflow.data import dataset_table
+from eagleflow.verifier import config_int, resolve_aux_layer_ids
+from eagleflow.engine import EngineClient, RowFailed, ServerGone, engine_label
+from eagleflow.files import pid_alive
 from eagleflow.errors import UserError
 from eagleflow.extract.config import ExtractConfig, parse_rows
 from eagleflow.extract.completion import drop_previous_files, previous_files_dir, set_aside_complete_shard

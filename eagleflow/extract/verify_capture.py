@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from eagleflow.config import add_model_arguments, model_from_args
-from eagleflow.data import VerifierHead, config_int, dataset_table, load_verifier_head, locate_weights, read_weight, resolve_aux_layer_ids
+from eagleflow.data import dataset_table
+from eagleflow.verifier import VerifierHead, config_int, load_verifier_head, locate_weights, read_weight, resolve_aux_layer_ids
 from eagleflow.errors import UserError
 from eagleflow.extract.capture_checks import (
     OFF_BY_ONE,

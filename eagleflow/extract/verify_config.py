@@ -1,6 +1,6 @@
 """Flags of ``python -m eagleflow verify-capture``, declared once (the Params form shows ``verify_rows``).
 
-Light on purpose (pydantic only): :mod:`eagleflow.pipeline`, which the DAG file imports, reads it.
+Light on purpose (pydantic only): :mod:`eagleflow.run.pipeline`, which the DAG file imports, reads it.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ from eagleflow import lazy_exports
 __all__, __getattr__ = lazy_exports(
     __name__,
     {
-        "reader": ["latest_metrics", "read_metrics", "ttt_steps"],
+        "reader": ["latest_metrics", "read_metrics", "ttt_steps", "parse_metrics"],
         "records": ["block_positions_of", "format_record", "is_block", "read_records", "train_record", "val_record"],
+        "plot": ["PlotConfig"],
     },
 )

@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from eagleflow.config import AuxLayerIds, SampleStoreAddress, DraftVocabSize, StoredHiddenStatesDtype
 from eagleflow.drafters import DraftAlgorithm
-from eagleflow.export import ServingEngine
+from eagleflow.sglang_rules import ServingEngine
 from eagleflow.extract import ExtractConfig
 
 HiddenStatesSource = Literal["disk", "engine"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from eagleflow.engine import pid_alive
+from eagleflow.files import pid_alive
 from eagleflow.files import FolderLock
 
 

@@ -20,10 +20,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from eagleflow.config import add_model_arguments, model_from_args
-from eagleflow.data import resolve_aux_layer_ids, text_config
+from eagleflow.verifier import resolve_aux_layer_ids, text_config
 from eagleflow.errors import UserError
 from eagleflow.drafters import family
-from eagleflow.export import serving_target
+from eagleflow.sglang_rules import serving_target
 from eagleflow.files import atomic_write_json
 from eagleflow.layout import FeedLayout, TrainLayout, hidden_states_dir
 from eagleflow.progress import format_bytes, format_gb
@@ -180,7 +180,7 @@ def resolve_mask_token(cfg: TrainConfig, verifier_vocab: int) -> int | None:
     """A block drafter's mask token id, as SGLang will resolve it for the verifier's tokenizer (None for
     EAGLE-3, which never uses one); refuses, before training, what SGLang would refuse or serve otherwise:
     a reduced draft vocabulary, a mask token id not below the vocabulary size."""
-    from eagleflow.sglang_rules import DFlashRuleError, resolve_mask_token_id
+    from eagleflow.sglang_rules import BlockRuleError, resolve_mask_token_id
 
     if not family(cfg.draft_algorithm).block:
         return None
@@ -191,7 +191,7 @@ def resolve_mask_token(cfg: TrainConfig, verifier_vocab: int) -> int | None:
             f"({verifier_vocab}): SGLang serves a block drafter through the target's own head, so a reduced vocabulary "
             "would be served as another function; leave the draft vocabulary size at its default (unused)"
         )
-    from eagleflow.data import load_tokenizer
+    from eagleflow.verifier import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(cfg.verifier, cfg.trust_remote_code)
@@ -201,7 +201,7 @@ def resolve_mask_token(cfg: TrainConfig, verifier_vocab: int) -> int | None:
         tokenizer = None
     try:
         return resolve_mask_token_id(tokenizer, verifier_vocab, cfg.mask_token_id)
-    except DFlashRuleError as exc:
+    except BlockRuleError as exc:
         raise UserError(f"--mask-token-id: {exc}") from exc
 
 

@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from eagleflow.data import EMBED, LM_HEAD, NORM, VerifierWeights, locate_weights, read_config, read_weight, text_config_of
+from eagleflow.verifier import EMBED, LM_HEAD, NORM, VerifierWeights, locate_weights, read_config, read_weight, text_config_of
 from eagleflow.errors import UserError
 from eagleflow.files import atomic_folder
 

@@ -87,7 +87,7 @@ class RunInputs:
         from datasets import load_from_disk
         from speculators.train.data import ArrowDataset
 
-        from eagleflow.data.verifier import config_int, resolve_aux_layer_ids
+        from eagleflow.verifier.config import config_int, resolve_aux_layer_ids
         from eagleflow.extract.sample_store import validate_dataset
 
         hidden = config_int(str(self.model), "hidden_size")

@@ -10,7 +10,7 @@ import torch
 
 from eagleflow.drafters import drafter_plan, slots_of, union_of_layers
 from eagleflow.errors import UserError
-from eagleflow.pipeline import PipelineConfig
+from eagleflow.run.pipeline import PipelineConfig
 
 
 def base(tmp_path: Path, model: Path, **more: Any) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from airflow.sdk.definitions.param import ParamValidationError
 
 from eagleflow.engine.process import ServerInfo
 from eagleflow.errors import UserError
-from eagleflow.pipeline import PipelineConfig, param_schemas
+from eagleflow.run.pipeline import PipelineConfig, param_schemas
 
 
 def base(tmp_path: Path, model: Path) -> dict[str, Any]:
@@ -60,7 +60,7 @@ def test_dump_queue_budget_reaches_both_engines(tmp_path: Path, random_tiny_mode
     import json
 
     from eagleflow.engine import sglang_command
-    from eagleflow.engine.launch import engine_command
+    from eagleflow.run.launch import engine_command
 
     cfg = PipelineConfig.from_params({**base(tmp_path, random_tiny_model), "dump_queue_gb": 1.5, "run_name": "r"})
     argv, _ = engine_command(cfg, port=30001)
@@ -131,13 +131,13 @@ def test_server_extra_args_may_not_set_what_the_run_sets(
 ) -> None:
     import re
 
-    from eagleflow.pipeline import param_name
+    from eagleflow.run.pipeline import param_name
 
     with pytest.raises(UserError, match=re.escape(f"{param_name(param)}: ")) as info:
         PipelineConfig.from_params({**base(tmp_path, random_tiny_model), "engine": engine, param: extra})
     assert flag in str(info.value)
     if engine == "reference":  # the same rule where a step builds the command itself (evaluate --server-extra-args)
-        from eagleflow.engine.launch import serving_engine_command
+        from eagleflow.engine import serving_engine_command
 
         with pytest.raises(UserError, match=flag):
             serving_engine_command("reference", random_tiny_model, 30001, None, extra_args=extra)
@@ -162,7 +162,7 @@ def test_the_reference_engines_refusals_match_its_own_argparse_exactly() -> None
 
     from eagleflow.config import add_model_arguments
     from eagleflow.engine.extra_args import REFERENCE_OWNED, reference_options, refused_match
-    from eagleflow.engine.reference.config import ReferenceEngineConfig
+    from eagleflow.engine.reference_config import ReferenceEngineConfig
 
     parser = argparse.ArgumentParser(prog="serve-reference")
     add_model_arguments(parser, ReferenceEngineConfig)
@@ -194,7 +194,7 @@ def test_a_huge_param_value_is_quoted_as_an_excerpt(tmp_path: Path, random_tiny_
         PipelineConfig.from_params(params)
     message = str(info.value)
     assert len(message) < 2000, message[:3000]
-    from eagleflow.pipeline import param_name
+    from eagleflow.run.pipeline import param_name
 
     for name in ("output_root", "run_name", "server_urls"):
         assert f"{param_name(name)}: " in message
@@ -209,8 +209,8 @@ SECTIONS = {"Engine", "Data", "Extraction", "Training", "Evaluation", "Regenerat
 
 
 def test_the_form_has_sections_human_labels_and_requires_only_what_a_run_cannot_start_without() -> None:
-    from eagleflow.pipeline import PIPELINE_PARAMS
-    from eagleflow.step_params import STEP_PARAMS
+    from eagleflow.run.pipeline import PIPELINE_PARAMS
+    from eagleflow.run.step_params import STEP_PARAMS
 
     schemas = param_schemas()
     owners = {**dict.fromkeys(PIPELINE_PARAMS, PipelineConfig), **STEP_PARAMS}
@@ -249,7 +249,7 @@ def test_stopping_after_extraction_is_refused_for_online_training_which_extracts
 
 def test_each_path_param_is_refused_in_plain_words_naming_its_label(tmp_path: Path, random_tiny_model: Path) -> None:
     """What the first task checks (``check_paths``), each refusal naming the Param by name and label."""
-    from eagleflow.param_checks import check_paths
+    from eagleflow.run.param_checks import check_paths
 
     (tmp_path / "in.jsonl").write_text("")
     (tmp_path / "not-a-model").mkdir()

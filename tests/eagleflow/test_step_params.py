@@ -13,8 +13,8 @@ from pydantic import BaseModel
 
 from eagleflow.config import add_model_arguments, model_from_args, model_to_argv, schemas_of
 from eagleflow.engine.process import ServerInfo
-from eagleflow.pipeline import PIPELINE_PARAMS, PipelineConfig, param_schemas
-from eagleflow.step_params import STEP_PARAMS, param_feeds
+from eagleflow.run.pipeline import PIPELINE_PARAMS, PipelineConfig, param_schemas
+from eagleflow.run.step_params import STEP_PARAMS, param_feeds
 
 ENGINE = ServerInfo(url="http://127.0.0.1:30000", pid=None, host="", log_path="", dump_dir="/dumps", name="engine-0")
 SHARD = {"name": "rows_0-40", "start": 0, "end": 40}
@@ -94,7 +94,7 @@ def test_every_step_param_reaches_its_flag_through_the_steps_own_parser(tmp_path
 
 def test_every_run_param_changes_what_a_step_or_the_plan_gets(tmp_path: Path, random_tiny_model: Path) -> None:
     """The Params that are no step's flag (folders, engines, shards) still reach something."""
-    from eagleflow.engine.launch import engine_command
+    from eagleflow.run.launch import engine_command
     from eagleflow.layout import plan_shards
 
     def seen(**changed: Any) -> list[Any]:

@@ -127,7 +127,7 @@ def test_run_page_url() -> None:
 
 @pytest.mark.parametrize("run_id", ["manual__2026-11-30T16:00:00+00:00"])
 def test_fallback_without_params_uses_the_run_id_rule(run_id: str) -> None:
-    from eagleflow.pipeline import run_name_from_run_id
+    from eagleflow.run.pipeline import run_name_from_run_id
     from operators.links import _run_name_from_context
 
     class FakeRuntimeTI:  # the one attribute the fallback needs from Airflow's RuntimeTaskInstance

@@ -408,7 +408,7 @@ def test_remote_engines_hand_samples_through_the_store_an_airflow_connection_nam
     from airflow.sdk.exceptions import AirflowFailException
 
     from eagleflow.engine import ServerInfo
-    from eagleflow.pipeline import PipelineConfig
+    from eagleflow.run.pipeline import PipelineConfig
 
     params.update(server_urls=["http://gpu-node-1:30000"], server_dump_dir=None, sample_transport="mooncake")
     with pytest.raises(Exception, match="sample_transport mooncake with server_urls needs sample_store_conn_id"):

@@ -25,9 +25,9 @@ def test_stats_extract_and_both_engines_get_the_storage_dtype(
     params: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str, health: Any
 ) -> None:
     from eagleflow.data import stats
-    from eagleflow.engine.launch import engine_command
+    from eagleflow.run.launch import engine_command
     from eagleflow.extract import shard
-    from eagleflow.pipeline import PipelineConfig
+    from eagleflow.run.pipeline import PipelineConfig
     from operators.dataset import DatasetStatsOperator
     from operators.extract import ShardExtractOperator
 
@@ -52,7 +52,7 @@ def test_stats_extract_and_both_engines_get_the_storage_dtype(
 
 
 def test_an_unknown_storage_dtype_is_refused_naming_the_param(params: dict[str, Any]) -> None:
-    from eagleflow.pipeline import PipelineConfig, param_schemas
+    from eagleflow.run.pipeline import PipelineConfig, param_schemas
 
     with pytest.raises(UserError, match="Param hidden_states_dtype"):
         PipelineConfig.from_params({**params, "hidden_states_dtype": "fp16"})

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from eagleflow.run_report import list_runs
+from eagleflow.report.run_page import list_runs
 from plugins.eagleflow_ui import create_app
 
 HTML = {"accept": "text/html"}
@@ -38,7 +38,7 @@ def multi(output_root: Path, record_dflash_metrics: Callable[[Path], list[dict[s
     """``<root>/multi``: drafters ``eagle3`` (EAGLE-3 metrics of the fixture run, trained 3725 s) and ``dflash``
     (the real DFlash training's metrics), each evaluated, with its training and evaluation charts; compared."""
     from drafter_runs import write_two_drafters
-    from eagleflow.evaluate.compare import main as compare
+    from eagleflow.report.compare import main as compare
 
     run, chart_png = output_root / "multi", output_root / "demo" / "train-progress" / "loss.png"
     layouts = write_two_drafters(run)

@@ -142,7 +142,7 @@ def test_the_drafters_compared_are_shown_with_the_winner_and_its_flags(client: T
     import shlex
 
     from drafter_runs import write_two_drafters
-    from eagleflow.evaluate.compare import main as compare
+    from eagleflow.report.compare import main as compare
 
     assert "Drafters compared" not in client.get("/runs/demo", headers=HTML).text  # compare has not run
     run = output_root / "demo"

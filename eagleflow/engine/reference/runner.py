@@ -8,8 +8,8 @@ hooks (:mod:`eagleflow.engine.capture`) and handed to the same
 the disk: the dump may land after it (the extractor waits for it), and a writer that stays
 behind its byte budget gives the request a "writer behind" error record instead of stalling the
 engine. ``abort`` is SGLang's ``/abort_request``: a request not yet run is dropped. With
-``--speculative-algorithm EAGLE3``, greedy requests decode with the exported drafter
-(:mod:`eagleflow.engine.reference.speculative`).
+``--speculative-algorithm``, greedy requests decode with the exported drafter, by its family's decoder
+(named in :mod:`eagleflow.drafters`; the loop they share: :mod:`eagleflow.engine.reference.speculative`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from eagleflow.engine.capture import HiddenStateCapture
 from eagleflow.engine.context import derived_context_length
 from eagleflow.engine.reference.capture_faults import FaultyCapture, PrefixCache, server_info_overrides
-from eagleflow.engine.reference.config import ReferenceEngineConfig
+from eagleflow.engine.reference_config import ReferenceEngineConfig
 from eagleflow.engine.reference.faults import FaultSwitches, faults_from_env
 from eagleflow.engine.reference.logprobs import logprob_meta_info
 from eagleflow.engine.reference.turns import ForwardTurns
@@ -214,6 +214,8 @@ class ReferenceEngine:
             "speculative_algorithm": self.config.speculative_algorithm,
             "speculative_num_steps": self.config.speculative_num_steps if self.speculative else None,
             "speculative_eagle_topk": self.config.speculative_eagle_topk if self.speculative else None,
+            # What one round verifies (SGLang's --speculative-num-draft-tokens): a chain's steps + 1, a tree's or block's size.
+            "speculative_num_draft_tokens": self.speculative.draft_tokens_per_round + 1 if self.speculative else None,
         }
 
     def server_info(self) -> dict[str, Any]:
@@ -395,6 +397,6 @@ def _load_tokenizer(model_dir: Path, trust_remote_code: bool) -> Any:
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model")
     if not any((model_dir / name).exists() for name in names):
         return None
-    from eagleflow.data import load_tokenizer
+    from eagleflow.verifier import load_tokenizer
 
     return load_tokenizer(model_dir, trust_remote_code)

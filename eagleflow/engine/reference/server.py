@@ -17,7 +17,7 @@ from typing import Any
 
 from eagleflow.config import add_model_arguments, model_from_args
 from eagleflow.engine.context import model_list
-from eagleflow.engine.reference.config import ReferenceEngineConfig
+from eagleflow.engine.reference_config import ReferenceEngineConfig
 from eagleflow.engine.reference.protocol import RequestError, body_limit, invalid_json_body, parse_json_body
 from eagleflow.engine.reference.runner import ReferenceEngine
 from eagleflow.errors import UserError

@@ -239,7 +239,7 @@ def test_rows_that_are_not_chat_rows_are_named_or_listed_when_skipped(tiny_model
 
 
 def test_a_run_with_regeneration_prepares_the_regenerated_file_and_keeps_the_source(tiny_model: Path, tmp_path: Path) -> None:
-    from eagleflow.pipeline import PipelineConfig
+    from eagleflow.run.pipeline import PipelineConfig
 
     params = {"model_path": str(tiny_model), "dataset_input": str(tmp_path / "chat.jsonl"), "output_root": str(tmp_path / "runs"),
               "run_name": "r", "regen_temperature": 0.7, "regen_max_new_tokens": 64, "regen_concurrency": 2}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eagleflow.data.verifier import config_int, resolve_aux_layer_ids, text_config
+from eagleflow.verifier.config import config_int, resolve_aux_layer_ids, text_config
 from eagleflow.errors import UserError
 
 

@@ -35,7 +35,7 @@ def test_derived_context_length_follows_sglangs_rule(config: dict, expected: int
 def test_a_transformers_config_object_reads_the_same(tiny_model) -> None:
     from transformers import AutoConfig
 
-    from eagleflow.data.verifier import text_config
+    from eagleflow.verifier.config import text_config
 
     assert derived_context_length(AutoConfig.from_pretrained(str(tiny_model)).get_text_config()) == derived_context_length(
         text_config(tiny_model)

@@ -16,9 +16,11 @@ from typing import Any
 
 import pytest
 
-from eagleflow.engine import EngineElsewhere, ServerInfo, launch_engine, pid_alive, stop_engine
+from eagleflow.engine import ServerInfo
+from eagleflow.files import pid_alive
+from eagleflow.run import EngineElsewhere, launch_engine, stop_engine
 from eagleflow.layout import RunLayout
-from eagleflow.pipeline import PipelineConfig
+from eagleflow.run.pipeline import PipelineConfig
 from eagleflow.results import find_result
 
 REPO = Path(__file__).resolve().parents[3]

@@ -29,7 +29,7 @@ import torch
 from eagleflow.engine.capture import HiddenStateCapture, capture_hidden_states
 from eagleflow.config import model_from_args
 from eagleflow.errors import UserError
-from eagleflow.engine.reference.config import ReferenceEngineConfig
+from eagleflow.engine.reference_config import ReferenceEngineConfig
 from eagleflow.engine.reference.faults import fault_marker, faults_env
 from eagleflow.engine.reference.protocol import READY_LINE
 from eagleflow.engine.reference.server import serve

@@ -18,7 +18,7 @@ import torch
 
 from eagleflow.config import model_to_argv
 from eagleflow.engine.process import Readiness, ServerInfo, check_ready, free_port, pid_alive, start_server, stop_server
-from eagleflow.engine.reference.config import ReferenceEngineConfig
+from eagleflow.engine.reference_config import ReferenceEngineConfig
 
 PROMPT = [1, 17, 230, 45, 99, 512, 7, 300, 301, 302]
 TOP = 4
@@ -101,7 +101,7 @@ def test_text_in_logprobs_is_each_token_decoded(engine: ServerInfo, tiny_model: 
 
 
 def test_the_last_vocabulary_id_reads_0_as_sglang_clips_it(engine: ServerInfo, tiny_model: Path) -> None:
-    from eagleflow.data.verifier import config_int
+    from eagleflow.verifier.config import config_int
 
     last = config_int(tiny_model, "vocab_size") - 1
     body = {"input_ids": [1, last, 5], "return_logprob": True, "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 0}}

@@ -20,7 +20,7 @@ from eagleflow.errors import UserError
 from eagleflow.evaluate.prompt_file import MAX_NAMED, check_prompt_file, read_prompt_file
 from eagleflow.evaluate.prompts import ChatPrompts, Room, file_prompts, humaneval_prompts
 from eagleflow.export.step import ExportConfig, export
-from eagleflow.pipeline import PipelineConfig
+from eagleflow.run.pipeline import PipelineConfig
 
 from training_data import random_speculators_checkpoint
 

@@ -12,7 +12,7 @@ from eagleflow.evaluate.config import EvaluateConfig
 from eagleflow.evaluate.prompt_file import conversation_turns
 from eagleflow.evaluate.prompts import ChatPrompts, file_prompts
 from eagleflow.evaluate.sweep import ServeConfig, fastest_per_batch_size, interleaved_turns, parse_configs, verdict
-from eagleflow.pipeline import PipelineConfig
+from eagleflow.run.pipeline import PipelineConfig
 
 
 def test_configs_parse_as_specforges_list_with_every_batch_sizes_baseline() -> None:

@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagleflow.engine.reference.draft_model import Eagle3Drafter
+from eagleflow.drafters.eagle3.draft_model import Eagle3Drafter
 from eagleflow.errors import UserError
-from eagleflow.export import sglang_drafter
-from eagleflow.export.sglang_drafter import NotServable, captured_layer_ids, sglang_aux_layer_ids, sglang_weights
-from eagleflow.export.step import ExportConfig, export, export_sglang
+from eagleflow.drafters.eagle3 import sglang_export as sglang_drafter
+from eagleflow.drafters.eagle3.sglang_export import NotServable, captured_layer_ids, sglang_aux_layer_ids, sglang_weights
+from eagleflow.drafters.eagle3 import export_eagle3_sglang as export_sglang
+from eagleflow.export.step import ExportConfig, export
 from eagleflow.export.manifest import ServedDrafter
 
 from training_data import random_speculators_checkpoint

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagleflow.engine.reference.draft_model import Eagle3Drafter
+from eagleflow.drafters.eagle3.draft_model import Eagle3Drafter
 from eagleflow.errors import UserError
 from eagleflow.export.step import ExportConfig, export
 
@@ -114,7 +114,7 @@ def test_the_train_step_trains_eagle31_and_the_export_serves_it_as_trained(
     from datasets import load_from_disk
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eagleflow.engine.reference.config import ReferenceEngineConfig
+    from eagleflow.engine.reference_config import ReferenceEngineConfig
     from eagleflow.engine.reference.runner import ReferenceEngine
     from eagleflow.export.manifest import ServedDrafter
 

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 
 from eagleflow.config import model_to_argv
-from eagleflow.data.verifier import config_int
+from eagleflow.verifier.config import config_int
 from eagleflow.engine.process import Readiness, ServerInfo, check_ready, free_port, pid_alive, start_server, stop_server
-from eagleflow.engine.reference.config import ReferenceEngineConfig
+from eagleflow.engine.reference_config import ReferenceEngineConfig
 from eagleflow.engine.reference.faults import faults_env
 from eagleflow.extract.capture_checks import (
     OFF_BY_ONE,
@@ -33,7 +33,7 @@ from eagleflow.extract.capture_checks import (
 )
 from eagleflow.layout import RunLayout
 from eagleflow.results import find_result
-from eagleflow.run_report import capture_check_summaries
+from eagleflow.report.run_page import capture_check_summaries
 
 REPO = Path(__file__).resolve().parents[3]
 ROWS = 6

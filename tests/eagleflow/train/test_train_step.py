@@ -32,7 +32,7 @@ from eagleflow.train.recorder import MetricsRecorder
 from eagleflow.train.resume import CHECKPOINT_FILES, prepare_checkpoints, truncate_for_resume
 from eagleflow.train.speculators_support import RELEASES
 from eagleflow.train.step import check_dataset
-from eagleflow.data.verifier_weights import EMBED, LM_HEAD, NORM, locate_weights
+from eagleflow.verifier.weights import EMBED, LM_HEAD, NORM, locate_weights
 from eagleflow.train.verifier_head import HEAD_MANIFEST, prepare_verifier
 
 from training_data import AUX, DRAFT_VOCAB, REPO, ROWS, TrainedRun, assert_records, copy_dataset, train_argv

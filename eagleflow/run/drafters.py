@@ -1,0 +1,136 @@
+"""The part of a run's Params that says which drafters it trains: :class:`RunDrafters`, a base of
+:class:`~eagleflow.run.pipeline.PipelineConfig`.
+
+A run's config seen from one of its drafters (:meth:`RunDrafters.for_drafter`) is the run's
+config with that drafter's own settings over the run's step Params, its own aux layer ids, and
+its own folders (:meth:`eagleflow.layout.RunLayout.for_drafter`); the capture is the union of
+every drafter's layers (:meth:`RunDrafters.captured_aux_layer_ids`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, Field
+
+from eagleflow.config import AuxLayerIds
+from eagleflow.drafters import DRAFTER_SETTINGS, drafter_plan, union_of_layers
+from eagleflow.errors import UserError
+
+if TYPE_CHECKING:
+    from eagleflow.drafters import DrafterFamily
+
+
+class RunDrafters(BaseModel):
+    """The ``drafters`` Param and, for a config seen from one drafter, which one (not Params)."""
+
+    drafters: list[str | dict[str, Any]] = Field(
+        default_factory=list,
+        title="Drafters to compare",
+        description="Train several drafters from one capture and measure them side by side, e.g. "
+        "[\"eagle3\", {\"name\": \"dflash-b8\", \"draft_algorithm\": \"dflash\", \"block_size\": 8}]. An entry is a "
+        f"family name or an object of its own settings ({', '.join(DRAFTER_SETTINGS)}; the rest are the run's). "
+        "Empty: one drafter, draft_algorithm with the run's settings.",
+        json_schema_extra={"section": "Training", "items": {"type": ["string", "object"]}},
+    )
+    # Not Params: which drafter this config is seen from (None: the run as a whole, or its one drafter).
+    drafter_name: str | None = None
+    drafter_settings: dict[str, Any] = Field(default_factory=dict)
+
+    # Declared by PipelineConfig; here for the type checker.
+    if TYPE_CHECKING:
+        step_params: dict[str, Any]
+        aux_layer_ids: AuxLayerIds | None
+        model_path: str
+
+        def step_param(self, name: str) -> Any: ...
+        def evaluate_config(self) -> Any: ...
+
+    def drafter_plan(self) -> list[dict[str, Any]]:
+        """The run's drafters, ``[{name, folder, settings}]`` (:func:`eagleflow.drafters.plan.drafter_plan`)."""
+        try:
+            return drafter_plan(self.drafters, self.run_step_param("draft_algorithm"))
+        except ValueError as exc:
+            raise UserError(str(exc)) from exc
+
+    def run_step_param(self, name: str) -> Any:
+        """Step Param ``name`` as the run gives it, whichever drafter this config is seen from."""
+        return self.model_copy(update={"drafter_settings": {}}).step_param(name)
+
+    def for_drafter(self, drafter: dict[str, Any]) -> Any:
+        """This run's config seen from ``drafter`` (an entry of :meth:`drafter_plan`)."""
+        return self.model_copy(update={"drafter_name": drafter.get("folder"), "drafter_settings": dict(drafter.get("settings") or {})})
+
+    def given_step_params(self) -> dict[str, Any]:
+        """The step Params as given to the run, with this drafter's own settings over them.
+
+        A block drafter listed beside EAGLE-3 ones reads the full vocabulary: the run's reduced
+        draft_vocab_size (theirs) is not its own unless it sets it.
+        """
+        from eagleflow.drafters import family
+
+        own = {k: v for k, v in self.drafter_settings.items() if k != "aux_layer_ids"}
+        given = {**self.step_params, **own}
+        if self.drafter_name is not None and "draft_vocab_size" not in own and "draft_algorithm" in own and family(own["draft_algorithm"]).block:
+            given.pop("draft_vocab_size", None)
+        return given
+
+    @property
+    def given_aux_layer_ids(self) -> list[int] | None:
+        """This drafter's aux layer ids as given (its own, else the run's)."""
+        return self.drafter_settings.get("aux_layer_ids", self.aux_layer_ids) or None
+
+    def resolved_aux_layer_ids(self) -> list[int]:
+        """This drafter's aux ids: given, or speculators' default for the verifier's depth, checked against it."""
+        from eagleflow.verifier import resolve_aux_layer_ids
+        from eagleflow.errors import param_text
+
+        # Name the Param the ids came from: the drafter's own setting, else the run's.
+        name = (f"Param drafters ({self.drafter_name}) aux_layer_ids" if "aux_layer_ids" in self.drafter_settings
+                else param_text("aux_layer_ids", type(self).model_fields["aux_layer_ids"].title))
+        return resolve_aux_layer_ids(self.model_path, self.given_aux_layer_ids, name=name)
+
+    def captured_aux_layer_ids(self) -> list[int]:
+        """What the engines capture: the union of every drafter's aux ids (a run's one drafter: its own)."""
+        return union_of_layers([self.for_drafter(d).resolved_aux_layer_ids() for d in self.drafter_plan()])
+
+    def drafter_family(self) -> DrafterFamily:
+        """The drafter family this config trains (Param draft_algorithm, or the drafter's own; :mod:`eagleflow.drafters`)."""
+        from eagleflow.drafters import family
+
+        return family(self.step_param("draft_algorithm"))
+
+    def check_drafter_family(self) -> None:
+        """The drafter family's rules on the Params that depend on it (block size, draft vocabulary, serving configs)."""
+        from eagleflow.drafters import check_family_settings
+        from eagleflow.evaluate import check_configs_param
+        from eagleflow.train import TrainConfig
+
+        vocab = self.step_param("draft_vocab_size")
+        prefix = "Param " if self.drafter_name is None else f"Param drafters ({self.drafter_name}): "
+        try:
+            chosen = check_family_settings(self.step_param("draft_algorithm"), self.step_param("block_size"),
+                                           None if vocab == TrainConfig.model_fields["draft_vocab_size"].default else vocab)
+        except ValueError as exc:
+            raise UserError(f"{prefix}{exc}") from exc
+        check_configs_param(self.step_param("eval_configs"), chosen.name, chosen.block)
+
+    def check_drafters(self) -> None:
+        """Each drafter's settings by its family's and its steps' own rules, before any work (a bad one named)."""
+        from eagleflow.config import build_model
+        from eagleflow.run.step_params import StepParams
+
+        plan = self.drafter_plan()
+        epochs = {d["name"]: self.for_drafter(d).step_param("epochs") for d in plan}
+        if len(set(epochs.values())) > 1 and self.run_step_param("hidden_states_source") == "engine":
+            # Online, every drafter reads each sample of one prefill, pass after pass: they train as many passes.
+            raise UserError(
+                f"Param drafters: online (hidden_states_source engine) every drafter trains the same number of epochs, "
+                f"as they share each sample: {', '.join(f'{n} {e}' for n, e in epochs.items())}"
+            )
+        for drafter in plan:
+            seen = self.for_drafter(drafter)
+            label = drafter["name"]
+            build_model(StepParams, seen.given_step_params(), lambda field: f"Param drafters ({label}) {field}")
+            seen.check_drafter_family()
+            seen.evaluate_config()
