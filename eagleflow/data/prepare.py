@@ -262,7 +262,6 @@ def prepare_dataset(cfg: PrepareConfig) -> dict[str, Any]:
         summary = json.loads(marker.read_text())
         if summary.get("fingerprint") == print_fp:
             from eagleflow.data.dataset_files import check_dataset_files
-            from eagleflow.errors import UserError
 
             try:  # a torn folder under a current marker is prepared again
                 check_dataset_files(cfg.out)
@@ -275,7 +274,8 @@ def prepare_dataset(cfg: PrepareConfig) -> dict[str, Any]:
     if prepared.bad and not cfg.skip_bad_rows:
         raise BadRows(cfg.input, prepared.bad)
     if not prepared.input_ids:
-        raise UserError(f"--input {cfg.input} has no usable rows")
+        raise UserError(f"--input {cfg.input} has no usable rows"
+                        + (f" (all {len(prepared.bad)} are bad, left out)" if prepared.bad else " (it holds no rows: an empty file?)"))
     marker.unlink(missing_ok=True)
     write_training_dataset(prepared.input_ids, prepared.loss_mask, cfg.out)
     bad_rows_path = cfg.out / BAD_ROWS_FILE

@@ -257,3 +257,16 @@ def test_a_torn_arrow_file_in_an_input_datasets_folder_is_named(tmp_path: Path, 
     assert f"error: --input {folder}: {arrow.name} is cut short (" in err and "write it again (save_to_disk)" in err, err
     assert "Traceback" not in err
     assert load(tmp_path / "ds")["input_ids"] == before == [row["input_ids"] for row in rows]
+
+
+def test_an_empty_input_file_says_it_has_no_usable_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "in.jsonl").write_bytes(b"")
+    args = ["prepare-dataset", "--input", str(tmp_path / "in.jsonl"), "--verifier", str(tmp_path), "--out", str(tmp_path / "ds"),
+            "--vocab-size", "10"]
+    assert cli(args) == 2
+    err = capsys.readouterr().err
+    assert f"error: --input {tmp_path / 'in.jsonl'} has no usable rows (it holds no rows: an empty file?)" in err
+    assert "Traceback" not in err and not (tmp_path / "ds").exists()
+    write_jsonl(tmp_path / "in.jsonl", ["{bad"])  # every row bad and left out: none usable either
+    assert cli([*args, "--skip-bad-rows"]) == 2
+    assert "has no usable rows (all 1 are bad, left out)" in capsys.readouterr().err
