@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from eagleflow.data.conversation import Chat
 from eagleflow.data.verifier import load_tokenizer
-from eagleflow.errors import UserError
+from eagleflow.errors import UserError, excerpt
 
 # Where a huge message is first cut before tokenizing (characters per wanted token): a token spans
 # a few characters, so one cut usually holds every token kept; the cut doubles until it does.
@@ -15,6 +18,86 @@ CUT_CHARS_PER_TOKEN = 16
 
 
 Row = tuple[list[int], list[int]]  # token ids and the loss mask over them
+
+# What transformers' render_jinja_template passes the template beside apply_chat_template's own arguments:
+# a switch of this name collides with it (a TypeError) instead of reaching the template.
+RENDER_ARGUMENTS = ("messages",)
+
+
+class TemplateCannotRender(ValueError):
+    """The chat template fails on a conversation (a Jinja error, or Python's raised inside it); ``reason`` says how."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def template_variables(tokenizer: Any) -> frozenset[str]:
+    """The names the tokenizer's chat template reads from outside it (its switches among them), found in its source as
+    transformers compiles it (jinja2's ``meta.find_undeclared_variables``); every named template's when it has several.
+
+    :raises TemplateCannotRender: a template that does not parse.
+    """
+    import jinja2
+    import jinja2.meta
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    templates = tokenizer.chat_template
+    names: set[str] = set()
+    for source in (templates.values() if isinstance(templates, dict) else [templates] if templates else []):
+        try:  # the environment transformers renders with: its {% generation %} tag parses there
+            names |= jinja2.meta.find_undeclared_variables(_compile_jinja_template(source).environment.parse(source))
+        except jinja2.TemplateError as exc:
+            raise TemplateCannotRender(f"the verifier's chat template does not parse ({type(exc).__name__}: {excerpt(exc)})") from exc
+    return frozenset(names)
+
+
+def template_switch_problem(tokenizer: Any, kwargs: Mapping[str, Any]) -> str | None:
+    """Why ``kwargs`` are not switches of the tokenizer's chat template, naming the first key that is not, or None.
+
+    A key ``apply_chat_template`` takes for itself is refused (eagleflow sets those for each rendering; as a switch
+    it is a TypeError, or silently the row's tools); so is a key the template never reads, which would leave every
+    row rendered in the template's default mode (``enable_thinkng`` for ``enable_thinking``).
+    """
+    owned = {name for name, p in inspect.signature(tokenizer.apply_chat_template).parameters.items()
+             if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} | set(RENDER_ARGUMENTS)
+    for key in kwargs:
+        if key in owned:
+            return (f"{key!r} is an argument of apply_chat_template itself, which eagleflow sets for each rendering, not a "
+                    "switch of the chat template; remove it")
+    try:
+        read = template_variables(tokenizer)
+    except TemplateCannotRender as exc:
+        return exc.reason
+    switches = sorted(read - owned - set(tokenizer.special_tokens_map))
+    for key in kwargs:
+        if key not in read:
+            close = difflib.get_close_matches(key, switches, n=1)
+            return (f"the verifier's chat template never reads {key!r}: the switch would change nothing, every row would be "
+                    "rendered as without it" + (f" (did you mean {close[0]!r}?)" if close else "")
+                    + f"; the switches it reads: {', '.join(switches) if switches else 'none'}")
+    return None
+
+
+def check_chat_template_kwargs(model_path: Path, kwargs: Mapping[str, Any], name: str = "Param chat_template_kwargs") -> None:
+    """Refuse switches the verifier's chat template does not have (:func:`template_switch_problem`), before any row is
+    rendered: a typo would otherwise prepare, regenerate and evaluate everything in the template's default mode.
+
+    Loads the verifier's tokenizer (its local files; importing transformers is most of the cost), only when
+    ``kwargs`` has a key. ``name`` is how the caller's user spelled the setting: a Param or a flag.
+
+    :raises UserError: starting with ``name``, naming the key and why.
+    """
+    if not kwargs:
+        return
+    try:
+        tokenizer = load_tokenizer(model_path)
+    except Exception as exc:
+        raise UserError(f"{name}: cannot load the tokenizer of {model_path} to check the switches: {excerpt(exc)}") from exc
+    if not tokenizer.chat_template:
+        raise UserError(f"{name}: {model_path} has no chat template, so the switches {sorted(kwargs)} would change nothing")
+    if problem := template_switch_problem(tokenizer, kwargs):
+        raise UserError(f"{name}: {problem} (verifier {model_path})")
 
 
 class ChatTokenizer:

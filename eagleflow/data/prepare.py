@@ -4,9 +4,11 @@ Input is JSONL or Parquet, each row either pre-tokenized (``input_ids``, optiona
 ``loss_mask``) or a chat (``messages``, tokenized with the tokenizer's chat template, loss
 mask on assistant tokens). Output is a HuggingFace ``datasets`` folder with int64 columns
 ``input_ids``, ``loss_mask`` and ``seq_len``; row i of it is row i of the hidden states,
-always. A bad row (a byte that is not UTF-8 included) fails the step with its row number and
-reason, quoting at most an excerpt of it, unless ``--skip-bad-rows`` leaves it out and lists it in
-``bad_rows.jsonl`` beside the dataset. Rows are read one at a time, and a huge message is not
+always. A bad row (a byte that is not UTF-8, JSON nested deeper than 100 levels, a tool call's
+arguments that are not JSON) fails the step with its row number and reason, quoting at most an
+excerpt of it, unless ``--skip-bad-rows`` leaves it out and lists it in ``bad_rows.jsonl`` beside
+the dataset. Switches the chat template does not have (``--chat-template-kwargs``) are refused
+before any row is read. Rows are read one at a time, and a huge message is not
 tokenized whole (:mod:`eagleflow.data.chat_tokens`), so memory stays within a small multiple of
 the largest row beside the token ids kept.
 """
@@ -30,7 +32,7 @@ from eagleflow.errors import UserError, excerpt_repr
 from eagleflow.files import atomic_write_json, atomic_write_text
 from eagleflow.progress import Progress
 from eagleflow.results import emit_result
-from eagleflow.data.chat_tokens import LazyChatTokenizer, Row
+from eagleflow.data.chat_tokens import LazyChatTokenizer, Row, check_chat_template_kwargs
 from eagleflow.data.conversation import chat_of, count_input_rows, is_chat_row, read_input_rows
 from eagleflow.data.verifier import config_int, load_tokenizer
 
@@ -256,6 +258,7 @@ def prepare_dataset(cfg: PrepareConfig) -> dict[str, Any]:
     tokenizer and settings, and a rerun with the same fingerprint returns at once.
     """
     vocab_size = cfg.vocab_size or tokenizer_vocab_size(cfg.verifier)
+    check_chat_template_kwargs(cfg.verifier, cfg.chat_template_kwargs, "--chat-template-kwargs")
     print_fp = fingerprint(cfg, vocab_size)
     marker = cfg.out / MARKER_FILE
     if marker.exists():

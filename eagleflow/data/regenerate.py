@@ -18,8 +18,9 @@ dataset's, so long multi-turn conversations outgrow the context halfway.
 run resumes with the rows not yet done; ``OUT/conversations.jsonl`` (in input order, each line
 with its ``source_row``) and ``OUT/regenerate.json`` appear when every row is done. A row the
 engine fails on is named with its reason and the step fails; a row that is not a usable chat
-row, or whose first prompt leaves no room for an answer, fails too (before any is regenerated),
-unless ``--skip-bad-rows`` leaves it out (listed in ``OUT/skipped_rows.jsonl``).
+row, or whose first prompt leaves no room for an answer, fails too
+(before any is regenerated), unless ``--skip-bad-rows`` leaves it out (listed in ``OUT/skipped_rows.jsonl``).
+Switches the template does not have (``--chat-template-kwargs``) are refused before any row is read.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 from pydantic import Field
 
 from eagleflow.config import ChatTemplateKwargs, WarmupTimeout, add_model_arguments, model_from_args
-from eagleflow.data.chat_tokens import render_ids, rows_of_turns
+from eagleflow.data.chat_tokens import check_chat_template_kwargs, render_ids, rows_of_turns
 from eagleflow.data.conversation import Chat, chat_of, is_chat_row, read_input_rows
 from eagleflow.data.prepare import MAX_LISTED_ERRORS, SkipBadRows
 from eagleflow.data.verifier import load_tokenizer, text_config
@@ -195,6 +196,7 @@ def row_file(out: Path, row: int) -> Path:
 def regenerate(cfg: RegenerateConfig) -> dict[str, Any]:
     """Regenerate every row not done yet; publish the JSONL when all are; return the summary."""
     started = time.monotonic()
+    check_chat_template_kwargs(cfg.verifier, cfg.chat_template_kwargs, "--chat-template-kwargs")
     rows = list(read_input_rows(cfg.input))
     usable: list[tuple[int, Chat]] = []
     bad: list[tuple[int, str]] = []
