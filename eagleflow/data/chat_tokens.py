@@ -215,12 +215,28 @@ def render_ids(
     The one rendering of a conversation: preparation, regeneration and evaluation's prompts all call it, so
     the same conversation and switches give the same ids wherever they are rendered.
     """
+    import jinja2
+
     marks = marks and not add_generation_prompt
-    encoded = tokenizer.apply_chat_template(
-        chat.messages[:upto], tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt,
-        **({"return_assistant_tokens_mask": True} if marks else {}), **chat.template_kwargs(),
-    )
+    try:
+        encoded = tokenizer.apply_chat_template(
+            chat.messages[:upto], tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt,
+            **({"return_assistant_tokens_mask": True} if marks else {}), **chat.template_kwargs(),
+        )
+    # What a template's own failure raises: its raise_exception (TemplateError), Python's inside it ('None + str' of a
+    # template without tool support reading a tool call's null content: TypeError), transformers' checks (ValueError).
+    except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        raise TemplateCannotRender(render_failure(chat, exc)) from exc
     return list(encoded["input_ids"]), ([int(m) for m in encoded["assistant_masks"]] if marks else None)
+
+
+def render_failure(chat: Chat, exc: BaseException) -> str:
+    """Why the chat template cannot render ``chat``, in a row's words: the template's error, and the likely cause
+    when the conversation calls tools."""
+    tools = chat.tools or any(m.get("tool_calls") or m["role"] == "tool" for m in chat.messages)
+    return (f"the verifier's chat template cannot render it ({type(exc).__name__}: {excerpt(exc)})"
+            + ("; the row calls tools (tools, tool_calls with null content, tool turns), which a template without tool "
+               "support cannot render" if tools else ""))
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

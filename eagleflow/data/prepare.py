@@ -5,7 +5,7 @@ Input is JSONL or Parquet, each row either pre-tokenized (``input_ids``, optiona
 mask on assistant tokens). Output is a HuggingFace ``datasets`` folder with int64 columns
 ``input_ids``, ``loss_mask`` and ``seq_len``; row i of it is row i of the hidden states,
 always. A bad row (a byte that is not UTF-8, JSON nested deeper than 100 levels, a tool call's
-arguments that are not JSON) fails the step with its row number and reason, quoting at most an
+arguments that are not JSON, a conversation the chat template cannot render) fails the step with its row number and reason, quoting at most an
 excerpt of it, unless ``--skip-bad-rows`` leaves it out and lists it in ``bad_rows.jsonl`` beside
 the dataset. Switches the chat template does not have (``--chat-template-kwargs``) are refused
 before any row is read. Rows are read one at a time, and a huge message is not
@@ -32,7 +32,7 @@ from eagleflow.errors import UserError, excerpt_repr
 from eagleflow.files import atomic_write_json, atomic_write_text
 from eagleflow.progress import Progress
 from eagleflow.results import emit_result
-from eagleflow.data.chat_tokens import LazyChatTokenizer, Row, check_chat_template_kwargs
+from eagleflow.data.chat_tokens import LazyChatTokenizer, Row, TemplateCannotRender, check_chat_template_kwargs
 from eagleflow.data.conversation import chat_of, count_input_rows, is_chat_row, read_input_rows
 from eagleflow.data.verifier import config_int, load_tokenizer
 
@@ -184,7 +184,10 @@ def _tokenize_one(record: dict[str, Any] | str, vocab_size: int, chat: LazyChatT
         conversation = chat_of(record)
         if isinstance(conversation, str):
             return conversation
-        rows = chat.rows(conversation)
+        try:
+            rows = chat.rows(conversation)
+        except TemplateCannotRender as exc:
+            return exc.reason
     else:
         return chat_of(record)  # says which keys a row needs
     for ids, _ in rows:

@@ -16,7 +16,7 @@ from training_data import THINKING_CONVERSATION, WEATHER_TOOLS
 from eagleflow.data import dataset_table
 from eagleflow.data.chat_tokens import ChatTokenizer, render_ids
 from eagleflow.data.conversation import Chat, chat_of
-from eagleflow.data.prepare import PrepareConfig, prepare_dataset
+from eagleflow.data.prepare import BadRows, PrepareConfig, prepare_dataset
 from eagleflow.demo.tiny_tokenizer import THINKING_CHAT_TEMPLATE, with_chat_template
 
 TOOLS, THINKING = WEATHER_TOOLS, THINKING_CONVERSATION
@@ -185,3 +185,48 @@ def test_a_switch_the_template_never_reads_or_one_apply_chat_template_owns_is_re
         regenerate(RegenerateConfig(input=source, verifier=thinking_model, out=tmp_path / "regen", server="http://127.0.0.1:9",
                                     chat_template_kwargs={"enable_thinkng": False}))
     assert not (tmp_path / "regen").exists()
+
+
+def test_a_tool_calling_row_the_template_cannot_render_is_named_and_skip_bad_rows_leaves_it_out(
+    random_tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The plain ChatML template reads every message's content: a tool call's null content fails inside it."""
+    good = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": f"hello {i}"}]} for i in range(2)]
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in [good[0], {"messages": THINKING, "tools": TOOLS}, good[1]]))
+    args = ["--input", str(source), "--verifier", str(random_tiny_model), "--out", str(tmp_path / "ds")]
+    code, err = run_prepare(capsys, *args)
+    assert code == 2 and "Traceback" not in err and not (tmp_path / "ds").exists()
+    assert ("row 1: the verifier's chat template cannot render it (TypeError: unsupported operand type(s) for +: 'NoneType' "
+            "and 'str'); the row calls tools") in err, err
+    code, err = run_prepare(capsys, *args, "--skip-bad-rows")
+    assert code == 0, err
+    alone = tmp_path / "good.jsonl"
+    alone.write_text("".join(json.dumps(r) + "\n" for r in good))
+    kept = prepared_rows(alone, random_tiny_model, tmp_path / "good", max_len=2048)
+    table = dataset_table(tmp_path / "ds")
+    assert list(zip(table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist())) == kept  # the others, as alone
+    [report] = [json.loads(line) for line in (tmp_path / "ds" / "bad_rows.jsonl").read_text().splitlines()]
+    assert report["row"] == 1 and "cannot render it" in report["reason"]
+
+
+def test_a_row_the_template_refuses_is_named_by_preparation_and_by_regeneration(random_tiny_model: Path, tmp_path: Path) -> None:
+    """Gemma's template refuses a system turn with raise_exception (a Jinja TemplateError), as this one does."""
+    from eagleflow.data.regenerate import RegenerateConfig, Regenerator
+
+    no_system = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+                 "{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    model = with_chat_template(random_tiny_model, tmp_path / "no-system", no_system)
+    answer = {"role": "assistant", "content": "ok"}
+    rows = [{"messages": [*PLAIN[1:2], answer]}, {"messages": [*PLAIN[:2], answer]}]  # the second opens with a system turn
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reason = "the verifier's chat template cannot render it (TemplateError: System role not supported)"
+    with pytest.raises(BadRows) as caught:
+        prepare_dataset(PrepareConfig(input=source, verifier=model, out=tmp_path / "ds"))
+    assert caught.value.errors == [(1, reason)]
+    regenerator = Regenerator.__new__(Regenerator)  # first_prompt_problem() needs no engine, only its context length
+    regenerator.cfg = RegenerateConfig(input=source, verifier=model, out=tmp_path / "r", server="http://127.0.0.1:9")
+    regenerator.tokenizer, regenerator.context_length = ChatTokenizer(model).tokenizer, 4096
+    assert [regenerator.first_prompt_problem(chat_of(r)) for r in rows] == [None, reason]
