@@ -128,6 +128,18 @@ class ChatTokenizer:
             raise UserError(f"--verifier {tokenizer_dir} has no chat template; give pre-tokenized input_ids instead")
         self.has_generation_markers = "{% generation %}" in template or "{%- generation %}" in template
 
+    def first_assistant_token(self, chat: Chat) -> int | None:
+        """Where the conversation's first trained token lies in the row that holds it (None: the template marks no token
+        of it), tokenizing about twice that far, not the whole row: why a row has no trained token within ``max_len``."""
+        chat = Chat(chat.messages, chat.tools, {**self.template_kwargs, **chat.kwargs})
+        limit = 2 * (self.max_len or 1024)
+        while True:
+            rows = self._first_tokens(chat, limit)
+            first = [mask.index(1) for _, mask in rows if 1 in mask]
+            if first or all(len(ids) < limit for ids, _ in rows):  # found, or every row whole
+                return min(first, default=None)
+            limit *= 2
+
     def __call__(self, messages: list[dict[str, Any]]) -> Row:
         """The one row of ``messages`` under a template that renders every turn as it was generated."""
         rows = self.rows(Chat(messages))
@@ -266,6 +278,12 @@ class LazyChatTokenizer:
         self._chat: ChatTokenizer | None = None
 
     def rows(self, chat: Chat) -> list[Row]:
+        return self._tokenizer().rows(chat)
+
+    def first_assistant_token(self, chat: Chat) -> int | None:
+        return self._tokenizer().first_assistant_token(chat)
+
+    def _tokenizer(self) -> ChatTokenizer:
         if self._chat is None:
             self._chat = ChatTokenizer(self.tokenizer_dir, self.max_len, self.template_kwargs)
-        return self._chat.rows(chat)
+        return self._chat

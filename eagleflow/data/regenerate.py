@@ -18,9 +18,10 @@ dataset's, so long multi-turn conversations outgrow the context halfway.
 run resumes with the rows not yet done; ``OUT/conversations.jsonl`` (in input order, each line
 with its ``source_row``) and ``OUT/regenerate.json`` appear when every row is done. A row the
 engine fails on is named with its reason and the step fails; a row that is not a usable chat
-row, or whose first prompt the chat template cannot render or leaves no room for an answer, fails too
-(before any is regenerated), unless ``--skip-bad-rows`` leaves it out (listed in ``OUT/skipped_rows.jsonl``).
-Switches the template does not have (``--chat-template-kwargs``) are refused before any row is read.
+row, or whose first prompt the chat template cannot render or leaves no room for an answer, fails
+too (before any is regenerated), unless ``--skip-bad-rows`` leaves it out (listed in
+``OUT/skipped_rows.jsonl``). Switches the template does not have (``--chat-template-kwargs``) are
+refused before any row is read.
 """
 
 from __future__ import annotations

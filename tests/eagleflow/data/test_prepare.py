@@ -10,6 +10,7 @@ import datasets
 import pytest
 
 from eagleflow.__main__ import main as cli
+from eagleflow.data.conversation import chat_of
 from eagleflow.data.prepare import BadRows, PrepareConfig, prepare_dataset
 
 
@@ -270,3 +271,24 @@ def test_an_empty_input_file_says_it_has_no_usable_rows(tmp_path: Path, capsys: 
     write_jsonl(tmp_path / "in.jsonl", ["{bad"])  # every row bad and left out: none usable either
     assert cli([*args, "--skip-bad-rows"]) == 2
     assert "has no usable rows (all 1 are bad, left out)" in capsys.readouterr().err
+
+
+def test_a_row_whose_assistant_turn_lies_past_max_len_says_where_and_by_how_much(tmp_path: Path, random_tiny_model: Path) -> None:
+    from eagleflow.data.chat_tokens import ChatTokenizer
+
+    long = chat(("user", "count the words of this " * 40), ("assistant", "forty"))
+    [(_, mask)] = ChatTokenizer(random_tiny_model).rows(chat_of(long))  # tokenized whole: where the answer starts
+    first = mask.index(1)
+    rows = [chat(("user", "hi"), ("assistant", "hello")), long, {"input_ids": list(range(1, 31)), "loss_mask": [0] * 20 + [1] * 10}]
+    path = write_jsonl(tmp_path / "in.jsonl", rows)
+    with pytest.raises(BadRows) as caught:
+        prepare_dataset(PrepareConfig(input=path, verifier=random_tiny_model, out=tmp_path / "ds", max_len=16))
+    assert caught.value.errors == [
+        (1, f"its first assistant token is at position {first:,}, beyond --max-len 16 by {first - 15:,} tokens: nothing of it is "
+            f"trained on (--max-len {first + 1:,} keeps it)"),
+        (2, "its first assistant token is at position 20, beyond --max-len 16 by 5 tokens: nothing of it is trained on "
+            "(--max-len 21 keeps it)"),
+    ]
+    assert not (tmp_path / "ds").exists()
+    summary = prepare_dataset(PrepareConfig(input=path, verifier=random_tiny_model, out=tmp_path / "ds", max_len=first + 1))
+    assert summary["rows"] == 3 and summary["skipped_bad_rows"] == 0  # the --max-len it named keeps them
