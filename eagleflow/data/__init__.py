@@ -19,7 +19,7 @@ __all__, __getattr__ = lazy_exports(
         "dataset_files": ["dataset_column", "dataset_fingerprint", "dataset_shape", "dataset_state", "dataset_table"],
         "prepare": ["MARKER_FILE", "PrepareConfig"],
         "conversation": ["Chat", "chat_of", "is_chat_row", "read_input_rows"],
-        "chat_tokens": ["ChatTokenizer", "render_ids", "rows_of_turns"],
+        "chat_tokens": ["ChatTokenizer", "TemplateCannotRender", "check_chat_template_kwargs", "render_ids", "rows_of_turns"],
         "vocab": ["VocabConfig", "VocabFiles", "build_vocab", "load_mappings"],
         "regenerate": ["CONVERSATIONS_FILE", "RegenerateConfig", "SKIPPED_FILE", "SUMMARY_FILE"],
         "disk_check": ["DiskCheckConfig"],

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from eagleflow.data.conversation import Chat
+from eagleflow.errors import UserError, excerpt
 from eagleflow.verifier import load_tokenizer
-from eagleflow.errors import UserError
 
 # Where a huge message is first cut before tokenizing (characters per wanted token): a token spans
 # a few characters, so one cut usually holds every token kept; the cut doubles until it does.
@@ -15,6 +18,86 @@ CUT_CHARS_PER_TOKEN = 16
 
 
 Row = tuple[list[int], list[int]]  # token ids and the loss mask over them
+
+# What transformers' render_jinja_template passes the template beside apply_chat_template's own arguments:
+# a switch of this name collides with it (a TypeError) instead of reaching the template.
+RENDER_ARGUMENTS = ("messages",)
+
+
+class TemplateCannotRender(ValueError):
+    """The chat template fails on a conversation (a Jinja error, or Python's raised inside it); ``reason`` says how."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def template_variables(tokenizer: Any) -> frozenset[str]:
+    """The names the tokenizer's chat template reads from outside it (its switches among them), found in its source as
+    transformers compiles it (jinja2's ``meta.find_undeclared_variables``); every named template's when it has several.
+
+    :raises TemplateCannotRender: a template that does not parse.
+    """
+    import jinja2
+    import jinja2.meta
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    templates = tokenizer.chat_template
+    names: set[str] = set()
+    for source in (templates.values() if isinstance(templates, dict) else [templates] if templates else []):
+        try:  # the environment transformers renders with: its {% generation %} tag parses there
+            names |= jinja2.meta.find_undeclared_variables(_compile_jinja_template(source).environment.parse(source))
+        except jinja2.TemplateError as exc:
+            raise TemplateCannotRender(f"the verifier's chat template does not parse ({type(exc).__name__}: {excerpt(exc)})") from exc
+    return frozenset(names)
+
+
+def template_switch_problem(tokenizer: Any, kwargs: Mapping[str, Any]) -> str | None:
+    """Why ``kwargs`` are not switches of the tokenizer's chat template, naming the first key that is not, or None.
+
+    A key ``apply_chat_template`` takes for itself is refused (eagleflow sets those for each rendering; as a switch
+    it is a TypeError, or silently the row's tools); so is a key the template never reads, which would leave every
+    row rendered in the template's default mode (``enable_thinkng`` for ``enable_thinking``).
+    """
+    owned = {name for name, p in inspect.signature(tokenizer.apply_chat_template).parameters.items()
+             if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} | set(RENDER_ARGUMENTS)
+    for key in kwargs:
+        if key in owned:
+            return (f"{key!r} is an argument of apply_chat_template itself, which eagleflow sets for each rendering, not a "
+                    "switch of the chat template; remove it")
+    try:
+        read = template_variables(tokenizer)
+    except TemplateCannotRender as exc:
+        return exc.reason
+    switches = sorted(read - owned - set(tokenizer.special_tokens_map))
+    for key in kwargs:
+        if key not in read:
+            close = difflib.get_close_matches(key, switches, n=1)
+            return (f"the verifier's chat template never reads {key!r}: the switch would change nothing, every row would be "
+                    "rendered as without it" + (f" (did you mean {close[0]!r}?)" if close else "")
+                    + f"; the switches it reads: {', '.join(switches) if switches else 'none'}")
+    return None
+
+
+def check_chat_template_kwargs(model_path: Path, kwargs: Mapping[str, Any], name: str = "Param chat_template_kwargs") -> None:
+    """Refuse switches the verifier's chat template does not have (:func:`template_switch_problem`), before any row is
+    rendered: a typo would otherwise prepare, regenerate and evaluate everything in the template's default mode.
+
+    Loads the verifier's tokenizer (its local files; importing transformers is most of the cost), only when
+    ``kwargs`` has a key. ``name`` is how the caller's user spelled the setting: a Param or a flag.
+
+    :raises UserError: starting with ``name``, naming the key and why.
+    """
+    if not kwargs:
+        return
+    try:
+        tokenizer = load_tokenizer(model_path)
+    except Exception as exc:
+        raise UserError(f"{name}: cannot load the tokenizer of {model_path} to check the switches: {excerpt(exc)}") from exc
+    if not tokenizer.chat_template:
+        raise UserError(f"{name}: {model_path} has no chat template, so the switches {sorted(kwargs)} would change nothing")
+    if problem := template_switch_problem(tokenizer, kwargs):
+        raise UserError(f"{name}: {problem} (verifier {model_path})")
 
 
 class ChatTokenizer:
@@ -44,6 +127,18 @@ class ChatTokenizer:
         if not template:
             raise UserError(f"--verifier {tokenizer_dir} has no chat template; give pre-tokenized input_ids instead")
         self.has_generation_markers = "{% generation %}" in template or "{%- generation %}" in template
+
+    def first_assistant_token(self, chat: Chat) -> int | None:
+        """Where the conversation's first trained token lies in the row that holds it (None: the template marks no token
+        of it), tokenizing about twice that far, not the whole row: why a row has no trained token within ``max_len``."""
+        chat = Chat(chat.messages, chat.tools, {**self.template_kwargs, **chat.kwargs})
+        limit = 2 * (self.max_len or 1024)
+        while True:
+            rows = self._first_tokens(chat, limit)
+            first = [mask.index(1) for _, mask in rows if 1 in mask]
+            if first or all(len(ids) < limit for ids, _ in rows):  # found, or every row whole
+                return min(first, default=None)
+            limit *= 2
 
     def __call__(self, messages: list[dict[str, Any]]) -> Row:
         """The one row of ``messages`` under a template that renders every turn as it was generated."""
@@ -132,12 +227,28 @@ def render_ids(
     The one rendering of a conversation: preparation, regeneration and evaluation's prompts all call it, so
     the same conversation and switches give the same ids wherever they are rendered.
     """
+    import jinja2
+
     marks = marks and not add_generation_prompt
-    encoded = tokenizer.apply_chat_template(
-        chat.messages[:upto], tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt,
-        **({"return_assistant_tokens_mask": True} if marks else {}), **chat.template_kwargs(),
-    )
+    try:
+        encoded = tokenizer.apply_chat_template(
+            chat.messages[:upto], tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt,
+            **({"return_assistant_tokens_mask": True} if marks else {}), **chat.template_kwargs(),
+        )
+    # What a template's own failure raises: its raise_exception (TemplateError), Python's inside it ('None + str' of a
+    # template without tool support reading a tool call's null content: TypeError), transformers' checks (ValueError).
+    except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        raise TemplateCannotRender(render_failure(chat, exc)) from exc
     return list(encoded["input_ids"]), ([int(m) for m in encoded["assistant_masks"]] if marks else None)
+
+
+def render_failure(chat: Chat, exc: BaseException) -> str:
+    """Why the chat template cannot render ``chat``, in a row's words: the template's error, and the likely cause
+    when the conversation calls tools."""
+    tools = chat.tools or any(m.get("tool_calls") or m["role"] == "tool" for m in chat.messages)
+    return (f"the verifier's chat template cannot render it ({type(exc).__name__}: {excerpt(exc)})"
+            + ("; the row calls tools (tools, tool_calls with null content, tool turns), which a template without tool "
+               "support cannot render" if tools else ""))
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -167,6 +278,12 @@ class LazyChatTokenizer:
         self._chat: ChatTokenizer | None = None
 
     def rows(self, chat: Chat) -> list[Row]:
+        return self._tokenizer().rows(chat)
+
+    def first_assistant_token(self, chat: Chat) -> int | None:
+        return self._tokenizer().first_assistant_token(chat)
+
+    def _tokenizer(self) -> ChatTokenizer:
         if self._chat is None:
             self._chat = ChatTokenizer(self.tokenizer_dir, self.max_len, self.template_kwargs)
-        return self._chat.rows(chat)
+        return self._chat

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagleflow.errors import UserError, excerpt_repr
+from eagleflow.data.dataset_files import FolderRole, check_dataset_files
+from eagleflow.errors import UserError, excerpt, excerpt_repr
 
 ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT's speakers -> OpenAI roles. function_call is an assistant turn that calls a tool.
@@ -34,6 +36,54 @@ SHAREGPT_ROLES = {
     "system": "system", "tool": "tool", "observation": "tool", "function_response": "tool", "function_call": "assistant",
 }
 INPUT_KINDS = ".jsonl, .json (one object per line), .parquet, or a datasets folder (save_to_disk)"
+# JSON nested deeper than this (a row's line, a tools string, a function_call's value, a tool call's arguments) is
+# refused: no conversation needs it, and Python's parser recurses once per level (100,000 levels: RecursionError).
+MAX_JSON_DEPTH = 100
+TOO_DEEP = f"nested deeper than {MAX_JSON_DEPTH} levels"
+# How the check of a datasets folder's files names an input folder, and what a torn one needs.
+INPUT_FOLDER_REMEDY = "the datasets folder is not whole (a copy or write cut short?); write it again (save_to_disk)"
+INPUT_FOLDER = FolderRole("--input", "datasets folder", INPUT_FOLDER_REMEDY)
+
+
+class JsonTooDeep(ValueError):
+    """JSON nested deeper than :data:`MAX_JSON_DEPTH` levels."""
+
+
+def load_json(text: str) -> Any:
+    """``json.loads(text)``, refusing JSON nested deeper than :data:`MAX_JSON_DEPTH` levels.
+
+    :raises json.JSONDecodeError: not JSON.
+    :raises JsonTooDeep: nested too deep (what the parser cannot recurse through included).
+    """
+    try:
+        value = json.loads(text)
+    except RecursionError as exc:
+        raise JsonTooDeep(TOO_DEEP) from exc
+    # Only text with that many brackets can nest that deep: most rows are never walked.
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and _deeper_than(value, MAX_JSON_DEPTH):
+        raise JsonTooDeep(TOO_DEEP)
+    return value
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    stack = [(value, 1)]
+    while stack:  # not recursive: the depth it measures is unbounded
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
+
+
+def json_of(text: str) -> tuple[Any, str | None]:
+    """``(value, None)``, or ``(None, why)`` to follow "a string that": ``is not JSON (…)`` or ``holds JSON nested …``."""
+    try:
+        return load_json(text), None
+    except json.JSONDecodeError as exc:
+        return None, f"is not JSON ({exc.msg})"
+    except JsonTooDeep:
+        return None, f"holds JSON {TOO_DEEP}"
 
 
 @dataclass
@@ -79,10 +129,9 @@ def chat_of(record: dict[str, Any]) -> Chat | str:
         return "no assistant message (nothing to train on)"
     tools = record.get("tools")
     if isinstance(tools, str):  # Parquet and ShareGPT exports often carry the tools as a JSON string
-        try:
-            tools = json.loads(tools) if tools.strip() else None
-        except json.JSONDecodeError as exc:
-            return f"tools is a string that is not JSON ({exc.msg})"
+        tools, why = json_of(tools) if tools.strip() else (None, None)
+        if why:
+            return f"tools is a string that {why}"
     if tools is not None and not isinstance(tools, list):
         return f"tools must be a list of tool definitions, got {type(tools).__name__}"
     return Chat(checked, tools or None)
@@ -113,6 +162,9 @@ def message_problem(message: Any) -> str | None:
             function = call.get("function") if isinstance(call, dict) else None
             if not isinstance(function, dict) or not isinstance(function.get("name"), str):
                 return f"tool_calls[{j}] must be {{'function': {{'name': …, 'arguments': …}}}}"
+            # OpenAI's form: the arguments as a JSON string. One that is not JSON would be trained on as given.
+            if isinstance(function.get("arguments"), str) and (why := json_of(function["arguments"])[1]):
+                return f"tool_calls[{j}].function.arguments is a string that {why}"
     return None
 
 
@@ -135,10 +187,9 @@ def sharegpt_messages(turns: Any) -> list[dict[str, Any]] | str:
             return f"conversations[{i}] must be {{'from': one of {', '.join(SHAREGPT_ROLES)}, 'value': a string}}"
         role = SHAREGPT_ROLES[turn["from"]]
         if turn["from"] == "function_call":
-            try:
-                call = json.loads(turn["value"])
-            except json.JSONDecodeError as exc:
-                return f"conversations[{i}] is a function_call whose value is not JSON ({exc.msg})"
+            call, why = json_of(turn["value"])
+            if why:
+                return f"conversations[{i}] is a function_call whose value {why}"
             if not isinstance(call, dict) or not isinstance(call.get("name"), str):
                 return f"conversations[{i}] is a function_call whose value is not {{'name': …, 'arguments': …}}"
             function = {"name": call["name"], "arguments": call.get("arguments", {})}
@@ -182,35 +233,54 @@ def read_input_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | str]]:
                 yield row, "empty line"
                 continue
             try:
-                record = json.loads(line)
+                record = load_json(line)
             except json.JSONDecodeError as exc:
                 yield row, f"unparsable JSON: {exc.msg} at column {exc.colno}"
                 continue
-            except RecursionError:
-                yield row, "unparsable JSON: nested deeper than the parser goes"
+            except JsonTooDeep:
+                yield row, f"JSON {TOO_DEEP}"
                 continue
             yield row, record if isinstance(record, dict) else f"expected a JSON object, got {type(record).__name__}"
 
 
 def _dataset_folder(path: Path) -> Any:
-    """The ``datasets`` folder at ``path`` (memory-mapped, not loaded), or a UserError saying what it is not."""
+    """The ``datasets`` folder at ``path`` (memory-mapped, not loaded), or a UserError saying what it is not.
+
+    Its files are checked first (:func:`~eagleflow.data.dataset_files.check_dataset_files`): a torn Arrow file is
+    named, where ``datasets`` raises an OSError naming none, or reads a file cut at a batch's end as fewer rows.
+    """
     if not (path / "state.json").is_file() and not (path / "dataset_dict.json").is_file():
         raise UserError(f"--input {path} is a folder but not a datasets folder (save_to_disk writes state.json); expected {INPUT_KINDS}")
     import datasets
 
-    loaded = datasets.load_from_disk(str(path))
-    if isinstance(loaded, datasets.DatasetDict):
-        if "train" not in loaded:
-            raise UserError(f"--input {path} holds splits {sorted(loaded)} and none is 'train'")
-        loaded = loaded["train"]
-    return loaded
+    split = path if (path / "state.json").is_file() else path / "train"
+    if split != path and not (split / "state.json").is_file():
+        splits = sorted(p.name for p in path.iterdir() if (p / "state.json").is_file())
+        raise UserError(f"--input {path} holds splits {splits} and none is 'train'")
+    check_dataset_files(split, INPUT_FOLDER)
+    with _unreadable_folder(path):
+        loaded = datasets.load_from_disk(str(path))
+    return loaded["train"] if isinstance(loaded, datasets.DatasetDict) else loaded
+
+
+@contextmanager
+def _unreadable_folder(path: Path) -> Iterator[None]:
+    """What the file check cannot see (a file torn inside), as a UserError naming the folder."""
+    import pyarrow as pa
+
+    try:
+        yield
+    except (OSError, pa.ArrowException) as exc:
+        raise UserError(f"--input {path}: cannot read the datasets folder ({excerpt(exc)}); {INPUT_FOLDER_REMEDY}") from exc
 
 
 def _dataset_folder_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | str]]:
     table = _dataset_folder(path)
     table.reset_format()  # plain Python values, whatever format it was saved with
     for row in range(len(table)):
-        yield row, table[row]
+        with _unreadable_folder(path):
+            record = table[row]
+        yield row, record
 
 
 def count_input_rows(path: Path) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,26 +36,38 @@ ARROW_STREAM_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 REMEDY = "the prepared dataset is not whole (a write cut short?); prepare it again (prepare-dataset)"
 
 
-def _torn(dataset: Path, name: str, what: str) -> UserError:
-    return UserError(f"--dataset {dataset}: {name} {what}; {REMEDY}")
+@dataclass(frozen=True)
+class FolderRole:
+    """How messages name a checked folder: its setting, what it should be, and what to do about a torn one."""
+
+    flag: str = "--dataset"
+    kind: str = "prepared dataset"
+    remedy: str = REMEDY
 
 
-def _json_object(dataset: Path, name: str) -> dict[str, Any]:
+PREPARED = FolderRole()
+
+
+def _torn(dataset: Path, name: str, what: str, role: FolderRole = PREPARED) -> UserError:
+    return UserError(f"{role.flag} {dataset}: {name} {what}; {role.remedy}")
+
+
+def _json_object(dataset: Path, name: str, role: FolderRole = PREPARED) -> dict[str, Any]:
     path = Path(dataset) / name
     try:
         text = path.read_bytes()
     except FileNotFoundError as exc:
-        raise UserError(f"--dataset {dataset} is not a prepared dataset (no {name})") from exc
+        raise UserError(f"{role.flag} {dataset} is not a {role.kind} (no {name})") from exc
     except OSError as exc:
-        raise UserError(f"--dataset {dataset}: cannot read {name} ({exc})") from exc
+        raise UserError(f"{role.flag} {dataset}: cannot read {name} ({exc})") from exc
     if not text.strip():
-        raise _torn(dataset, name, f"is empty ({len(text)} bytes)")
+        raise _torn(dataset, name, f"is empty ({len(text)} bytes)", role)
     try:
         value = json.loads(text)
     except ValueError as exc:
-        raise _torn(dataset, name, f"is not whole JSON ({len(text)} bytes: {exc})") from exc
+        raise _torn(dataset, name, f"is not whole JSON ({len(text)} bytes: {exc})", role) from exc
     if not isinstance(value, dict):
-        raise _torn(dataset, name, "is not a JSON object")
+        raise _torn(dataset, name, "is not a JSON object", role)
     return value
 
 
@@ -63,26 +76,29 @@ def dataset_state(dataset: Path) -> dict[str, Any]:
     return _json_object(dataset, STATE_FILE)
 
 
-def check_dataset_files(dataset: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def check_dataset_files(dataset: Path, role: FolderRole = PREPARED) -> tuple[dict[str, Any], dict[str, Any]]:
     """Refuse, naming the file, a folder whose ``state.json``, ``dataset_info.json`` or Arrow files are
     missing, empty or cut short; return ``(state, info)``. Reads the two JSON files and the last bytes
-    of each Arrow file: milliseconds, whatever the dataset's size."""
-    state = dataset_state(dataset)
+    of each Arrow file: milliseconds, whatever the dataset's size.
+
+    :param role: how messages name the folder (preparation's input is ``--input``, a datasets folder).
+    """
+    state = _json_object(dataset, STATE_FILE, role)
     missing = [key for key in STATE_KEYS if key not in state]
     if missing:
-        raise _torn(dataset, STATE_FILE, f"lacks {', '.join(missing)}")
+        raise _torn(dataset, STATE_FILE, f"lacks {', '.join(missing)}", role)
     files = [*(state.get("_data_files") or []), *(state.get("_indices_data_files") or [])]
     if not state.get("_data_files") or not all(isinstance(f, dict) and isinstance(f.get("filename"), str) for f in files):
-        raise _torn(dataset, STATE_FILE, f"names no Arrow files (_data_files: {excerpt(state.get('_data_files'))})")
-    info = _json_object(dataset, INFO_FILE)
+        raise _torn(dataset, STATE_FILE, f"names no Arrow files (_data_files: {excerpt(state.get('_data_files'))})", role)
+    info = _json_object(dataset, INFO_FILE, role)
     if not isinstance(info.get("features"), (dict, type(None))):
-        raise _torn(dataset, INFO_FILE, "has features that are not a JSON object")
+        raise _torn(dataset, INFO_FILE, "has features that are not a JSON object", role)
     for entry in files:
-        _check_arrow_stream(dataset, entry["filename"])
+        _check_arrow_stream(dataset, entry["filename"], role)
     return state, info
 
 
-def _check_arrow_stream(dataset: Path, name: str) -> None:
+def _check_arrow_stream(dataset: Path, name: str, role: FolderRole) -> None:
     path = Path(dataset) / name
     try:
         with open(path, "rb") as handle:
@@ -90,13 +106,13 @@ def _check_arrow_stream(dataset: Path, name: str) -> None:
             handle.seek(max(0, size - len(ARROW_STREAM_END)))
             tail = handle.read()
     except FileNotFoundError as exc:
-        raise _torn(dataset, name, f"is missing ({STATE_FILE} names it)") from exc
+        raise _torn(dataset, name, f"is missing ({STATE_FILE} names it)", role) from exc
     except OSError as exc:
-        raise UserError(f"--dataset {dataset}: cannot read {name} ({exc})") from exc
+        raise UserError(f"{role.flag} {dataset}: cannot read {name} ({exc})") from exc
     if size == 0:
-        raise _torn(dataset, name, "is empty (0 bytes)")
+        raise _torn(dataset, name, "is empty (0 bytes)", role)
     if tail != ARROW_STREAM_END:
-        raise _torn(dataset, name, f"is cut short ({size} bytes, without the Arrow stream's end marker)")
+        raise _torn(dataset, name, f"is cut short ({size} bytes, without the Arrow stream's end marker)", role)
 
 
 def _check_features(dataset: Path, info: dict[str, Any], columns: list[str]) -> None:

@@ -4,11 +4,14 @@ Input is JSONL or Parquet, each row either pre-tokenized (``input_ids``, optiona
 ``loss_mask``) or a chat (``messages``, tokenized with the tokenizer's chat template, loss
 mask on assistant tokens). Output is a HuggingFace ``datasets`` folder with int64 columns
 ``input_ids``, ``loss_mask`` and ``seq_len``; row i of it is row i of the hidden states,
-always. A bad row (a byte that is not UTF-8 included) fails the step with its row number and
-reason, quoting at most an excerpt of it, unless ``--skip-bad-rows`` leaves it out and lists it in
-``bad_rows.jsonl`` beside the dataset. Rows are read one at a time, and a huge message is not
-tokenized whole (:mod:`eagleflow.data.chat_tokens`), so memory stays within a small multiple of
-the largest row beside the token ids kept.
+always. A bad row (a byte that is not UTF-8, JSON nested deeper than 100 levels, a tool call's
+arguments that are not JSON, a conversation the chat template cannot render, an assistant turn
+that starts past ``--max-len``) fails the step with its row number and reason, quoting at most an
+excerpt of it, unless ``--skip-bad-rows`` leaves it out and lists it in ``bad_rows.jsonl`` beside
+the dataset. Switches the chat template does not have (``--chat-template-kwargs``) are refused
+before any row is read. Rows are read one at a time, and a huge message is not tokenized whole
+(:mod:`eagleflow.data.chat_tokens`), so memory stays within a small multiple of the largest row
+beside the token ids kept.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from eagleflow.errors import UserError, excerpt_repr
 from eagleflow.files import atomic_write_json, atomic_write_text
 from eagleflow.progress import Progress
 from eagleflow.results import emit_result
-from eagleflow.data.chat_tokens import LazyChatTokenizer, Row
+from eagleflow.data.chat_tokens import LazyChatTokenizer, Row, TemplateCannotRender, check_chat_template_kwargs
 from eagleflow.data.conversation import chat_of, count_input_rows, is_chat_row, read_input_rows
 from eagleflow.verifier import config_int, load_tokenizer
 
@@ -126,13 +129,20 @@ def tokenize_rows(cfg: PrepareConfig, vocab_size: int) -> PreparedRows:
             if any(mask):
                 kept.append((ids, mask))
         if not kept:
-            out.bad.append((row, f"no assistant tokens within the first {cfg.max_len} tokens (--max-len)"))
+            out.bad.append((row, beyond_max_len(min(mask.index(1) for _, mask in result if 1 in mask), cfg.max_len)))
             continue
         for ids, mask in kept:
             out.input_ids.append(ids)
             out.loss_mask.append(mask)
             out.source_rows.append(row)
     return out
+
+
+def beyond_max_len(first: int, max_len: int) -> str:
+    """Why a row whose first trained token is at ``first`` (counting from 0) has none within ``max_len`` tokens."""
+    over = first - max_len + 1
+    return (f"its first assistant token is at position {first:,}, beyond --max-len {max_len:,} by {over:,} "
+            f"token{'s' if over != 1 else ''}: nothing of it is trained on (--max-len {first + 1:,} keeps it)")
 
 
 def tokenizer_vocab_size(tokenizer_dir: Path) -> int:
@@ -182,7 +192,14 @@ def _tokenize_one(record: dict[str, Any] | str, vocab_size: int, chat: LazyChatT
         conversation = chat_of(record)
         if isinstance(conversation, str):
             return conversation
-        rows = chat.rows(conversation)
+        try:
+            rows = chat.rows(conversation)
+            # The rows hold their first max_len + 1 tokens only: with none trained there, the turn may lie further on.
+            first = None if any(any(mask) for _, mask in rows) else chat.first_assistant_token(conversation)
+        except TemplateCannotRender as exc:
+            return exc.reason
+        if first is not None and chat.max_len is not None:
+            return beyond_max_len(first, chat.max_len)
     else:
         return chat_of(record)  # says which keys a row needs
     for ids, _ in rows:
@@ -256,13 +273,13 @@ def prepare_dataset(cfg: PrepareConfig) -> dict[str, Any]:
     tokenizer and settings, and a rerun with the same fingerprint returns at once.
     """
     vocab_size = cfg.vocab_size or tokenizer_vocab_size(cfg.verifier)
+    check_chat_template_kwargs(cfg.verifier, cfg.chat_template_kwargs, "--chat-template-kwargs")
     print_fp = fingerprint(cfg, vocab_size)
     marker = cfg.out / MARKER_FILE
     if marker.exists():
         summary = json.loads(marker.read_text())
         if summary.get("fingerprint") == print_fp:
             from eagleflow.data.dataset_files import check_dataset_files
-            from eagleflow.errors import UserError
 
             try:  # a torn folder under a current marker is prepared again
                 check_dataset_files(cfg.out)
@@ -275,7 +292,8 @@ def prepare_dataset(cfg: PrepareConfig) -> dict[str, Any]:
     if prepared.bad and not cfg.skip_bad_rows:
         raise BadRows(cfg.input, prepared.bad)
     if not prepared.input_ids:
-        raise UserError(f"--input {cfg.input} has no usable rows")
+        raise UserError(f"--input {cfg.input} has no usable rows"
+                        + (f" (all {len(prepared.bad)} are bad, left out)" if prepared.bad else " (it holds no rows: an empty file?)"))
     marker.unlink(missing_ok=True)
     write_training_dataset(prepared.input_ids, prepared.loss_mask, cfg.out)
     bad_rows_path = cfg.out / BAD_ROWS_FILE

@@ -18,8 +18,10 @@ dataset's, so long multi-turn conversations outgrow the context halfway.
 run resumes with the rows not yet done; ``OUT/conversations.jsonl`` (in input order, each line
 with its ``source_row``) and ``OUT/regenerate.json`` appear when every row is done. A row the
 engine fails on is named with its reason and the step fails; a row that is not a usable chat
-row, or whose first prompt leaves no room for an answer, fails too (before any is regenerated),
-unless ``--skip-bad-rows`` leaves it out (listed in ``OUT/skipped_rows.jsonl``).
+row, or whose first prompt the chat template cannot render or leaves no room for an answer, fails
+too (before any is regenerated), unless ``--skip-bad-rows`` leaves it out (listed in
+``OUT/skipped_rows.jsonl``). Switches the template does not have (``--chat-template-kwargs``) are
+refused before any row is read.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Any
 from pydantic import Field
 
 from eagleflow.config import ChatTemplateKwargs, WarmupTimeout, add_model_arguments, model_from_args
-from eagleflow.data.chat_tokens import render_ids, rows_of_turns
+from eagleflow.data.chat_tokens import TemplateCannotRender, check_chat_template_kwargs, render_ids, rows_of_turns
 from eagleflow.data.conversation import Chat, chat_of, is_chat_row, read_input_rows
 from eagleflow.data.prepare import MAX_LISTED_ERRORS, SkipBadRows
 from eagleflow.verifier import load_tokenizer, text_config
@@ -94,9 +96,13 @@ class Regenerator:
         return render_ids(self.tokenizer, Chat(chat.messages, chat.tools, self.cfg.chat_template_kwargs), turn, True)[0]
 
     def first_prompt_problem(self, chat: Chat) -> str | None:
-        """Why the conversation cannot be regenerated at all (its first prompt leaves no room), or None."""
+        """Why the conversation cannot be regenerated at all (the template cannot render its first prompt, or it leaves
+        no room), or None."""
         first = next(turn for turn, m in enumerate(chat.messages) if m["role"] == "assistant")
-        prompt_tokens = len(self.prompt(chat, first))
+        try:
+            prompt_tokens = len(self.prompt(chat, first))
+        except TemplateCannotRender as exc:
+            return exc.reason
         return self._no_room(prompt_tokens) if max_new_tokens_left(self.context_length, prompt_tokens) < 1 else None
 
     def _no_room(self, prompt_tokens: int) -> str:
@@ -114,7 +120,10 @@ class Regenerator:
         for turn, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            prompt = self.prompt(chat, turn)
+            try:
+                prompt = self.prompt(chat, turn)
+            except TemplateCannotRender as exc:  # not retried: the same messages fail the same way
+                raise RowFailed(exc.reason) from exc
             room = max_new_tokens_left(self.context_length, len(prompt))
             if room < 1:
                 if not finish:  # regenerate() leaves such rows out before it starts; this is the backstop
@@ -195,6 +204,7 @@ def row_file(out: Path, row: int) -> Path:
 def regenerate(cfg: RegenerateConfig) -> dict[str, Any]:
     """Regenerate every row not done yet; publish the JSONL when all are; return the summary."""
     started = time.monotonic()
+    check_chat_template_kwargs(cfg.verifier, cfg.chat_template_kwargs, "--chat-template-kwargs")
     rows = list(read_input_rows(cfg.input))
     usable: list[tuple[int, Chat]] = []
     bad: list[tuple[int, str]] = []

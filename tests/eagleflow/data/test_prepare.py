@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import datasets
 import pytest
 
 from eagleflow.__main__ import main as cli
+from eagleflow.data.conversation import chat_of
 from eagleflow.data.prepare import BadRows, PrepareConfig, prepare_dataset
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def tool_call_row(arguments: str) -> dict:
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    return {"messages": [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]}]}
 
 
 def write_jsonl(path: Path, records: list[object]) -> Path:
@@ -81,6 +91,18 @@ def test_pretokenized_rows_truncation_and_parquet(tmp_path: Path) -> None:
          "conversations[1] is a function_call whose value is not JSON"),
         ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x"}], "tools": "{"}, "tools is a string that is not JSON"),
         ({"token_rows": [{"input_ids": [1, 2], "loss_mask": [1]}]}, "token_rows[0].loss_mask has 1 entries"),
+        # A tool call's arguments as OpenAI sends them (a JSON string), but not JSON: trained on as given, it was silent.
+        (tool_call_row("{city: Paris"), "messages[1] tool_calls[0].function.arguments is a string that is not JSON (Expecting "
+                                        "property name enclosed in double quotes)"),
+        (tool_call_row(""), "messages[1] tool_calls[0].function.arguments is a string that is not JSON"),
+        # JSON nested 100,000 levels: a RecursionError traceback, wherever a row carries JSON as a string.
+        (tool_call_row(DEEP), "messages[1] tool_calls[0].function.arguments is a string that holds JSON nested deeper than 100 "
+                              "levels"),
+        ({**chat(("user", "a"), ("assistant", "x")), "tools": DEEP}, "tools is a string that holds JSON nested deeper than 100 levels"),
+        ({"conversations": [{"from": "human", "value": "a"}, {"from": "function_call", "value": f'{{"name": "f", "arguments": {DEEP}}}'}]},
+         "conversations[1] is a function_call whose value holds JSON nested deeper than 100 levels"),
+        ('{"input_ids": [1], "meta": ' + "[" * 101 + "]" * 101 + "}", "JSON nested deeper than 100 levels"),  # parses, but deeper
+        ('{"input_ids": [1], "meta": ' + DEEP + "}", "JSON nested deeper than 100 levels"),  # deeper than the parser goes
     ],
 )
 def test_each_bad_row_case_fails_naming_the_row(tmp_path: Path, record: object, reason: str) -> None:
@@ -215,3 +237,58 @@ def test_preparing_a_huge_row_takes_a_small_multiple_of_its_size(tmp_path: Path,
     measured = json.loads(done.stdout.strip().splitlines()[-1])
     assert measured["summary"]["rows"] == 2 and measured["summary"]["truncated"] == 2
     assert measured["growth"] < 8 * measured["row"], measured  # was ~200x
+
+
+
+@pytest.mark.parametrize("tear", ["half", "end marker"])
+def test_a_torn_arrow_file_in_an_input_datasets_folder_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str], tear: str) -> None:
+    """Cut in half, datasets raised an OSError naming no file; cut at a record batch's end (only the end marker
+    missing), it read fewer rows without a word. A dataset already prepared at --out is kept as it was."""
+    rows = [{"input_ids": [1 + row % 7, 2]} for row in range(2500)]  # datasets writes 1000 rows a record batch
+    folder = tmp_path / "input"
+    datasets.Dataset.from_list(rows).save_to_disk(str(folder))
+    args = ["prepare-dataset", "--input", str(folder), "--verifier", str(tmp_path), "--out", str(tmp_path / "ds"),
+            "--vocab-size", "10"]
+    assert cli(args) == 0
+    before = load(tmp_path / "ds")["input_ids"]
+    (arrow,) = folder.glob("data-*.arrow")
+    os.truncate(arrow, arrow.stat().st_size // 2 if tear == "half" else arrow.stat().st_size - 8)
+    assert cli(args) == 2
+    err = capsys.readouterr().err
+    assert f"error: --input {folder}: {arrow.name} is cut short (" in err and "write it again (save_to_disk)" in err, err
+    assert "Traceback" not in err
+    assert load(tmp_path / "ds")["input_ids"] == before == [row["input_ids"] for row in rows]
+
+
+def test_an_empty_input_file_says_it_has_no_usable_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "in.jsonl").write_bytes(b"")
+    args = ["prepare-dataset", "--input", str(tmp_path / "in.jsonl"), "--verifier", str(tmp_path), "--out", str(tmp_path / "ds"),
+            "--vocab-size", "10"]
+    assert cli(args) == 2
+    err = capsys.readouterr().err
+    assert f"error: --input {tmp_path / 'in.jsonl'} has no usable rows (it holds no rows: an empty file?)" in err
+    assert "Traceback" not in err and not (tmp_path / "ds").exists()
+    write_jsonl(tmp_path / "in.jsonl", ["{bad"])  # every row bad and left out: none usable either
+    assert cli([*args, "--skip-bad-rows"]) == 2
+    assert "has no usable rows (all 1 are bad, left out)" in capsys.readouterr().err
+
+
+def test_a_row_whose_assistant_turn_lies_past_max_len_says_where_and_by_how_much(tmp_path: Path, random_tiny_model: Path) -> None:
+    from eagleflow.data.chat_tokens import ChatTokenizer
+
+    long = chat(("user", "count the words of this " * 40), ("assistant", "forty"))
+    [(_, mask)] = ChatTokenizer(random_tiny_model).rows(chat_of(long))  # tokenized whole: where the answer starts
+    first = mask.index(1)
+    rows = [chat(("user", "hi"), ("assistant", "hello")), long, {"input_ids": list(range(1, 31)), "loss_mask": [0] * 20 + [1] * 10}]
+    path = write_jsonl(tmp_path / "in.jsonl", rows)
+    with pytest.raises(BadRows) as caught:
+        prepare_dataset(PrepareConfig(input=path, verifier=random_tiny_model, out=tmp_path / "ds", max_len=16))
+    assert caught.value.errors == [
+        (1, f"its first assistant token is at position {first:,}, beyond --max-len 16 by {first - 15:,} tokens: nothing of it is "
+            f"trained on (--max-len {first + 1:,} keeps it)"),
+        (2, "its first assistant token is at position 20, beyond --max-len 16 by 5 tokens: nothing of it is trained on "
+            "(--max-len 21 keeps it)"),
+    ]
+    assert not (tmp_path / "ds").exists()
+    summary = prepare_dataset(PrepareConfig(input=path, verifier=random_tiny_model, out=tmp_path / "ds", max_len=first + 1))
+    assert summary["rows"] == 3 and summary["skipped_bad_rows"] == 0  # the --max-len it named keeps them
