@@ -227,7 +227,7 @@ SLOW_FIRST = (  # each module's wall time in a whole run on 2 cores, longest fir
     "tests/eagleflow/train/test_speculators_support.py",  # 82 s
     "tests/eagleflow/train/test_train_step.py",  # 81 s
     "tests/eagleflow/train/test_nodes.py",  # 72 s
-    "tests/eagleflow/engine/test_speculative.py",  # 71 s
+    "tests/eagleflow/drafters/eagle3/test_speculative.py",  # 71 s
     "tests/eagleflow/data/test_regenerate.py",  # 59 s
     "tests/eagleflow/evaluate/test_evaluate.py",  # 57 s
     "tests/eagleflow/extract/test_verify_capture.py",  # 54 s
@@ -240,7 +240,7 @@ SLOW_FIRST = (  # each module's wall time in a whole run on 2 cores, longest fir
     "tests/benchmarks/test_gpu_check.py",  # 21 s
     "tests/operators/test_links.py",  # 17 s
     "tests/test_environment.py",  # 17 s
-    "tests/eagleflow/export/test_sglang_drafter_source.py",  # 16 s
+    "tests/eagleflow/drafters/eagle3/test_sglang_drafter_source.py",  # 16 s
     "tests/plugins/test_eagleflow_ui.py",
     "tests/docker/test_compose.py",
 )
