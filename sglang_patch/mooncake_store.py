@@ -91,7 +91,10 @@ class StoreAddress:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> StoreAddress:
+    def from_dict(cls, data: object) -> StoreAddress:
+        """:raises ValueError: ``data`` is not a mapping holding the four addresses."""
+        if not isinstance(data, dict):
+            raise ValueError(f"sample store address is a JSON {type(data).__name__}, not an object {{master, admin, metadata_server, namespace}}")
         missing = [key for key in ("master", "admin", "metadata_server", "namespace") if not data.get(key)]
         if missing:
             raise ValueError(f"sample store address lacks {missing}: {data}")
@@ -102,7 +105,12 @@ class StoreAddress:
 
     @classmethod
     def from_json(cls, text: str) -> StoreAddress:
-        return cls.from_dict(json.loads(text))
+        """:raises ValueError: ``text`` is not JSON, or not an address (:meth:`from_dict`)."""
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"sample store address is not JSON ({exc})") from None
+        return cls.from_dict(data)
 
     @classmethod
     def parse(cls, address: str | dict[str, Any]) -> StoreAddress:

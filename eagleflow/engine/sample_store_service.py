@@ -34,14 +34,27 @@ STATE_FILE = "sample-store.json"
 START_TIMEOUT_S = 60.0
 
 
-def address_from_connection(host: str, port: int | None, extra: dict[str, Any], namespace: str) -> StoreAddress:
-    """The store an Airflow connection names: host and port of the master's RPC, the rest from its extra."""
+def address_from_connection(conn_id: str, host: str, port: int | None, extra: str | None, namespace: str) -> StoreAddress:
+    """The store the Airflow connection ``conn_id`` names: host and port of the master's RPC, the rest from its
+    extra, given as the connection holds it (text: Airflow's ``extra_dejson`` turns JSON it cannot read into {}).
+
+    :raises UserError: no host or port, or an extra that is not a JSON object (named with the connection).
+    """
+    where = f"Param sample_store_conn_id: Airflow connection {conn_id!r}"
     if not host or not port:
-        raise UserError("the sample store connection needs the Mooncake master's host and port (its RPC port, e.g. 50051)")
-    admin = extra.get("admin") or f"{host}:{extra.get('admin_port', 9003)}"
+        raise UserError(f"{where} needs the Mooncake master's host and port (its RPC port, e.g. 50051)")
+    fields = {"admin_port": 9003, "metadata_server": "http://host:8080/metadata", "namespace": namespace}
+    try:
+        extra_fields = json.loads(extra) if extra else {}
+    except ValueError as exc:  # the text itself is not quoted: a connection's extra may hold a secret
+        raise UserError(f"{where}: its extra is not JSON ({exc}); give an object such as {json.dumps(fields)}") from None
+    if not isinstance(extra_fields, dict):
+        kind = {list: "list", str: "string", bool: "boolean", type(None): "null"}.get(type(extra_fields), "number")
+        raise UserError(f"{where}: its extra is a JSON {kind}, not an object such as {json.dumps(fields)}")
+    admin = extra_fields.get("admin") or f"{host}:{extra_fields.get('admin_port', 9003)}"
     return StoreAddress(
-        master=f"{host}:{port}", admin=str(admin), metadata_server=str(extra.get("metadata_server") or "P2PHANDSHAKE"),
-        namespace=str(extra.get("namespace") or namespace), protocol=str(extra.get("protocol") or "tcp"),
+        master=f"{host}:{port}", admin=str(admin), metadata_server=str(extra_fields.get("metadata_server") or "P2PHANDSHAKE"),
+        namespace=str(extra_fields.get("namespace") or namespace), protocol=str(extra_fields.get("protocol") or "tcp"),
     )
 
 
