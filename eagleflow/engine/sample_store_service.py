@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from eagleflow.engine.process import free_port, pid_alive, stop_server
+from eagleflow.engine.process import free_port, pid_alive, port_held, stop_server
 from eagleflow.errors import UserError
 from eagleflow.files import atomic_write_json
 from sglang_patch.mooncake_store import StoreAddress, master_healthy
@@ -120,6 +120,7 @@ def ensure_store(folder: Path, namespace: str, say: Callable[[str], None] = prin
         metadata_port = int(address.metadata_server.rsplit(":", 1)[1].split("/")[0])
     else:
         master_port, admin_port, metadata_port = free_port(), free_port(), free_port()
+    _refuse_held_ports(master_port, admin_port, metadata_port)
     address = StoreAddress(
         master=f"127.0.0.1:{master_port}", admin=f"127.0.0.1:{admin_port}",
         metadata_server=f"http://127.0.0.1:{metadata_port}/metadata", namespace=namespace,
@@ -140,10 +141,19 @@ def ensure_store(folder: Path, namespace: str, say: Callable[[str], None] = prin
         if time.monotonic() > deadline or not (pid_alive(state["master_pid"]) and pid_alive(state["metadata_pid"])):
             tail = (folder / "mooncake-master.log").read_text(errors="replace")[-1500:]
             _stop(state)
+            _refuse_held_ports(master_port, admin_port, metadata_port)  # taken since the check above: say so, not the log
             raise UserError(f"the run's sample store did not come up ({address.describe()}); its log ends:\n{tail}")
         time.sleep(0.1)
     say(f"sample store: {address.describe()}, metadata server {address.metadata_server}, keys under {namespace}/")
     return address
+
+
+def _refuse_held_ports(master_port: int, admin_port: int, metadata_port: int) -> None:
+    """:raises UserError: one of the store's ports is held by another process (its master would exit saying other things)."""
+    for port, role in ((master_port, "the Mooncake master's RPC"), (admin_port, "its HTTP admin"), (metadata_port, "the metadata server's")):
+        held = port_held(port)
+        if held:
+            raise UserError(f"the run's sample store cannot start: {held}; it is {role} port. Stop that process and retry")
 
 
 def stop_store(folder: Path) -> str:

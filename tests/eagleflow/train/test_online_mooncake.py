@@ -132,6 +132,31 @@ def test_a_gone_master_is_named_and_a_sample_that_left_the_store_is_never_publis
     wait_for(lambda: answers(reader), "the client to reconnect to the master on its old address", timeout=30)
 
 
+def test_a_store_port_held_by_another_process_is_named_and_the_store_comes_back_once_it_is_free(store, tmp_path: Path) -> None:  # noqa: ANN001
+    import psutil
+
+    from eagleflow.errors import UserError
+
+    folder, address = store
+    state = read_store_state(folder)
+    os.kill(state["master_pid"], signal.SIGKILL)
+    port = int(address.master.rsplit(":", 1)[1])
+    holder = subprocess.Popen([sys.executable, "-c", "import socket, sys, time\ns = socket.socket()\n"
+                               "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\ns.bind(('127.0.0.1', int(sys.argv[1])))\n"
+                               "s.listen()\nprint('held', flush=True)\ntime.sleep(60)", str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        name = psutil.Process(holder.pid).name()
+        with pytest.raises(UserError, match=rf"port {port} on 127\.0\.0\.1 is held by another process \(pid {holder.pid}, name {name}\); "
+                           "it is the Mooncake master's RPC port"):
+            ensure_store(folder, "eagleflow/test", start_new=False)
+        assert not pid_alive(state["metadata_pid"]), "nothing of the store is left running"
+    finally:
+        holder.kill()
+        holder.wait()
+    assert ensure_store(folder, "eagleflow/test", start_new=False) == address, "brought back on its ports once they are free"
+
+
 def test_a_sample_over_the_stores_room_is_refused_before_training(trained_data: Path, tiny_model: Path, tmp_path: Path) -> None:
     dataset = rows_only(trained_data, tmp_path / "dataset", FAULT_ROWS)
     address = StoreAddress("127.0.0.1:9", "127.0.0.1:9", "P2PHANDSHAKE", "eagleflow/never-asked")
