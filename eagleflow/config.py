@@ -21,6 +21,7 @@ from pydantic import AfterValidator, BaseModel, Field, ValidationError
 
 from eagleflow.errors import UserError, excerpt_repr
 from sglang_patch.layer_ids import validate_aux_layer_ids
+from sglang_patch.mooncake_store import StoreAddress
 from sglang_patch.sample_format import DEFAULT_HIDDEN_STATES_DTYPE, HiddenStatesDtype
 
 M = TypeVar("M", bound=BaseModel)
@@ -45,9 +46,17 @@ StoredHiddenStatesDtype = Annotated[
     ),
 ]
 
+
+def _store_address(text: str | None) -> str | None:
+    if text:
+        StoreAddress.from_json(text)  # a malformed address is refused naming the flag, not at the first sample
+    return text
+
+
 # The draft vocabulary's size, as vocabulary building and training declare it: one Param sets both.
 SampleStoreAddress = Annotated[
     str | None,
+    AfterValidator(_store_address),
     Field(
         None,
         description="the run's Mooncake Store as JSON ({master, admin, metadata_server, namespace}): samples are handed "

@@ -112,12 +112,16 @@ def connection_store(cfg: PipelineConfig) -> StoreAddress | None:
 
     from eagleflow.run.launch import store_namespace
     from eagleflow.engine.sample_store_service import address_from_connection
+    from eagleflow.errors import UserError
 
     try:
         conn = BaseHook.get_connection(cfg.sample_store_conn_id)
     except AirflowNotFoundException as exc:
         raise AirflowFailException(f"Param sample_store_conn_id: no Airflow connection {cfg.sample_store_conn_id!r}") from exc
-    return address_from_connection(conn.host or "", conn.port, conn.extra_dejson, store_namespace(cfg))
+    try:
+        return address_from_connection(cfg.sample_store_conn_id, conn.host or "", conn.port, conn.extra, store_namespace(cfg))
+    except UserError as exc:
+        raise AirflowFailException(str(exc)) from None  # the message is the report; the same connection fails alike
 
 
 class StopServerOperator(BaseOperator):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import urllib.request
 from dataclasses import asdict, dataclass
@@ -34,9 +35,10 @@ from typing import Any
 
 # Where an engine's capture finds the store: the address as JSON (the reference engine and the SGLang hook read it).
 SAMPLE_STORE_ENV = "EAGLEFLOW_SAMPLE_STORE"
-# The address this node's Mooncake client binds and announces (127.0.0.1 unless told otherwise; a node's own
-# address when engines and trainers run on different nodes).
+# The address this node's Mooncake client announces (127.0.0.1 unless told otherwise; a node's own address when
+# engines and trainers run on different nodes). Announcing loopback, its listeners are kept to loopback too.
 LOCAL_HOST_ENV = "EAGLEFLOW_MOONCAKE_HOST"
+_LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 STATUS_MARK = ".writer-"
 ERROR_MARK = ":error"
 MIN_BUFFER_BYTES = 16 << 20
@@ -91,7 +93,10 @@ class StoreAddress:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> StoreAddress:
+    def from_dict(cls, data: object) -> StoreAddress:
+        """:raises ValueError: ``data`` is not a mapping holding the four addresses."""
+        if not isinstance(data, dict):
+            raise ValueError(f"sample store address is a JSON {type(data).__name__}, not an object {{master, admin, metadata_server, namespace}}")
         missing = [key for key in ("master", "admin", "metadata_server", "namespace") if not data.get(key)]
         if missing:
             raise ValueError(f"sample store address lacks {missing}: {data}")
@@ -102,7 +107,12 @@ class StoreAddress:
 
     @classmethod
     def from_json(cls, text: str) -> StoreAddress:
-        return cls.from_dict(json.loads(text))
+        """:raises ValueError: ``text`` is not JSON, or not an address (:meth:`from_dict`)."""
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"sample store address is not JSON ({exc})") from None
+        return cls.from_dict(data)
 
     @classmethod
     def parse(cls, address: str | dict[str, Any]) -> StoreAddress:
@@ -145,7 +155,7 @@ class MooncakeSampleStore:
     """
 
     def __init__(self, address: StoreAddress, segment_bytes: int, buffer_bytes: int) -> None:
-        # Mooncake reads these at setup: bind where told (127.0.0.1 by default), give up on a master that is
+        # Mooncake reads these at setup: announce where told (127.0.0.1 by default), give up on a master that is
         # not there after two tries (its default retries for about 90 s), and keep its INFO lines out of the logs.
         host = os.environ.get(LOCAL_HOST_ENV, "127.0.0.1")
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
@@ -161,11 +171,25 @@ class MooncakeSampleStore:
         self.address, self.buffer_bytes = address, max(int(buffer_bytes), MIN_BUFFER_BYTES)
         self._lock = threading.Lock()
         self._client = MooncakeDistributedStore()
+        before = _listening_sockets()
         code = self._client.setup(
             host, address.metadata_server, int(segment_bytes), self.buffer_bytes, address.protocol, "", address.master
         )
         if code != 0:
             raise StoreError(f"cannot connect to {address.describe()} (metadata server {address.metadata_server}): setup returned {code}", code)
+        if host in _LOOPBACK_HOSTS:
+            # Setup opened this client's listeners (its transfer engine's handshake and TCP data ports) on every
+            # interface whatever it announces: Mooncake has no setting for their address (MC_TCP_BIND_ADDRESS is
+            # only the one announced). A client announcing loopback is reached by no other host, so keep them
+            # to the loopback device: a peer on another interface is refused.
+            try:
+                _confine_to_loopback([fd for inode, fd in _listening_sockets().items() if inode not in before])
+            except OSError as exc:
+                self._client.close()
+                raise StoreError(
+                    f"cannot keep this process's Mooncake store client to loopback ({exc}): it would listen on every "
+                    f"interface. Set {LOCAL_HOST_ENV} to this node's address to accept that"
+                ) from exc
 
     # -- values -------------------------------------------------------------------------
     def put(self, key: str, data: bytes | bytearray | memoryview) -> int:
@@ -216,6 +240,44 @@ class MooncakeSampleStore:
     def close(self) -> None:
         with self._lock:
             self._client.close()
+
+
+def _listening_sockets() -> dict[int, int]:
+    """This process's listening TCP sockets, inode to file descriptor (from /proc; none where there is no /proc)."""
+    listening: set[int] = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as rows:
+                listening.update(int(f[9]) for f in (row.split() for row in list(rows)[1:]) if f[3] == "0A")
+        except OSError:
+            continue
+    found: dict[int, int] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:[") and int(target[8:-1]) in listening:
+            found[int(target[8:-1])] = int(name)
+    return found
+
+
+def _confine_to_loopback(fds: list[int]) -> None:
+    """Bind these listening sockets that listen on every interface to the loopback device (``SO_BINDTODEVICE``):
+    the kernel then refuses a connection that arrives on any other interface. Set on a duplicate of each
+    descriptor (the same socket), so the owner's descriptor stays as it was."""
+    for fd in fds:
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue  # closed (its number perhaps reused) since it was listed: no listener of this client's
+        with sock:
+            if sock.getsockname()[0] in ("0.0.0.0", "::"):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, b"lo")
 
 
 def master_healthy(admin: str, timeout: float = 2.0) -> bool:

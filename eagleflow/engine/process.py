@@ -108,6 +108,31 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def port_held(port: int, host: str = "127.0.0.1") -> str | None:
+    """Why a server cannot listen on ``host:port``: ``port N on HOST is held by another process (pid P, name X)``,
+    as far as psutil can tell who; None when the port is free."""
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: a closed one's TIME_WAIT is no hold
+        try:
+            sock.bind((host, port))
+            return None
+        except OSError:
+            pass
+    import psutil
+
+    try:
+        holders = [c for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.pid]
+    except psutil.Error:
+        holders = []
+    holders.sort(key=lambda c: c.status != psutil.CONN_LISTEN)
+    who = "psutil cannot tell which"
+    if holders:
+        who = f"pid {holders[0].pid}"
+        with contextlib.suppress(psutil.Error):
+            who += f", name {psutil.Process(holders[0].pid).name()}"
+    return f"port {port} on {host} is held by another process ({who})"
+
+
 def start_server(
     argv: list[str],
     env: dict[str, str],

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from eagleflow.engine.process import free_port, pid_alive, stop_server
+from eagleflow.engine.process import free_port, pid_alive, port_held, stop_server
 from eagleflow.errors import UserError
 from eagleflow.files import atomic_write_json
 from sglang_patch.mooncake_store import StoreAddress, master_healthy
@@ -34,14 +34,27 @@ STATE_FILE = "sample-store.json"
 START_TIMEOUT_S = 60.0
 
 
-def address_from_connection(host: str, port: int | None, extra: dict[str, Any], namespace: str) -> StoreAddress:
-    """The store an Airflow connection names: host and port of the master's RPC, the rest from its extra."""
+def address_from_connection(conn_id: str, host: str, port: int | None, extra: str | None, namespace: str) -> StoreAddress:
+    """The store the Airflow connection ``conn_id`` names: host and port of the master's RPC, the rest from its
+    extra, given as the connection holds it (text: Airflow's ``extra_dejson`` turns JSON it cannot read into {}).
+
+    :raises UserError: no host or port, or an extra that is not a JSON object (named with the connection).
+    """
+    where = f"Param sample_store_conn_id: Airflow connection {conn_id!r}"
     if not host or not port:
-        raise UserError("the sample store connection needs the Mooncake master's host and port (its RPC port, e.g. 50051)")
-    admin = extra.get("admin") or f"{host}:{extra.get('admin_port', 9003)}"
+        raise UserError(f"{where} needs the Mooncake master's host and port (its RPC port, e.g. 50051)")
+    fields = {"admin_port": 9003, "metadata_server": "http://host:8080/metadata", "namespace": namespace}
+    try:
+        extra_fields = json.loads(extra) if extra else {}
+    except ValueError as exc:  # the text itself is not quoted: a connection's extra may hold a secret
+        raise UserError(f"{where}: its extra is not JSON ({exc}); give an object such as {json.dumps(fields)}") from None
+    if not isinstance(extra_fields, dict):
+        kind = {list: "list", str: "string", bool: "boolean", type(None): "null"}.get(type(extra_fields), "number")
+        raise UserError(f"{where}: its extra is a JSON {kind}, not an object such as {json.dumps(fields)}")
+    admin = extra_fields.get("admin") or f"{host}:{extra_fields.get('admin_port', 9003)}"
     return StoreAddress(
-        master=f"{host}:{port}", admin=str(admin), metadata_server=str(extra.get("metadata_server") or "P2PHANDSHAKE"),
-        namespace=str(extra.get("namespace") or namespace), protocol=str(extra.get("protocol") or "tcp"),
+        master=f"{host}:{port}", admin=str(admin), metadata_server=str(extra_fields.get("metadata_server") or "P2PHANDSHAKE"),
+        namespace=str(extra_fields.get("namespace") or namespace), protocol=str(extra_fields.get("protocol") or "tcp"),
     )
 
 
@@ -107,6 +120,7 @@ def ensure_store(folder: Path, namespace: str, say: Callable[[str], None] = prin
         metadata_port = int(address.metadata_server.rsplit(":", 1)[1].split("/")[0])
     else:
         master_port, admin_port, metadata_port = free_port(), free_port(), free_port()
+    _refuse_held_ports(master_port, admin_port, metadata_port)
     address = StoreAddress(
         master=f"127.0.0.1:{master_port}", admin=f"127.0.0.1:{admin_port}",
         metadata_server=f"http://127.0.0.1:{metadata_port}/metadata", namespace=namespace,
@@ -127,10 +141,19 @@ def ensure_store(folder: Path, namespace: str, say: Callable[[str], None] = prin
         if time.monotonic() > deadline or not (pid_alive(state["master_pid"]) and pid_alive(state["metadata_pid"])):
             tail = (folder / "mooncake-master.log").read_text(errors="replace")[-1500:]
             _stop(state)
+            _refuse_held_ports(master_port, admin_port, metadata_port)  # taken since the check above: say so, not the log
             raise UserError(f"the run's sample store did not come up ({address.describe()}); its log ends:\n{tail}")
         time.sleep(0.1)
     say(f"sample store: {address.describe()}, metadata server {address.metadata_server}, keys under {namespace}/")
     return address
+
+
+def _refuse_held_ports(master_port: int, admin_port: int, metadata_port: int) -> None:
+    """:raises UserError: one of the store's ports is held by another process (its master would exit saying other things)."""
+    for port, role in ((master_port, "the Mooncake master's RPC"), (admin_port, "its HTTP admin"), (metadata_port, "the metadata server's")):
+        held = port_held(port)
+        if held:
+            raise UserError(f"the run's sample store cannot start: {held}; it is {role} port. Stop that process and retry")
 
 
 def stop_store(folder: Path) -> str:

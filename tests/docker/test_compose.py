@@ -437,7 +437,7 @@ def _check_gpu_worker_store(config: dict[str, Any]) -> None:
         env.setenv(variable, worker["environment"][variable])
         conn = EnvironmentVariablesBackend().get_connection(MOONCAKE_CONN_ID)
     assert conn is not None
-    address = address_from_connection(conn.host or "", conn.port, conn.extra_dejson, "eagleflow/run")
+    address = address_from_connection(MOONCAKE_CONN_ID, conn.host or "", conn.port, conn.extra, "eagleflow/run")
     ports = _store_ports(services)
     assert address.master == f"{MOONCAKE_MASTER}:{ports['rpc']}"
     assert address.admin == f"{MOONCAKE_MASTER}:{ports['admin']}"

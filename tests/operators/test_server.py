@@ -13,6 +13,7 @@ import asyncio
 import importlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -417,6 +418,12 @@ def test_remote_engines_hand_samples_through_the_store_an_airflow_connection_nam
     engine = plan(params)[0]
     with pytest.raises(AirflowFailException, match="Param sample_store_conn_id: no Airflow connection 'mooncake_store'"):
         SGLangServerOperator(task_id="launch_server", engine=engine).execute(make_context(params))
+    # An extra Airflow's extra_dejson would read as {} (every default) or hand over as a list: refused, named.
+    for extra, said in (('{"admin_port": 9003,', "its extra is not JSON (Expecting property name"),
+                        ('[{"admin_port": 9003}]', "its extra is a JSON list, not an object such as")):
+        monkeypatch.setenv("AIRFLOW_CONN_MOONCAKE_STORE", json.dumps({"conn_type": "generic", "host": "m", "port": 50051, "extra": extra}))
+        with pytest.raises(AirflowFailException, match=re.escape(f"Param sample_store_conn_id: Airflow connection 'mooncake_store': {said}")):
+            SGLangServerOperator(task_id="launch_server", engine=engine).execute(make_context(params))
     monkeypatch.setenv("AIRFLOW_CONN_MOONCAKE_STORE", json.dumps({
         "conn_type": "generic", "host": "mooncake-master", "port": 50051,
         "extra": {"admin_port": 9003, "metadata_server": "http://mooncake-metadata:8080/metadata", "namespace": "eagleflow"},

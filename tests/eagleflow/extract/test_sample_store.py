@@ -310,3 +310,24 @@ def test_speculators_fp8_backend_reads_a_stored_fp8_sample(tmp_path: Path) -> No
         assert torch.equal(item["hidden_states"], expected[:, :-1].flatten(1))
         assert torch.equal(item["verifier_last_hidden_states"], expected[:, -1])
         torch.testing.assert_close(item["verifier_last_hidden_states"], states[:, -1], rtol=0.07, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("address", "said"),
+    [
+        ('{"master": "127.0.0.1:50051",', "--sample-store: sample store address is not JSON (Expecting property name"),
+        ('["127.0.0.1:50051"]', "--sample-store: sample store address is a JSON list, not an object {master, admin, metadata_server, namespace}"),
+    ],
+)
+def test_a_store_address_that_is_not_a_json_object_is_refused_naming_the_flag(tmp_path: Path, address: str, said: str) -> None:
+    """What a step is given in --sample-store (the operator's XCom, or a hand-run step): refused when read, not at
+    the first sample (it was a JSONDecodeError or an AttributeError traceback there)."""
+    from eagleflow.config import model_from_args
+    from eagleflow.errors import UserError
+    from eagleflow.extract.config import ExtractConfig
+
+    flags = {"dataset": tmp_path, "server": "http://127.0.0.1:9", "dump_dir": tmp_path, "rows": "0:4", "verifier": tmp_path,
+             "aux_layer_ids": [1, 2, 3], "manifest": tmp_path / "shard.json", "sample_store": address}
+    with pytest.raises(UserError) as refused:
+        model_from_args(ExtractConfig, flags)
+    assert str(refused.value).startswith(said), refused.value

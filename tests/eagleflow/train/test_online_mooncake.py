@@ -132,6 +132,73 @@ def test_a_gone_master_is_named_and_a_sample_that_left_the_store_is_never_publis
     wait_for(lambda: answers(reader), "the client to reconnect to the master on its old address", timeout=30)
 
 
+def test_the_store_clients_of_an_engine_and_a_reader_take_no_connection_from_another_interface(
+    store, tiny_model: Path, tmp_path: Path, process_groups: list[int]  # noqa: ANN001
+) -> None:
+    """The run's own store is for this node only (README "Where a run may write and listen"): Mooncake opens its
+    clients' listeners on every address, so each listener of the engine, the reader (the extractor's client),
+    the master and the metadata server is 127.0.0.1, or refuses a connection to this host's other addresses."""
+    import ipaddress
+    import socket
+
+    import psutil
+
+    def listeners(*procs: psutil.Process) -> set[tuple[str, int]]:
+        return {(c.laddr.ip, c.laddr.port) for proc in procs for c in proc.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+
+    hosts = [a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)]
+    elsewhere = [host for host in hosts if not (ipaddress.ip_address(host).is_loopback or ipaddress.ip_address(host).is_link_local)]
+    if not elsewhere:
+        pytest.skip("this host has no address besides loopback: no other interface to come from")
+    folder, address = store
+    engine = store_engine(tiny_model, tmp_path, address)
+    process_groups.append(engine.pid)
+    before = listeners(psutil.Process())
+    reader = StoreHandOff(address)  # in this process: its listeners are the ones that were not here before
+    assert not reader.has_sample("row0-none")
+    state = read_store_state(folder)
+    others = [psutil.Process(pid) for pid in (engine.pid, state["master_pid"], state["metadata_pid"])]
+    opened = (listeners(psutil.Process()) - before) | listeners(*others, *others[0].children(recursive=True))
+
+    def reaches(host: str, port: int) -> bool:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.settimeout(5)
+            return probe.connect_ex((host, port)) == 0
+
+    wide = sorted(port for ip, port in opened if ip in ("0.0.0.0", "::"))
+    assert len(wide) >= 4, f"Mooncake's clients (2 listeners each) listen on every address: {sorted(opened)}"
+    assert {ip for ip, _ in opened} <= {"127.0.0.1", "0.0.0.0", "::"}, sorted(opened)
+    for port in wide:
+        assert reaches("127.0.0.1", port), f"port {port} still serves this host"
+        assert not [host for host in elsewhere if reaches(host, port)], f"port {port} takes connections from {elsewhere}"
+    assert not reader.has_sample("row0-none"), "the reader still answers"
+
+
+def test_a_store_port_held_by_another_process_is_named_and_the_store_comes_back_once_it_is_free(store, tmp_path: Path) -> None:  # noqa: ANN001
+    import psutil
+
+    from eagleflow.errors import UserError
+
+    folder, address = store
+    state = read_store_state(folder)
+    os.kill(state["master_pid"], signal.SIGKILL)
+    port = int(address.master.rsplit(":", 1)[1])
+    holder = subprocess.Popen([sys.executable, "-c", "import socket, sys, time\ns = socket.socket()\n"
+                               "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\ns.bind(('127.0.0.1', int(sys.argv[1])))\n"
+                               "s.listen()\nprint('held', flush=True)\ntime.sleep(60)", str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        name = psutil.Process(holder.pid).name()
+        with pytest.raises(UserError, match=rf"port {port} on 127\.0\.0\.1 is held by another process \(pid {holder.pid}, name {name}\); "
+                           "it is the Mooncake master's RPC port"):
+            ensure_store(folder, "eagleflow/test", start_new=False)
+        assert not pid_alive(state["metadata_pid"]), "nothing of the store is left running"
+    finally:
+        holder.kill()
+        holder.wait()
+    assert ensure_store(folder, "eagleflow/test", start_new=False) == address, "brought back on its ports once they are free"
+
+
 def test_a_sample_over_the_stores_room_is_refused_before_training(trained_data: Path, tiny_model: Path, tmp_path: Path) -> None:
     dataset = rows_only(trained_data, tmp_path / "dataset", FAULT_ROWS)
     address = StoreAddress("127.0.0.1:9", "127.0.0.1:9", "P2PHANDSHAKE", "eagleflow/never-asked")
