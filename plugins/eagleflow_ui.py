@@ -5,7 +5,8 @@ Routes (relative to the mount point):
 ``/``                                  the runs under the output root: each one's DAG run state and headline figures
 ``/runs/{run}``                        one run: its DAG run(s) in Airflow, shard table, charts, latest training metrics;
                                        for a run of several drafters (``drafters/<name>/``), each drafter's
-``/runs/{run}/files/{path}``           a chart or log of that run (only regular files under the output root)
+``/runs/{run}/files/{path}``           a chart or log of that run (only regular files under the output root),
+                                       with headers that let no script in it run (:data:`FILE_HEADERS`)
 ``/api/runs/{run}``                    the same facts as JSON
 
 A run folder is matched to the DAG runs that write it (:func:`dag_runs_by_folder`, read from
@@ -63,10 +64,22 @@ except ImportError:  # only the plugins folder is on sys.path (Airflow adds it)
     from eagleflow_dag_runs import dag_run_url, dag_runs_by_folder, dag_runs_list_url  # type: ignore[no-redef]
 
 CONFIG_SECTION, CONFIG_KEY = "eagleflow", "output_root"
-# What the file route serves: charts, manifests, metrics and logs; never hidden states or weights.
-SERVED_SUFFIXES = {".png": "image/png", ".svg": "image/svg+xml", ".json": "application/json",
-                   ".jsonl": "text/plain; charset=utf-8", ".log": "text/plain; charset=utf-8",
-                   ".txt": "text/plain; charset=utf-8", ".yaml": "text/plain; charset=utf-8"}
+# What the file route serves: charts, manifests, metrics and logs; never hidden states or weights. Only the
+# charts are served as what they are; everything else as plain text, which a browser shows and never runs
+# (JSON too: clicked on the run page it reads as text, a download per click would not; `requests` parses it alike).
+TEXT = "text/plain; charset=utf-8"
+SERVED_SUFFIXES = {".png": "image/png", ".svg": "image/svg+xml", ".json": TEXT, ".jsonl": TEXT, ".log": TEXT,
+                   ".txt": TEXT, ".yaml": TEXT}
+# A run folder's files are written by tasks, engines and whoever can write there, and are served in Airflow's
+# origin, where a script would act as the logged-in user (Airflow's API, its cookies, its frame's parent). So no
+# file runs anything: `sandbox` (no allow-scripts) gives the document an opaque origin without scripts, forms or
+# popups, and `default-src 'none'` fetches nothing; an SVG opened on its own still draws, as matplotlib's need
+# only inline styles and data: images. An <img> never runs an SVG's scripts anyway: the run page's charts are
+# unaffected. nosniff: the type said is the type used, never sniffed into HTML.
+FILE_HEADERS = {
+    "content-security-policy": "default-src 'none'; img-src 'self' data:; style-src 'unsafe-inline'; sandbox",
+    "x-content-type-options": "nosniff",
+}
 CHUNK_BYTES = 1 << 16  # a served file is streamed, never held whole in memory
 REFRESH_SECONDS = 30
 UNFINISHED_DAG_RUN_STATES = ("queued", "running")  # the run page reloads while its DAG run is in one
@@ -312,7 +325,8 @@ def create_app(output_root: str | os.PathLike[str] | None = None) -> FastAPI:
         handle = open_run_file(layout, file_path)
         size = os.fstat(handle.fileno()).st_size
         media_type = SERVED_SUFFIXES[PurePosixPath(file_path).suffix.lower()]
-        return StreamingResponse(_chunks(handle, size), media_type=media_type, headers={"content-length": str(size)})
+        headers = {"content-length": str(size), **FILE_HEADERS}
+        return StreamingResponse(_chunks(handle, size), media_type=media_type, headers=headers)
 
     return app
 

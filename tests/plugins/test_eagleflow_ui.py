@@ -320,6 +320,37 @@ def test_files_are_served_from_the_run(client: TestClient) -> None:
     assert client.get("/runs/demo/files/train/train.log").text.startswith("step 0")
 
 
+SANDBOXED = "default-src 'none'; img-src 'self' data:; style-src 'unsafe-inline'; sandbox"
+SCRIPTED_SVG = '<svg xmlns="http://www.w3.org/2000/svg"><script>document.title = "SCRIPT RAN"</script></svg>'
+
+
+@pytest.mark.parametrize("name, content_type", [
+    ("train-progress/acc.svg", "image/svg+xml"),  # with a <script>: run, it would act in Airflow's origin
+    ("train-progress/loss.png", "image/png"),
+    ("shards/rows_0-40.json", "text/plain; charset=utf-8"),  # shown as text, never as a document that runs
+    ("train/metrics.jsonl", "text/plain; charset=utf-8"),
+    ("train/train.log", "text/plain; charset=utf-8"),
+])
+def test_every_served_file_is_sandboxed_and_never_sniffed(
+    client: TestClient, output_root: Path, name: str, content_type: str
+) -> None:
+    (output_root / "demo" / "train-progress" / "acc.svg").write_text(SCRIPTED_SVG)
+    (output_root / "demo" / "train" / "train.log").write_text("<html><script>alert(1)</script>\n")  # HTML-looking log
+    served = client.get(f"/runs/demo/files/{name}")
+    assert served.status_code == 200 and served.content == (output_root / "demo" / name).read_bytes()
+    assert served.headers["content-type"] == content_type
+    assert served.headers["content-security-policy"] == SANDBOXED
+    assert served.headers["x-content-type-options"] == "nosniff"
+    assert "content-disposition" not in served.headers  # shown in the browser (charts, text), not downloaded
+
+
+def test_the_plugins_own_pages_are_not_sandboxed(client: TestClient) -> None:
+    """Their script must run in Airflow's frame to follow links out of it (templates/base.html)."""
+    for path in ("/", "/runs/demo", "/runs/demo/files/train-progress/missing.png"):
+        page = client.get(path, headers=HTML)
+        assert page.headers["content-type"].startswith("text/html") and "content-security-policy" not in page.headers, path
+
+
 @pytest.mark.parametrize(
     "path",
     [

@@ -1,7 +1,8 @@
 """The eagleflow pages inside a real Airflow, in headless Chromium: Browse → eagleflow runs shows them in Airflow's
 sandboxed frame, and their links to a DAG run land on Airflow's own DAG run page (the frame's sandbox refuses
 ``target="_top"``: ``templates/base.html`` says how the links get out of it). Also: the list of runs fits that
-frame at 1600×900, and a DAG run that failed before writing its folder has a page there.
+frame at 1600×900, a DAG run that failed before writing its folder has a page there, and a script in a run
+folder's SVG never runs, in the frame or on its own, while the run page still shows its charts.
 
 Airflow is the real-scheduler tests' stack (``tests/dags/conftest.py``'s ``airflow_stack``: scheduler,
 dag-processor, triggerer and api-server, all-admins, no login), the eagleflow DAG paused so the DAG runs
@@ -185,3 +186,56 @@ def test_links_from_the_plugin_pages_in_airflows_frame_reach_airflows_dag_run_pa
     browser.get(f"{stack.url}/eagleflow/runs/{run_name}")
     follow_out_of_the_frame(browser, stack, ".dagrun a", RUN_ID)
     assert refused_navigations(browser) == []
+
+
+# An SVG whose script, run, would act in Airflow's origin: mark its own drawing, its title and Airflow's page.
+SCRIPTED_SVG = """<svg xmlns="http://www.w3.org/2000/svg" width="200" height="100"><title>served svg</title>
+<rect id="box" width="200" height="100" fill="green"/>
+<script>document.title = "SCRIPT RAN"; document.getElementById("box").setAttribute("fill", "red");
+try { parent.document.title = "SCRIPT RAN"; } catch (e) {}</script></svg>"""
+
+
+def drawn(browser: Any) -> list[Any]:
+    """The shown SVG's title, its box's colour and width: ``["served svg", "green", 200]`` unless its script ran."""
+    wait(browser, lambda b: b.execute_script("return document.readyState") == "complete", "the SVG loaded")
+    return browser.execute_script(
+        "const box = document.getElementById('box');"
+        "return [document.title, box.getAttribute('fill'), box.getBoundingClientRect().width]"
+    )
+
+
+def test_a_script_in_a_run_folders_svg_never_runs_and_the_run_page_still_shows_its_charts(
+    browser: Any, airflow_stack: Any, ui_output_root: Path
+) -> None:
+    """In the module's browser and Airflow (no session of its own): the chart SVG the run page links holds a script."""
+    import base64
+
+    from selenium.webdriver.common.by import By
+
+    from eagleflow.layout import run_name_from_run_id
+
+    stack, run_name = airflow_stack, run_name_from_run_id(RUN_ID)
+    (ui_output_root / run_name / "train-progress" / "acc.svg").write_text(SCRIPTED_SVG)
+    # Where nothing forbids it (a data: URL), this browser runs the script: what the served file must never do.
+    browser.get("data:image/svg+xml;base64," + base64.b64encode(SCRIPTED_SVG.encode()).decode())
+    assert drawn(browser) == ["SCRIPT RAN", "red", 200]
+
+    # The run page in Airflow's frame shows its charts, and an <img> of the served SVG draws it ...
+    into_the_frame(browser, f"{stack.url}/plugin/eagleflow/eagleflow/runs/{run_name}")
+    shown = "return [...document.images].map(i => i.complete && i.naturalWidth > 0)"
+    wait(browser, lambda b: b.execute_script(shown) == [True, True], "the charts (loss, acc) shown")
+    svg_link = browser.find_element(By.CSS_SELECTOR, "figcaption a[href*='train-progress/acc.svg']")
+    width = browser.execute_async_script(
+        "const done = arguments[1], img = new Image(); img.onload = () => done(img.naturalWidth);"
+        "img.onerror = () => done('not shown'); img.src = arguments[0];", svg_link.get_attribute("href"))
+    assert width == 200
+    # ... and its SVG link, followed in the frame as a user does, draws the SVG without running its script.
+    svg_link.click()
+    wait(browser, lambda b: b.find_elements(By.ID, "box"), "the served SVG in the frame")
+    assert drawn(browser) == ["served svg", "green", 200]
+    browser.switch_to.default_content()
+    assert browser.title != "SCRIPT RAN" and browser.find_elements(By.CSS_SELECTOR, "iframe[title='eagleflow runs']")
+
+    # Opened on its own, as Airflow's origin's top window: drawn, its script does not run either.
+    browser.get(f"{stack.url}/eagleflow/runs/{run_name}/files/train-progress/acc.svg")
+    assert drawn(browser) == ["served svg", "green", 200]
