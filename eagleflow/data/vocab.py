@@ -297,11 +297,11 @@ def main(args: argparse.Namespace) -> int:
     cfg = model_from_args(VocabConfig, args)
     # The rows' token ids and masks make the vocabulary (not their hidden states, which extraction adds later).
     made = MadeFrom("build-vocab", cfg.dataset.absolute(), {"settings": settings_of(cfg, "dataset", "redo_finished"),
-                    "files": dataset_fingerprint(cfg.dataset, hidden_states=False)}, f".made-from-vocab-{cfg.draft_vocab_size}.json")
+                    "dataset": dataset_fingerprint(cfg.dataset, hidden_states=False)}, f".made-from-vocab-{cfg.draft_vocab_size}.json")
     files = VocabFiles(cfg.dataset, cfg.draft_vocab_size)
-    result = made.reuse_or_none([files.d2t, files.t2d, files.token_freq], cfg.redo_finished)
+    result = made.reuse_or_none(cfg.redo_finished)
     if result is None:
         result = build_vocab(cfg)
-        made.save(result)
+        made.save(result, [files.d2t, files.t2d, files.token_freq])
     emit_result(result)
     return 0

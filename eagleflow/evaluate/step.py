@@ -201,19 +201,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def made_from(cfg: EvaluateConfig) -> MadeFrom:
     """What an evaluation is made from: its settings, the exported drafter, the dataset's rows (not their states), the prompt file."""
+    from eagleflow.data import dataset_fingerprint
     from eagleflow.reuse import MadeFrom, file_identities, settings_of
 
-    inputs = [cfg.drafter, cfg.dataset, cfg.verifier / "config.json", *([cfg.eval_prompts] if cfg.eval_prompts else [])]
+    inputs = [cfg.drafter, cfg.verifier / "config.json", *([cfg.eval_prompts] if cfg.eval_prompts else [])]
     if cfg.train_dir is not None:
         inputs.append(TrainLayout(cfg.train_dir).result)  # its split and last validation metrics
-    files = file_identities(inputs, skip=["hidden_states"])
-    return MadeFrom("evaluate", cfg.out.absolute(), {"settings": settings_of(cfg, "out", "redo_finished"), "files": files})
+    files = file_identities(inputs)
+    return MadeFrom("evaluate", cfg.out.absolute(), {"settings": settings_of(cfg, "out", "redo_finished"), "files": files,
+                                                     "dataset": dataset_fingerprint(cfg.dataset, hidden_states=False)})
 
 
 def main(args: argparse.Namespace) -> int:
     cfg = model_from_args(EvaluateConfig, args)
     made = made_from(cfg)
-    result = made.reuse_or_none([cfg.out / REPORT_FILE], cfg.redo_finished)
+    result = made.reuse_or_none(cfg.redo_finished)
     if result is not None:
         emit_result(result)
         return 0
@@ -230,6 +232,6 @@ def main(args: argparse.Namespace) -> int:
         "speedup": report["tokens_per_s"]["single_stream"]["speedup"],
         "fastest": {bs: best["config"] for bs, best in report["fastest"].items()},
     }
-    made.save(result)
+    made.save(result, [cfg.out / REPORT_FILE, *report["chart"].values(), *report["sweep_chart"].values()])
     emit_result(result)
     return 0

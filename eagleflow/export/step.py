@@ -262,10 +262,10 @@ def main(args: argparse.Namespace) -> int:
     checkpoint = chosen_checkpoint(cfg)
     made = MadeFrom("export", out, {"settings": settings_of(cfg, "out", "redo_finished"), "checkpoint": str(checkpoint),
                                     "files": file_identities([checkpoint, cfg.verifier / "config.json"])})
-    result = made.reuse_or_none([out / "export.json"], cfg.redo_finished)
+    result = made.reuse_or_none(cfg.redo_finished)
     if result is None:
         manifest = export(cfg)
         result = {"drafter": str(out), "sglang": str(out / manifest["sglang"]["path"]) if "path" in manifest["sglang"] else None}
-        made.save(result)
+        made.save(result, [out])  # export.json, sglang/, speculators/: checked before a reuse
     emit_result(result)
     return 0

@@ -77,10 +77,10 @@ def main(args: argparse.Namespace) -> int:
 
     cfg = model_from_args(PlotConfig, args)
     made = MadeFrom("plot", cfg.out.absolute(), {"settings": settings_of(cfg, "out", "redo_finished"), "files": file_identities([cfg.metrics])})
-    result = made.reuse_or_none([], cfg.redo_finished)
-    if result is None or not all(Path(p).exists() for p in result.get("png", []) + result.get("svg", [])):
+    result = made.reuse_or_none(cfg.redo_finished)
+    if result is None:
         result = run(cfg)
-        made.save(result)
+        made.save(result, [*result["png"], *result["svg"]])
     emit_result(result)
     return 0
 

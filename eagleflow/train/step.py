@@ -240,7 +240,7 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
         log.say(f"train {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: dataset {cfg.dataset}, verifier {cfg.verifier}")
         made = made_from(cfg, paths)
         if cfg.train_nodes == 1 and best_checkpoint(paths) is not None:
-            reused = made.reuse_or_none([paths.result], redo=cfg.restart, redo_with="Param restart, flag --restart")
+            reused = made.reuse_or_none(cfg.restart, redo_with="Param restart, flag --restart")
             if reused is not None:
                 return reused
         if made.changed("dataset") and not cfg.restart:
@@ -329,7 +329,7 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
         if online:
             result["online"] = online_summary(FeedLayout(paths.online), log)
         atomic_write_json(paths.result, result)
-        made.save(result)
+        made.save(result, [paths.result, best])  # a reuse checks the best checkpoint's files are still as written
         if paths.drafter.exists():
             log.say(summary_line(json.loads(paths.drafter.read_text())))
         log.say(f"best checkpoint {best}")

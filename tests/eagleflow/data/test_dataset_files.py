@@ -17,7 +17,7 @@ import pyarrow as pa
 import pytest
 
 from eagleflow.data import dataset_shape, dataset_table
-from eagleflow.data.dataset_files import check_dataset_files
+from eagleflow.data.dataset_files import check_dataset_files, dataset_fingerprint
 from eagleflow.data.prepare import write_training_dataset
 from eagleflow.errors import UserError
 
@@ -127,3 +127,29 @@ def test_each_torn_file_is_named_with_what_to_do(dataset: Path, name: str, damag
     assert message.startswith(f"--dataset {dataset}") and path.name in message and said in message, message
     if "is not a prepared dataset" not in said:
         assert message.endswith("prepare it again (prepare-dataset)"), message
+
+
+def test_the_fingerprint_is_the_rows_content_not_their_files(dataset: Path) -> None:
+    """prepare_dataset run again over the same input rewrites the same rows (new Arrow file, new state.json): the
+    training, the vocabulary and the evaluation made from them are still current. Another token or mask bit is not."""
+    (dataset / "hidden_states").mkdir()
+    (dataset / "hidden_states" / "hs_0.safetensors").write_bytes(b"states")
+    before = dataset_fingerprint(dataset)
+    table = dataset_table(dataset, ["input_ids", "loss_mask"])
+    ids, mask = table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()
+    inode = arrow_file(dataset).stat().st_ino
+    write_training_dataset(ids, mask, dataset)  # the same rows written again, as prepare-dataset does
+    assert arrow_file(dataset).stat().st_ino != inode  # another file
+    for item in dataset.iterdir():
+        os.utime(item)  # and only touched
+    assert dataset_fingerprint(dataset) == before
+    assert before["rows"]["rows"] == ROWS and set(before) == {"rows", "hidden_states"}
+    write_training_dataset([[*ids[0][:-1], 9], *ids[1:]], mask, dataset)
+    assert dataset_fingerprint(dataset)["rows"] != before["rows"]
+    write_training_dataset(ids, [[1, 1, 0], *mask[1:]], dataset)
+    assert dataset_fingerprint(dataset)["rows"] != before["rows"]
+    write_training_dataset(ids, mask, dataset)
+    os.utime(dataset / "hidden_states" / "hs_0.safetensors", ns=(1, 1))  # hidden states: by size and time, as before
+    assert dataset_fingerprint(dataset)["rows"] == before["rows"] and dataset_fingerprint(dataset) != before
+    arrow_file(dataset).write_bytes(b"")
+    assert "is empty" in dataset_fingerprint(dataset, hidden_states=False)["rows"]["unreadable"]

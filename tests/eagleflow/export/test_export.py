@@ -138,6 +138,13 @@ def test_export_from_the_training_folder_by_cli(checkpoints, random_tiny_model: 
     proc = export_again(checkpoints[False])
     assert proc.returncode == 0 and "export: reusing the finished result" in proc.stdout, proc.stdout + proc.stderr
     assert (tmp_path / "drafter" / "sglang" / "model.safetensors").stat().st_mtime_ns == written
+    # The weights deleted since: not reused (a folder without weights), made again, saying what was missing.
+    (tmp_path / "drafter" / "sglang" / "model.safetensors").unlink()
+    proc = export_again(checkpoints[False])
+    assert proc.returncode == 0 and "reusing the finished" not in proc.stdout, proc.stdout + proc.stderr
+    assert f"export: the finished result in {tmp_path / 'drafter'} is not as it was made: sglang/model.safetensors is missing; making it again" in proc.stdout
+    with safe_open(str(tmp_path / "drafter" / "sglang" / "model.safetensors"), "pt") as exported:
+        assert set(exported.keys()) == names
     # Its files rewritten (a retrained drafter): exported again.
     import shutil
 

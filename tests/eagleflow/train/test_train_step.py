@@ -631,8 +631,9 @@ def test_metric_records_from_speculators_dicts(tmp_path: Path, capsys: pytest.Ca
 @pytest.mark.e2e
 def test_a_finished_training_is_reused_until_its_dataset_changes(trained_data: Path, tiny_model: Path, tmp_path: Path) -> None:
     """A rerun on the same data (Airflow's clear of a complete shard with its downstream tasks) finishes at once,
-    saying so, checkpoints untouched; a rewritten hidden-state file (a cleared failed shard, a re-extraction) trains
-    again from the start, the former run moved aside."""
+    saying so, checkpoints untouched, and so does one after the same rows were written again (prepare-dataset cleared);
+    a rewritten hidden-state file (a cleared failed shard, a re-extraction) trains again from the start, the former
+    run moved aside."""
     from training_data import train_argv, train_once
 
     first = train_once(trained_data, tiny_model, tmp_path, 1)
@@ -647,6 +648,17 @@ def test_a_finished_training_is_reused_until_its_dataset_changes(trained_data: P
     assert find_result(again.stdout.splitlines()) == find_result(first.stdout.splitlines())
     assert {p: p.stat().st_mtime_ns for p in checkpoint.iterdir()} == made
     assert time.monotonic() - began < 60, "nothing but the record was read"
+
+    # prepare-dataset run again over the same input: the same rows in new files, and every file touched besides.
+    from eagleflow.data import dataset_table
+    from eagleflow.data.prepare import write_training_dataset
+
+    table = dataset_table(first.dataset, ["input_ids", "loss_mask"])
+    write_training_dataset(table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist(), first.dataset)
+    for item in first.dataset.glob("*.*"):
+        os.utime(item)
+    rewritten = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert rewritten.returncode == 0 and "train: reusing the finished result" in rewritten.stdout, rewritten.stdout[-3000:]
 
     row = first.dataset / "hidden_states" / "hs_3.safetensors"
     row.write_bytes(row.read_bytes())  # the same states rewritten: another file as far as anyone can tell
