@@ -191,8 +191,10 @@ def random_dflash_checkpoint(
     layer_settings: dict[str, Any] | None = None,
     full_attention_indices: list[int] | None = None,
     randomize: bool = True,
+    dspark: dict[str, Any] | None = None,
 ) -> Path:
-    """speculators' DFlash block draft for ``verifier`` (full vocabulary), saved as speculators saves one.
+    """speculators' DFlash block draft for ``verifier`` (full vocabulary), saved as speculators saves one; with
+    ``dspark`` (its settings: ``markov_rank``, ``markov_head_type``, …), speculators' DSpark draft instead.
 
     The layer config is the one ``speculators train --speculator-type dflash --draft-arch qwen3``
     builds (sliding window 2048; ``full_attention_indices``: the layers on full attention, none by
@@ -202,6 +204,7 @@ def random_dflash_checkpoint(
     embedding and head stay the verifier's, as a full-vocabulary draft does not save them.
     """
     from speculators.models.dflash import DFlashDraftModel
+    from speculators.models.dspark import DSparkDraftModel
     from speculators.train.cli import create_transformer_layer_config
 
     torch.manual_seed(0)
@@ -211,9 +214,10 @@ def random_dflash_checkpoint(
     )
     for key, value in (layer_settings or {}).items():
         setattr(layer, key, value)
-    model = DFlashDraftModel.from_training_args(
+    model = (DFlashDraftModel if dspark is None else DSparkDraftModel).from_training_args(
         verifier_config=layer, verifier_name_or_path=str(verifier), target_layer_ids=aux_layer_ids,
         draft_vocab_size=layer.vocab_size, block_size=block_size, mask_token_id=mask_token_id, draft_attn_impl="sdpa",
+        **(dspark or {}),
     )
     with torch.no_grad():
         for name, parameter in model.named_parameters() if randomize else ():

@@ -24,7 +24,7 @@ from eagleflow.layout import check_run_name
 DRAFTER_SETTINGS: tuple[str, ...] = (
     "draft_algorithm", "num_layers", "block_size", "mask_token_id", "max_anchors", "draft_vocab_size", "draft_config",
     "ttt_steps", "lr", "epochs", "noise_std", "scheduler_type", "scheduler_warmup_ratio", "serve_with", "eval_configs",
-    "aux_layer_ids",
+    "aux_layer_ids", "markov_rank", "markov_head_type",
 )
 PARAM = "Param drafters"
 

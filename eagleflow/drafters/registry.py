@@ -21,10 +21,11 @@ Adding a family (README: "Adding a drafter family"): one folder, and one entry h
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-DraftAlgorithm = Literal["eagle3", "eagle3.1", "dflash"]
+DraftAlgorithm = Literal["eagle3", "eagle3.1", "dflash", "dspark"]
 
 
 # What a family owns, each named by a "module:attribute" string of its entry.
@@ -39,7 +40,7 @@ class DrafterFamily:
     name: str  # the Param's value (draft_algorithm)
     speculator_type: str  # speculators train --speculator-type, and the checkpoint's speculators_model_type
     sglang_algorithm: str  # SGLang --speculative-algorithm
-    block: bool  # one draft pass proposes a whole block (verified as --speculative-num-draft-tokens B)
+    block: bool  # one draft pass proposes a whole block, verified in one pass (its manifest's block_size: the tokens verified)
     minimum_speculators: str  # the oldest release that trains it
     default_layers: int  # draft decoder layers when the run leaves them empty (speculators' own default)
     default_block_size: int | None  # block drafters: tokens per block when left empty (speculators' own default)
@@ -48,6 +49,9 @@ class DrafterFamily:
     checkpoint: str
     serving: str
     reference: str
+    # Training settings only this family takes (TrainConfig fields), with speculators' default for each: another
+    # family refuses them, and a run that leaves one empty trains (and records, for a resume) this value.
+    settings: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     def owner(self, stage: Stage) -> Any:
         """The function that owns ``stage`` for this family, imported on first use."""
@@ -73,17 +77,28 @@ FAMILIES: dict[str, DrafterFamily] = {
         checkpoint="eagleflow.drafters.dflash.sglang_export:CHECKPOINT", serving="eagleflow.drafters.dflash.flags:serving_flags",
         reference="eagleflow.drafters.dflash.reference:dflash_decoder",
     ),
+    "dspark": DrafterFamily(
+        # speculators 0.9.0's DSpark recipe (train/config/schema.py DSparkArgs, _DEFAULT_BLOCK_SIZE): 5 layers, a block
+        # of 8 drafted tokens (SGLang's gamma; the anchor slot drafts too, so 9 are verified), a vanilla Markov head of
+        # rank 256 and the confidence head.
+        "dspark", speculator_type="dspark", sglang_algorithm="DSPARK", block=True, minimum_speculators="0.9.0",
+        default_layers=5, default_block_size=8,
+        train="eagleflow.drafters.dspark.flags:train_flags", export="eagleflow.drafters.dspark.sglang_export:export_dspark_sglang",
+        checkpoint="eagleflow.drafters.dspark.sglang_export:CHECKPOINT", serving="eagleflow.drafters.dspark.flags:serving_flags",
+        reference="eagleflow.drafters.dspark.reference:dspark_decoder",
+        settings={"markov_rank": 256, "markov_head_type": "vanilla"},
+    ),
 }
+# Every family's own training settings (DrafterFamily.settings), checked against the family that is chosen.
+FAMILY_SETTINGS: tuple[str, ...] = tuple(sorted({name for entry in FAMILIES.values() for name in entry.settings}))
 # Families speculators trains and SGLang serves that eagleflow does not (yet) carry end to end, and why:
 # a drafter eagleflow cannot prove SGLang serves as trained is not offered.
 NOT_OFFERED: dict[str, str] = {
-    "dflash2": "DFlash2 adds grouped convolutions and a candidate selector (dflash_config conv_kernel_size, "
-    "conv_group_size, selector_rank, selector_top_k) that SGLang serves on the draft's own tokens while speculators "
-    "trains some of them on the dataset's (its objective is marked experimental); the reference engine does not "
-    "compute them, so train/serve parity cannot be proven. Use dflash",
-    "dspark": "DSpark's Markov and confidence heads (markov_rank, markov_head_type) are trained on the dataset's "
-    "tokens and served on the draft's own, and it proposes from the anchor slot too (verify window γ+1); the "
-    "reference engine does not compute them, so train/serve parity cannot be proven. Use dflash",
+    "dflash2": "DFlash2's training objective is unpublished (speculators' own docs/user_guide/algorithms/dflash2.md says "
+    "so, and calls SGLang's serving of it unvalidated). Its grouped convolutions see the same block states in training "
+    "and serving, but with no published objective there is nothing to check a trained DFlash2 against, and the "
+    "reference engine does not compute its convolutions and candidate selector (dflash_config conv_kernel_size, "
+    "conv_group_size, selector_rank, selector_top_k): eagleflow cannot prove it served as trained. Use dflash or dspark",
 }
 
 
@@ -96,10 +111,17 @@ def family(name: str) -> DrafterFamily:
     raise ValueError(f"unknown draft algorithm {name!r}; expected one of {', '.join(FAMILIES)}")
 
 
-def check_family_settings(name: str, block_size: int | None, draft_vocab_size: int | None = None) -> DrafterFamily:
+def check_family_settings(
+    name: str, block_size: int | None, draft_vocab_size: int | None = None, **settings: Any
+) -> DrafterFamily:
     """The family ``name``, refusing settings that do not apply to it: a block size for a chain drafter, a draft
-    vocabulary (``draft_vocab_size`` given) for a block drafter, which SGLang serves through the target's own head."""
+    vocabulary (``draft_vocab_size`` given) for a block drafter, which SGLang serves through the target's own head,
+    another family's own setting (``settings``: :data:`FAMILY_SETTINGS` given, e.g. ``markov_rank``)."""
     chosen = family(name)
+    for setting, value in settings.items():
+        if value is not None and setting not in chosen.settings:
+            owners = [entry.name for entry in FAMILIES.values() if setting in entry.settings]
+            raise ValueError(f"{setting} {value} applies to {' and '.join(owners) or 'no'} drafters; leave it empty for {name}")
     if not chosen.block and block_size is not None:
         raise ValueError(f"block_size {block_size} applies to block drafters; {name} drafts one token per step (ttt_steps)")
     if chosen.block and draft_vocab_size is not None:

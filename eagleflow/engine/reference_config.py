@@ -44,10 +44,11 @@ class ReferenceEngineConfig(BaseModel):
     )
     trust_remote_code: bool = Field(False, description="allow the model folder's own modelling code (Kimi-K2.5 needs it)")
     # SGLang's speculative decoding flags (server_args), with the same names and meaning.
-    speculative_algorithm: Literal["EAGLE3", "DFLASH"] | None = Field(
+    speculative_algorithm: Literal["EAGLE3", "DFLASH", "DSPARK"] | None = Field(
         None,
         description="decode with the drafter of --speculative-draft-model-path (greedy requests only): EAGLE3 drafts a chain "
-        "or tree of one-token steps, DFLASH a block of --speculative-num-draft-tokens in one pass",
+        "or tree of one-token steps, DFLASH a block of --speculative-num-draft-tokens in one pass, DSPARK a block of "
+        "--speculative-dspark-block-size tokens in one pass, each biased by the token drafted before it",
     )
     speculative_draft_model_path: Path | None = Field(
         None, description="the drafter folder eagleflow export wrote for SGLang (drafter/sglang)"
@@ -63,6 +64,12 @@ class ReferenceEngineConfig(BaseModel):
     )
     speculative_dflash_block_size: int | None = Field(
         None, ge=2, description="DFLASH: the block size; an alias of --speculative-num-draft-tokens, which it must equal"
+    )
+    speculative_dspark_block_size: int | None = Field(
+        None, ge=1,
+        description="DSPARK: gamma, the tokens drafted per round; the verify window --speculative-num-draft-tokens is "
+        "gamma + 1 and must equal it when both are given (SGLang's rule). Default: from --speculative-num-draft-tokens, "
+        "else the drafter's block_size",
     )
     speculative_draft_window_size: int | None = Field(
         None, ge=1, description="sliding window of the draft's attention (the drafter's, from the export)"
@@ -80,10 +87,19 @@ class ReferenceEngineConfig(BaseModel):
             raise ValueError("--dump-dir and --aux-layers go together: capture needs both")
         if self.speculative_algorithm and self.speculative_draft_model_path is None:
             raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} needs --speculative-draft-model-path")
-        if self.speculative_algorithm == "DFLASH":
-            block = self.speculative_num_draft_tokens or self.speculative_dflash_block_size
-            if self.speculative_dflash_block_size not in (None, block):
-                raise ValueError("--speculative-dflash-block-size must equal --speculative-num-draft-tokens (SGLang's rule)")
+        if self.speculative_algorithm in ("DFLASH", "DSPARK"):
+            if self.speculative_algorithm == "DFLASH":
+                block = self.speculative_num_draft_tokens or self.speculative_dflash_block_size
+                if self.speculative_dflash_block_size not in (None, block):
+                    raise ValueError("--speculative-dflash-block-size must equal --speculative-num-draft-tokens (SGLang's rule)")
+            else:  # the verify window: the bonus token and gamma drafts
+                gamma = self.speculative_dspark_block_size
+                block = self.speculative_num_draft_tokens or (gamma + 1 if gamma else None)
+                if gamma is not None and block != gamma + 1:
+                    raise ValueError(
+                        f"--speculative-num-draft-tokens {block} must equal --speculative-dspark-block-size + 1 = {gamma + 1} "
+                        "(SGLang's rule: the bonus token and the drafts)"
+                    )
             given = self.model_fields_set  # SGLang forces steps and topk to 1; a different value given would be misread
             if block is not None:
                 check_block_flags(

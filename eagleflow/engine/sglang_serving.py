@@ -37,7 +37,7 @@ def speculative_flags(drafter: ServedDrafter, topk: int = 1, num_draft_tokens: i
     from eagleflow.drafters import family_of_algorithm
 
     serving = family_of_algorithm(drafter.algorithm).owner("serving")
-    if drafter.algorithm == "DFLASH":
+    if family_of_algorithm(drafter.algorithm).block:
         return serving(str(drafter.path), 1, 1, num_draft_tokens or drafter.block_size)
     return serving(str(drafter.path), drafter.num_steps, topk, num_draft_tokens, drafter.window)
 

@@ -154,7 +154,9 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
     """Run the sweep over the prompt sets, write the report and the charts; return the report."""
     started = time.monotonic()
     drafter = ServedDrafter.from_export(cfg.drafter, cfg.num_steps)
-    block = drafter.algorithm == "DFLASH"
+    from eagleflow.drafters import family_of_algorithm
+
+    block = family_of_algorithm(drafter.algorithm).block
     try:
         configs = parse_configs(cfg.eval_configs, drafter.num_steps, cfg.eval_concurrency, drafter.block_size, block)
     except ValueError as exc:

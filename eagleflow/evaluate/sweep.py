@@ -57,7 +57,9 @@ class ServeConfig:
 def default_shape(algorithm: str, num_steps: int, block_size: int | None = None) -> tuple[int, int, int]:
     """The drafter's own shape (steps, topk, draft tokens): an EAGLE-3 chain of its trained steps, or a
     block drafter's trained block (one step of topk 1, SGLang's)."""
-    return (1, 1, int(block_size or 0)) if algorithm == "DFLASH" else (num_steps, 1, num_steps + 1)
+    from eagleflow.drafters import family_of_algorithm
+
+    return (1, 1, int(block_size or 0)) if family_of_algorithm(algorithm).block else (num_steps, 1, num_steps + 1)
 
 
 def parse_config(text: str, block: bool | None = False) -> ServeConfig:

@@ -101,8 +101,8 @@ class RunDrafters(BaseModel):
         return family(self.step_param("draft_algorithm"))
 
     def check_drafter_family(self) -> None:
-        """The drafter family's rules on the Params that depend on it (block size, draft vocabulary, serving configs)."""
-        from eagleflow.drafters import check_family_settings
+        """The drafter family's rules on the Params that depend on it (block size, draft vocabulary, its own settings, serving configs)."""
+        from eagleflow.drafters import FAMILY_SETTINGS, check_family_settings
         from eagleflow.evaluate import check_configs_param
         from eagleflow.train import TrainConfig
 
@@ -110,7 +110,8 @@ class RunDrafters(BaseModel):
         prefix = "Param " if self.drafter_name is None else f"Param drafters ({self.drafter_name}): "
         try:
             chosen = check_family_settings(self.step_param("draft_algorithm"), self.step_param("block_size"),
-                                           None if vocab == TrainConfig.model_fields["draft_vocab_size"].default else vocab)
+                                           None if vocab == TrainConfig.model_fields["draft_vocab_size"].default else vocab,
+                                           **{name: self.step_param(name) for name in FAMILY_SETTINGS})
         except ValueError as exc:
             raise UserError(f"{prefix}{exc}") from exc
         check_configs_param(self.step_param("eval_configs"), chosen.name, chosen.block)

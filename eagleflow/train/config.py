@@ -32,6 +32,8 @@ RESUME_MUST_MATCH = (
     "serve_with",
     "draft_algorithm",
     "block_size",
+    "markov_rank",
+    "markov_head_type",
 )
 
 
@@ -79,9 +81,10 @@ class TrainConfig(BaseModel):
         description="eagle3: a chain of one-token draft steps, one RMSNorm over the concatenated aux states before fc. "
         "eagle3.1: the same with one RMSNorm per aux state (fc_norm, the EAGLE-3.1 paper's); SGLang serves eagle3.1 "
         "from 0.5.13, eagle3 from 0.5.17. dflash: a block drafter, one draft pass proposes block_size - 1 tokens "
-        "(speculators 0.9.0, SGLang 0.5.23; full vocabulary). Not offered: dflash2 and dspark, whose extra heads (DFlash2's "
-        "convolutions and selector, DSpark's Markov and confidence heads) speculators trains on the dataset's tokens and "
-        "SGLang serves on the draft's own: eagleflow cannot prove them served as trained (README: drafter families)",
+        "(speculators 0.9.0, SGLang 0.5.23; full vocabulary). dspark: DFlash's block with a Markov head, each drafted "
+        "token biased by the one drafted before it, and a confidence head; one pass drafts block_size tokens (speculators "
+        "0.9.0, SGLang 0.5.23; full vocabulary). Not offered: dflash2, whose training objective is unpublished (README: "
+        "drafter families)",
     )
 
     @field_validator("draft_algorithm", mode="before")
@@ -95,8 +98,21 @@ class TrainConfig(BaseModel):
 
     block_size: int | None = Field(
         None, ge=2, le=64, title="Block size (block drafters)",
-        description="block drafters: tokens per draft block, the bonus token and block_size - 1 drafts; SGLang verifies "
-        "them as --speculative-num-draft-tokens. Empty: speculators' default (dflash 16)",
+        description="block drafters: tokens per draft block. dflash: the bonus token and block_size - 1 drafts, verified "
+        "as --speculative-num-draft-tokens block_size; dspark: block_size drafts (its bonus-token slot drafts too), "
+        "verified with the bonus token as block_size + 1 (SGLang's --speculative-dspark-block-size). Empty: "
+        "speculators' default (dflash 16, dspark 8)",
+    )
+    markov_rank: int | None = Field(
+        None, ge=1, le=4096, title="Markov rank (DSpark)",
+        description="dspark: rank of the Markov head, the low-rank logit bias each drafted token gets from the token "
+        "drafted before it (markov_w1, markov_w2: vocabulary x rank each). Empty: speculators' default (256)",
+    )
+    markov_head_type: Literal["vanilla", "gated", "rnn"] | None = Field(
+        None, title="Markov head type (DSpark)",
+        description="dspark: vanilla, a bias from the previous token alone; gated, that bias gated by the draft's hidden "
+        "state; rnn, a recurrent state carried along the block (SGLang 0.5.23 serves all three). Empty: speculators' "
+        "default (vanilla)",
     )
     mask_token_id: int | None = Field(
         None, ge=0, title="Mask token id (block drafters)",
@@ -199,13 +215,16 @@ class TrainConfig(BaseModel):
     @model_validator(mode="after")
     def _family_defaults(self) -> TrainConfig:
         """The chosen family's defaults for what was left empty (concrete values: a resume compares them)."""
-        from eagleflow.drafters import check_family_settings
+        from eagleflow.drafters import FAMILY_SETTINGS, check_family_settings
 
-        chosen = check_family_settings(self.draft_algorithm, self.block_size)
+        chosen = check_family_settings(self.draft_algorithm, self.block_size, **{name: getattr(self, name) for name in FAMILY_SETTINGS})
         if self.num_layers is None:
             self.num_layers = chosen.default_layers
         if chosen.block and self.block_size is None:
             self.block_size = chosen.default_block_size
+        for name, default in chosen.settings.items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
         return self
 
     @model_validator(mode="after")

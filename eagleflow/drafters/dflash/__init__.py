@@ -23,6 +23,6 @@ __all__, __getattr__ = lazy_exports(
             "CHECKPOINT", "DFLASH_ALGORITHM", "DFLASH_ARCHITECTURE", "checkpoint_dflash_weights", "dflash_sglang_config",
             "expected_dflash_weights", "export_dflash_sglang",
         ],
-        "reference": ["DFlashDecoder", "DFlashDrafter", "dflash_decoder", "load_dflash_decoder"],
+        "reference": ["DFlashDecoder", "DFlashDrafter", "dflash_decoder", "load_dflash_decoder", "load_drafter"],
     },
 )

@@ -187,6 +187,16 @@ class DFlashDrafter:
     @torch.no_grad()
     def block_logits(self, bonus: int, position: int, block_size: int, cache: DFlashCache) -> torch.Tensor:
         """``[B, V]`` float logits of the block ``[bonus, MASK × (B − 1)]`` at ``position ..``; the cache is unchanged."""
+        return self.head_logits(self.block_hidden(bonus, position, block_size, cache)).float()
+
+    def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """The target's ``lm_head`` over the draft's normed states, in the head's dtype (SGLang's matmul)."""
+        return self.lm_head(normed.to(self.lm_head.weight.dtype))
+
+    @torch.no_grad()
+    def block_hidden(self, bonus: int, position: int, block_size: int, cache: DFlashCache) -> torch.Tensor:
+        """``[B, H]`` final-``norm`` states of the block ``[bonus, MASK × (B − 1)]`` at ``position ..`` (what SGLang
+        projects through the target's head); the cache is unchanged."""
         device = self.weights["fc.weight"].device
         ids = torch.tensor([bonus] + [self.mask_token_id] * (block_size - 1), device=device)
         positions = torch.arange(position, position + block_size, device=device)
@@ -199,8 +209,7 @@ class DFlashDrafter:
             x = rms_norm(hidden, w[p + "post_attention_layernorm.weight"], self.eps)
             gate, up = F.linear(x, w[p + "mlp.gate_proj.weight"]), F.linear(x, w[p + "mlp.up_proj.weight"])
             hidden = hidden + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
-        normed = rms_norm(hidden, w["norm.weight"], self.eps)
-        return self.lm_head(normed.to(self.lm_head.weight.dtype)).float()
+        return rms_norm(hidden, w["norm.weight"], self.eps)
 
     def _attention(self, layer: int, x: torch.Tensor, positions: torch.Tensor, cache: DFlashCache) -> torch.Tensor:
         p = f"layers.{layer}.self_attn."
@@ -247,6 +256,15 @@ class DFlashDecoder(SpeculativeDecoder):
     def draft_tokens_per_round(self) -> int:
         return self.block_size - 1
 
+    def draft(self, bonus: int, position: int, cache: DFlashCache) -> list[int]:
+        """One round's drafts after ``bonus`` at ``position``: the argmax of the block's slots 1 .. B − 1."""
+        block = self.drafter.block_logits(bonus, position, self.block_size, cache)
+        return [int(t) for t in torch.argmax(block[1:], dim=-1)]
+
+    def verified(self, accepted: int) -> None:
+        """Told after each verify how many of the round's drafts the target accepted (a family that records per
+        round, such as DSpark's confidence, overrides it)."""
+
     def generate(
         self,
         input_ids: Sequence[int],
@@ -267,13 +285,13 @@ class DFlashDecoder(SpeculativeDecoder):
         self.drafter.add_context(aux, torch.arange(committed, device=self.device), draft_cache)
         while True:
             between_rounds()
-            block = self.drafter.block_logits(bonus, committed, self.block_size, draft_cache)
-            drafts = [int(t) for t in torch.argmax(block[1:], dim=-1)]
+            drafts = self.draft(bonus, committed, draft_cache)
             verify_logits, verify_aux, target_cache = self._target([bonus, *drafts], target_cache)
             choices = [int(t) for t in torch.argmax(verify_logits, dim=-1)]
             accepted = 0
             while accepted < len(drafts) and drafts[accepted] == choices[accepted]:
                 accepted += 1
+            self.verified(accepted)
             kept = accepted + 1  # the bonus and the accepted drafts: their target KV stays, their aux joins the context
             crop_cache(target_cache, committed + kept)
             stats.verify_ct += 1
@@ -296,15 +314,23 @@ def dflash_decoder(model: Any, config: ReferenceEngineConfig) -> DFlashDecoder:
 def load_dflash_decoder(model: Any, folder: Path | None, block_size: int | None) -> DFlashDecoder:
     """The DFlash decoder of the exported SGLang drafter ``folder`` for ``model``, capturing what SGLang's
     target captures for its ``target_layer_ids``; ``block_size`` None: the export's ``dflash_config.block_size``."""
+    drafter, capture = load_drafter(model, folder)
+    block = int(block_size or drafter.block_size)
+    if block < 2:
+        raise UserError(f"DFLASH block size {block}: a block holds the bonus token and at least one draft (2 or more)")
+    return DFlashDecoder(model, drafter, capture, block)
+
+
+def load_drafter(model: Any, folder: Path | None, kind: type[DFlashDrafter] = DFlashDrafter) -> tuple[Any, Callable[[], Any]]:
+    """The exported SGLang drafter ``folder`` for ``model`` as a ``kind`` (DFlash's, or a family's built on it),
+    checked against the target (its mask token, its context layers), and the capture of what SGLang's target
+    captures for its ``target_layer_ids``."""
     from eagleflow.engine import AuxStateCapture, decoder_layers_and_norm
 
     if folder is None or not (Path(folder) / "config.json").is_file():
         raise UserError(f"--speculative-draft-model-path: {folder} has no config.json (run eagleflow export first)")
     device = next(model.parameters()).device
-    drafter = DFlashDrafter(Path(folder), model.get_input_embeddings(), model.get_output_embeddings(), model.dtype, device)
-    block = int(block_size or drafter.block_size)
-    if block < 2:
-        raise UserError(f"DFLASH block size {block}: a block holds the bonus token and at least one draft (2 or more)")
+    drafter = kind(Path(folder), model.get_input_embeddings(), model.get_output_embeddings(), model.dtype, device)
     vocab = int(model.get_input_embeddings().weight.shape[0])
     if not 0 <= drafter.mask_token_id < vocab:
         raise UserError(f"{folder}: mask_token_id {drafter.mask_token_id} is not below the target's vocab size {vocab}")
@@ -315,4 +341,4 @@ def load_dflash_decoder(model: Any, folder: Path | None, block_size: int | None)
             f"--speculative-draft-model-path {folder}: target_layer_ids {drafter.target_layer_ids}: SGLang captures the input "
             f"of layers {layers}, which the {depth}-layer target does not all have"
         )
-    return DFlashDecoder(model, drafter, lambda: AuxStateCapture(model, layers), block)
+    return drafter, lambda: AuxStateCapture(model, layers)

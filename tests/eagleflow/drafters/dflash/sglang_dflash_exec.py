@@ -39,6 +39,9 @@ WEIGHT_UTILS = "sglang/srt/model_loader/weight_utils.py"
 RADIX_ATTENTION = "sglang/srt/layers/radix_attention.py"
 LAYERNORM = "sglang/srt/layers/layernorm.py"
 REAL_MODULES = {"sglang.srt.speculative.dflash_utils": DFLASH_UTILS, "sglang.srt.models.dflash": DFLASH}
+# The fused parameter and shard each separately saved projection is loaded into (tensor parallel size 1).
+FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
 def wheel_definition(wheel: Wheel, filename: str, name: str, namespace: dict[str, Any]) -> Any:
@@ -120,29 +123,58 @@ def overrides(wheel: Wheel, recorder: DFlashRecorder) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def sglang_dflash(wheel: Wheel) -> Iterator[tuple[types.ModuleType, DFlashRecorder]]:
-    """``dflash`` of ``wheel`` as a module (and the recorder of what it built and loaded), for the ``with`` block."""
+def sglang_dflash(
+    wheel: Wheel,
+    real_modules: Mapping[str, str] = REAL_MODULES,
+    more_overrides: Callable[[Wheel, DFlashRecorder], dict[str, Any]] | None = None,
+    extra_modules: Mapping[str, types.ModuleType] | None = None,
+) -> Iterator[tuple[types.ModuleType, DFlashRecorder]]:
+    """``dflash`` of ``wheel`` as a module (and the recorder of what it built and loaded), for the ``with`` block.
+
+    A family built on DFlash (DSpark) runs more of the wheel's modules for real (``real_modules``, in import
+    order, DFlash's among them), gives more names a value (``more_overrides``) and more non-sglang modules a
+    stand-in (``extra_modules``, e.g. ``triton``, which the GPU kernels' modules import at their top).
+    """
     recorder = DFlashRecorder()
-    values = overrides(wheel, recorder)
-    saved = {name: module for name, module in sys.modules.items() if name == "sglang" or name.startswith("sglang.")}
+    values = {**overrides(wheel, recorder), **(more_overrides(wheel, recorder) if more_overrides else {})}
+    stubbed = tuple(extra_modules or {})
+    ours = lambda name: name == "sglang" or name.startswith(("sglang.", *stubbed))  # noqa: E731
+    saved = {name: module for name, module in sys.modules.items() if ours(name)}
     try:
-        wanted = imported_sglang_modules(wheel, (DFLASH, DFLASH_UTILS)) | {"sglang", "sglang.srt", "sglang.srt.models"}
+        sys.modules.update(extra_modules or {})
+        wanted = imported_sglang_modules(wheel, tuple(real_modules.values())) | {"sglang", "sglang.srt", "sglang.srt.models"}
         for name in sorted(wanted):
             parts = name.split(".")
             for depth in range(1, len(parts) + 1):
                 prefix = ".".join(parts[:depth])
-                if prefix not in REAL_MODULES:
+                if prefix not in real_modules:
                     sys.modules.setdefault(prefix, DFlashStubModule(prefix, recorder, values))
-        for name, filename in REAL_MODULES.items():  # dflash_utils first: dflash imports it
+        for name, filename in real_modules.items():  # dflash_utils first: dflash imports it
             module = types.ModuleType(name)
             module.__file__ = f"{wheel.path}/{filename}"
             sys.modules[name] = module
             exec(compile(wheel.text(filename), filename, "exec"), module.__dict__)
         yield sys.modules["sglang.srt.models.dflash"], recorder
     finally:
-        for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
+        for name in [n for n in sys.modules if ours(n)]:
             del sys.modules[name]
         sys.modules.update(saved)
+
+
+def misrouted(params: Mapping[str, nn.Parameter], weights: Mapping[str, torch.Tensor], loads: list) -> list[str]:
+    """Each load ``(param, tensor, shard)`` whose tensor is not the file's tensor (``weights``) of the parameter
+    (``params``) and shard it went to."""
+    names = {id(p): name for name, p in params.items()}
+    files = {id(t): name for name, t in weights.items()}
+    wrong = []
+    for param, tensor, shard in loads:
+        source, target = files.get(id(tensor), "?"), names.get(id(param), "?")
+        module, _, kind = source.rpartition(".")  # kind: weight or bias
+        owner, _, leaf = module.rpartition(".")
+        fused, fused_shard = FUSED.get(leaf, (leaf, None))
+        if (target, shard) != (".".join(filter(None, (owner, fused, kind))), fused_shard):
+            wrong.append(f"{source} -> {target} (shard {shard!r})")
+    return wrong
 
 
 def weight_files(folder: Path) -> dict[str, torch.Tensor]:

@@ -33,7 +33,7 @@ from eagleflow.verifier import rms_norm
 from eagleflow.export.step import ExportConfig, export
 from eagleflow.drafters.dflash import layer_attention
 from eagleflow.sglang_rules import sglang_rotary
-from sglang_dflash_exec import load_into_sglang_dflash
+from sglang_dflash_exec import load_into_sglang_dflash, misrouted
 from sglang_wheels import get_wheel, pinned_version
 from training_data import random_dflash_checkpoint
 
@@ -48,9 +48,6 @@ WINDOW = 16
 LAYER_SETTINGS = {"num_key_value_heads": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
                   "sliding_window": WINDOW}
 FULL_ATTENTION = [1]
-# The fused parameter and shard each separately saved projection is loaded into (tensor parallel size 1).
-FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
 @pytest.fixture(scope="module")
@@ -79,17 +76,7 @@ class Served:
 
     def misrouted(self) -> list[str]:
         """Each load whose tensor is not the file's tensor of the parameter (and shard) it went to."""
-        names = {id(p): name for name, p in self.params.items()}
-        files = {id(t): name for name, t in self.weights.items()}
-        wrong = []
-        for param, tensor, shard in self.loads:
-            source, target = files.get(id(tensor), "?"), names.get(id(param), "?")
-            module, _, kind = source.rpartition(".")  # kind: weight or bias
-            owner, _, leaf = module.rpartition(".")
-            fused, fused_shard = FUSED.get(leaf, (leaf, None))
-            if (target, shard) != (".".join(filter(None, (owner, fused, kind))), fused_shard):
-                wrong.append(f"{source} -> {target} (shard {shard!r})")
-        return wrong
+        return misrouted(self.params, self.weights, self.loads)
 
     def attention_mismatches(self) -> list[str]:
         """Each layer whose ``RadixAttention`` SGLang builds otherwise than :func:`layer_attention` says."""
