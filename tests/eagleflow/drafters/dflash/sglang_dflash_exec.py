@@ -171,7 +171,8 @@ def misrouted(params: Mapping[str, nn.Parameter], weights: Mapping[str, torch.Te
         source, target = files.get(id(tensor), "?"), names.get(id(param), "?")
         module, _, kind = source.rpartition(".")  # kind: weight or bias
         owner, _, leaf = module.rpartition(".")
-        fused, fused_shard = FUSED.get(leaf, (leaf, None))
+        # Only the decoder layers' projections are fused (DSpark's markov_head.gate_proj is its own).
+        fused, fused_shard = FUSED.get(leaf, (leaf, None)) if source.startswith("layers.") else (leaf, None)
         if (target, shard) != (".".join(filter(None, (owner, fused, kind))), fused_shard):
             wrong.append(f"{source} -> {target} (shard {shard!r})")
     return wrong

@@ -37,7 +37,11 @@ from sglang_exec import Inert
 from sglang_wheels import Wheel
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "dflash"))  # DSpark's SGLang class is built on DFlash's
-from sglang_dflash_exec import DFLASH, DFLASH_UTILS, DFlashRecorder, sglang_dflash, weight_files  # noqa: E402
+from sglang_dflash_exec import (  # noqa: E402
+    DFLASH, DFLASH_UTILS, DFlashRecorder, misrouted, sglang_dflash, weight_files, wheel_definition,
+)
+
+__all__ = ["ServedDSpark", "TargetHead", "load_into_sglang_dspark", "misrouted", "wheel_definition"]
 
 DSPARK = "sglang/srt/models/dspark.py"
 REAL_MODULES = {
