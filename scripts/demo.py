@@ -11,7 +11,8 @@ with the verifier's own answers (``regenerate_responses``), and ``--online`` tra
 live engine instead of extracted files (``hidden_states_source=engine``, a 2 MB window on
 disk), each in its own run folder (``demo-fp8``, ``demo-regenerated``, ``demo-online``), so
 each can be compared with ``demo``. ``--draft-algorithm dflash`` trains, exports, serves and measures
-a DFlash block drafter instead of EAGLE-3 (``demo-dflash``) from the same capture settings.
+a DFlash block drafter instead of EAGLE-3 (``demo-dflash``) from the same capture settings, ``dspark`` a DSpark
+(``demo-dspark``).
 ``--thinking`` serves the verifier as a thinking, tool-calling model (``demo-thinking``): its thinking
 template, the conversations with thinking and tool calls, and ``chat_template_kwargs``.
 ``--sample-transport mooncake`` hands the samples over through a Mooncake Store the run starts beside
@@ -48,7 +49,7 @@ sys.path.insert(0, str(REPO))
 
 def main() -> int:
     from eagleflow.demo import (
-        DEMO_COMPARE_DRAFTERS, DEMO_DFLASH_PARAMS, DEMO_RUN_NAME, DEMO_THINKING_PARAMS, demo_params, make_demo_inputs, make_thinking_inputs,
+        DEMO_COMPARE_DRAFTERS, DEMO_DFLASH_PARAMS, DEMO_DSPARK_PARAMS, DEMO_RUN_NAME, DEMO_THINKING_PARAMS, demo_params, make_demo_inputs, make_thinking_inputs,
         run_summary,
     )
     from eagleflow.progress import format_bytes
@@ -61,8 +62,8 @@ def main() -> int:
                         help="train on the verifier's own answers (the Param regenerate_responses)")
     parser.add_argument("--online", action="store_true",
                         help="train from the live engine, no extraction (the Param hidden_states_source engine)")
-    parser.add_argument("--draft-algorithm", choices=["eagle3", "dflash"], default="eagle3",
-                        help="the drafter family to train (the Param draft_algorithm; dflash: a block drafter)")
+    parser.add_argument("--draft-algorithm", choices=["eagle3", "dflash", "dspark"], default="eagle3",
+                        help="the drafter family to train (the Param draft_algorithm; dflash, dspark: block drafters)")
     parser.add_argument("--compare", action="store_true",
                         help="train the EAGLE-3 and the DFlash from one capture and compare them (the Param drafters)")
     parser.add_argument("--thinking", action="store_true",
@@ -100,8 +101,8 @@ def main() -> int:
     )
     conf = {**demo_params(DEMO_DIR), "run_name": "-".join([DEMO_RUN_NAME, *variant]), "hidden_states_dtype": dtype,
             "regenerate_responses": args.regenerate, "sample_transport": args.sample_transport}
-    if args.draft_algorithm == "dflash":
-        conf.update(DEMO_DFLASH_PARAMS)
+    if args.draft_algorithm in ("dflash", "dspark"):
+        conf.update(DEMO_DFLASH_PARAMS if args.draft_algorithm == "dflash" else DEMO_DSPARK_PARAMS)
     if args.compare:
         conf["drafters"] = DEMO_COMPARE_DRAFTERS
     if args.thinking:

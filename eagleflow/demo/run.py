@@ -71,6 +71,19 @@ DEMO_DFLASH_PARAMS: dict[str, Any] = {
 }
 
 
+# scripts/demo.py --draft-algorithm dspark: the same run with a DSpark drafter, sized as the DFlash one. Its block drafts 7
+# tokens (the DSpark paper's blocks; the anchor slot drafts too), so 8 are verified a round, as the DFlash demo's block of 8
+# verifies; a Markov head of rank 64 (speculators' 256 on GPUs). Its sweep: the trained window one at a time and 2 in
+# flight, a shorter block (4 drafts).
+DEMO_DSPARK_PARAMS: dict[str, Any] = {
+    **{k: v for k, v in DEMO_DFLASH_PARAMS.items() if k not in ("block_size", "eval_configs")},
+    "draft_algorithm": "dspark",
+    "block_size": 7,
+    "markov_rank": 64,
+    "eval_configs": "1,1,1,8 2,1,1,8 1,1,1,5",
+}
+
+
 # scripts/demo.py --compare: the EAGLE-3 of DEMO_PARAMS and the DFlash of DEMO_DFLASH_PARAMS from one capture,
 # measured side by side (its block at the same batch sizes as the EAGLE-3's chain: 1 and 2 in flight).
 DEMO_COMPARE_DRAFTERS: list[Any] = [

@@ -25,10 +25,12 @@ CHANGED = {
     "train_data_ratio": 0.8, "scheduler_warmup_ratio": 0.5, "noise_std": 0.1, "draft_config": "/models/draft.json",
     "eval_prompts": "/data/prompts.jsonl", "eval_sets": ["heldout", "file"], "eval_configs": "1,0,0,0 1,3,1,4",
     "eval_server_extra_args": ["--threads", "2"], "online_cache_gb": 1.5, "chat_template_kwargs": {"enable_thinking": False},
+    "markov_head_type": "gated",
 }
 # Params that are valid only beside another one.
 TOGETHER = {"eval_prompts": {"eval_sets": ["heldout", "file"]}, "eval_sets": {"eval_prompts": "/data/prompts.jsonl"},
-            "block_size": {"draft_algorithm": "dflash"}}
+            "block_size": {"draft_algorithm": "dflash"}, "markov_rank": {"draft_algorithm": "dspark"},
+            "markov_head_type": {"draft_algorithm": "dspark"}}
 # The one run-level Param no step config holds: it goes into the remote engines' record (launch_server's XCom),
 # whose dump folder extraction and the capture check then take.
 ENGINE_RECORD_ONLY = {"server_dump_dir"}

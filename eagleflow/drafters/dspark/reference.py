@@ -107,7 +107,7 @@ class DSparkDrafter(DFlashDrafter):
         of another shape, and outside its static mode a missing confidence tensor; a missing Markov one it leaves
         uninitialised. Each is refused by name here."""
         from eagleflow.drafters.dspark.sglang_export import head_tensors
-        from eagleflow.export.tensors import tensor_problems
+        from eagleflow.export import tensor_problems
 
         super()._check_weights(folder)
         heads = {name: t for name, t in self.weights.items() if name.startswith(("markov_head.", "confidence_head."))}

@@ -281,8 +281,8 @@ def test_the_export_refuses_what_sglang_would_serve_otherwise(
 
 
 def test_a_family_eagleflow_does_not_export_is_refused_by_its_reason(checkpoint: Path, random_tiny_model: Path, tmp_path: Path) -> None:
-    bad = _checkpoint_edit(lambda c: c.update(speculators_model_type="dspark"))(checkpoint, tmp_path / "dspark")
-    with pytest.raises(UserError, match="DSpark"):
+    bad = _checkpoint_edit(lambda c: c.update(speculators_model_type="dflash2"))(checkpoint, tmp_path / "dflash2")
+    with pytest.raises(UserError, match="DFlash2's training objective is unpublished"):
         export(ExportConfig(checkpoint=bad, verifier=random_tiny_model, out=tmp_path / "drafter"))
 
 

@@ -265,6 +265,12 @@ def test_the_export_refuses_what_sglang_would_serve_otherwise(
 
 def test_a_checkpoint_whose_heads_are_not_its_configs_is_damaged(checkpoints: dict[str, Path], random_tiny_model: Path, tmp_path: Path) -> None:
     """speculators saves what its config builds: an rnn head's joint_proj in a gated checkpoint is damage, named."""
+    out = tmp_path / "drafter"
+    export(ExportConfig(checkpoint=checkpoints["gated"], verifier=random_tiny_model, out=out))
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     bad = tampered_checkpoint(checkpoints["gated"], tmp_path / "bad", {"markov_head_type": "rnn"})
-    with pytest.raises(UserError, match=r"holds markov_head.gate_proj.weight \[16, 80\].*no markov_head.joint_proj.weight"):
-        export(ExportConfig(checkpoint=bad, verifier=random_tiny_model, out=tmp_path / "drafter"))
+    for serve_with in ("sglang", "vllm"):
+        with pytest.raises(UserError, match=r"holds markov_head.gate_proj.weight \[16, 80\].*no markov_head.joint_proj.weight"):
+            export(ExportConfig(checkpoint=bad, verifier=random_tiny_model, out=out, serve_with=serve_with))
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert not list(tmp_path.glob(".drafter*")), "no staging folder is left behind"
