@@ -236,17 +236,24 @@ def tampered_checkpoint(
 ) -> Path:
     """A copy of ``checkpoint`` at ``dest`` whose ``config.json`` has ``config``'s keys set and whose
     ``model.safetensors`` is rewritten by ``weights`` (a function editing the name -> tensor dict)."""
+    shutil.copytree(checkpoint, dest)
+    edit_folder(dest, (lambda settings: settings.update(config)) if config else None, weights)
+    return dest
+
+
+def edit_folder(folder: Path, config: Any = None, weights: Any = None) -> None:
+    """Rewrite ``folder``'s ``config.json`` by ``config`` and its ``model.safetensors`` by ``weights`` (functions
+    editing the parsed dict, the name -> tensor dict), in place."""
     from safetensors.torch import load_file, save_file
 
-    shutil.copytree(checkpoint, dest)
-    if config:
-        settings = json.loads((dest / "config.json").read_text())
-        (dest / "config.json").write_text(json.dumps({**settings, **config}, indent=2))
+    if config is not None:
+        settings = json.loads((folder / "config.json").read_text())
+        config(settings)
+        (folder / "config.json").write_text(json.dumps(settings, indent=2))
     if weights is not None:
-        tensors = load_file(str(dest / "model.safetensors"))
+        tensors = load_file(str(folder / "model.safetensors"))
         weights(tensors)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(dest / "model.safetensors"), metadata={"format": "pt"})
-    return dest
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 def folder_snapshot(folder: Path) -> dict[str, tuple[int, int, str]]:

@@ -31,7 +31,7 @@ def train_flags(cfg: TrainConfig, mask_token_id: int | None = None) -> list[str]
     refused a reduced one before starting).
     """
     if mask_token_id is None:
-        raise ValueError("a DFlash drafter is trained with the mask token id SGLang will resolve; resolve it first")
+        raise ValueError("a block drafter is trained with the mask token id SGLang will resolve; resolve it first")
     return [
         "--speculator-type", "dflash",
         "--block-size", str(cfg.block_size),

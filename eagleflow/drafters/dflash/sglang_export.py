@@ -31,7 +31,7 @@ serves this folder by those rules.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -214,6 +214,24 @@ def export_dflash_sglang(checkpoint: Checkpoint | Path, verifier: Path, target: 
 
     :raises NotServable: SGLang would not compute what was trained.
     """
+    config, weights, verifier_config = write_sglang_folder(
+        checkpoint, verifier, target, "DFlash", dflash_sglang_config, check_dflash_weights
+    )
+    return block_manifest(target, config, weights, verifier_config, DFLASH_ALGORITHM)
+
+
+def write_sglang_folder(
+    checkpoint: Checkpoint | Path,
+    verifier: Path,
+    target: Path,
+    family: str,
+    config_of: Callable[[Mapping[str, Any], Mapping[str, Any]], dict[str, Any]],
+    check_weights: Callable[[Mapping[str, Any], Checkpoint], None],
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The SGLang folder of a drafter on DFlash's backbone written to ``target``: ``config_of`` builds the config SGLang
+    reads from the checkpoint's and the verifier's (refusing, :class:`NotServable`, what SGLang would serve
+    otherwise), the rotary is checked against the trained one, ``check_weights`` checks the tensors against the
+    config; returns that config, the weights written and the verifier's config."""
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
@@ -221,27 +239,35 @@ def export_dflash_sglang(checkpoint: Checkpoint | Path, verifier: Path, target: 
     from eagleflow.errors import UserError, excerpt
     from eagleflow.export import check_rotary
     from eagleflow.export import read_checkpoint
-    from eagleflow.drafters.dflash import captured_layer_ids
 
     if isinstance(checkpoint, Path):
         checkpoint = read_checkpoint(checkpoint)
     verifier_config = read_config(verifier)
     try:
-        config = dflash_sglang_config(checkpoint.config, verifier_config)
+        config = config_of(checkpoint.config, verifier_config)
         check_rotary(layer_config(checkpoint.config["transformer_layer_config"]), config, Qwen3Config, Qwen3RotaryEmbedding)
-        check_dflash_weights(config, checkpoint)
+        check_weights(config, checkpoint)
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, NotServable):
             raise
-        raise UserError(f"{checkpoint.config_path}: unusable DFlash config ({type(exc).__name__}: {excerpt(exc)})") from exc
+        raise UserError(f"{checkpoint.config_path}: unusable {family} config ({type(exc).__name__}: {excerpt(exc)})") from exc
     weights = dflash_sglang_weights(checkpoint.weights)
     target.mkdir(parents=True)
     save_weights(weights, target / "model.safetensors")
     (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return config, weights, verifier_config
+
+
+def block_manifest(
+    target: Path, config: Mapping[str, Any], weights: Mapping[str, Any], verifier_config: Mapping[str, Any], algorithm: str
+) -> dict[str, Any]:
+    """What ``export.json`` says about a DFlash-backbone folder: where it is, what it captures, its block."""
+    from eagleflow.drafters.dflash import captured_layer_ids
+
     dflash = config["dflash_config"]
     return {
         "path": target.name,
-        "algorithm": DFLASH_ALGORITHM,
+        "algorithm": algorithm,
         "target_architecture": (verifier_config.get("architectures") or ["?"])[0],
         "target_layer_ids": dflash["target_layer_ids"],
         "captures_layers": captured_layer_ids(dflash["target_layer_ids"]),
@@ -253,4 +279,3 @@ def export_dflash_sglang(checkpoint: Checkpoint | Path, verifier: Path, target: 
         "sglang_features": dflash_features(config),
         "weights": sorted(weights),
     }
-

@@ -43,15 +43,13 @@ def train_flags(cfg: TrainConfig, mask_token_id: int | None = None) -> list[str]
     No ``--draft-vocab-size``: without it speculators trains the full vocabulary (and the train step
     refused a reduced one before starting).
     """
-    if mask_token_id is None:
-        raise ValueError("a DSpark drafter is trained with the mask token id SGLang will resolve; resolve it first")
+    from eagleflow.drafters.dflash.flags import train_flags as dflash_flags
+
     if cfg.markov_rank is None or cfg.markov_head_type is None:
         raise ValueError("a DSpark drafter's markov_rank and markov_head_type are filled in by TrainConfig; got none")
-    return [
-        "--speculator-type", "dspark",
-        "--block-size", str(cfg.block_size),
-        "--mask-token-id", str(mask_token_id),
-        "--max-anchors", str(cfg.max_anchors),
+    flags = dflash_flags(cfg, mask_token_id)  # its block size, mask token and anchors, as DFlash's
+    flags[flags.index("--speculator-type") + 1] = "dspark"
+    return flags + [
         "--sample-from-anchor",
         "--markov-rank", str(cfg.markov_rank),
         "--markov-head-type", cfg.markov_head_type,

@@ -30,16 +30,15 @@ DFlash's export refuses.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eagleflow.drafters.dflash.sglang_export import (
-    CHECKPOINT as DFLASH_CHECKPOINT, MINIMUM_SGLANG, REDUCED_VOCAB_TENSORS, checkpoint_dflash_weights, dflash_features,
-    dflash_sglang_config, dflash_sglang_weights, expected_dflash_weights,
+    CHECKPOINT as DFLASH_CHECKPOINT, REDUCED_VOCAB_TENSORS, block_manifest, checkpoint_dflash_weights, dflash_sglang_config,
+    dflash_sglang_weights, expected_dflash_weights, write_sglang_folder,
 )
-from eagleflow.export import CheckpointLayout, Expected, LayerShape, NotServable, check_tensors, layer_config, save_weights
+from eagleflow.export import CheckpointLayout, Expected, LayerShape, NotServable, check_tensors, layer_config
 
 if TYPE_CHECKING:
     from eagleflow.export import Checkpoint
@@ -161,43 +160,15 @@ def export_dspark_sglang(checkpoint: Checkpoint | Path, verifier: Path, target: 
 
     :raises NotServable: SGLang would not compute what was trained.
     """
-    from transformers import Qwen3Config
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
-
-    from eagleflow.drafters.dflash import captured_layer_ids
-    from eagleflow.errors import UserError, excerpt
-    from eagleflow.export import check_rotary, read_checkpoint
-    from eagleflow.verifier import read_config
-
-    if isinstance(checkpoint, Path):
-        checkpoint = read_checkpoint(checkpoint)
-    verifier_config = read_config(verifier)
-    try:
-        config = dspark_sglang_config(checkpoint.config, verifier_config)
-        check_rotary(layer_config(checkpoint.config["transformer_layer_config"]), config, Qwen3Config, Qwen3RotaryEmbedding)
-        check_dspark_weights(config, checkpoint)
-    except (KeyError, TypeError, ValueError) as exc:
-        if isinstance(exc, NotServable):
-            raise
-        raise UserError(f"{checkpoint.config_path}: unusable DSpark config ({type(exc).__name__}: {excerpt(exc)})") from exc
-    weights = dflash_sglang_weights(checkpoint.weights)
-    target.mkdir(parents=True)
-    save_weights(weights, target / "model.safetensors")
-    (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    dflash, gamma = config["dflash_config"], config["dflash_config"]["block_size"]
-    return {
-        "path": target.name,
-        "algorithm": DSPARK_ALGORITHM,
-        "target_architecture": (verifier_config.get("architectures") or ["?"])[0],
-        "target_layer_ids": dflash["target_layer_ids"],
-        "captures_layers": captured_layer_ids(dflash["target_layer_ids"]),
-        "block_size": gamma + 1,  # the verify window: the bonus token and the γ drafts
-        "dspark_block_size": gamma,
-        "num_steps": gamma,
-        "mask_token_id": dflash["mask_token_id"],
+    config, weights, verifier_config = write_sglang_folder(
+        checkpoint, verifier, target, "DSpark", dspark_sglang_config, check_dspark_weights
+    )
+    manifest, gamma = block_manifest(target, config, weights, verifier_config, DSPARK_ALGORITHM), config["dflash_config"]["block_size"]
+    manifest.update(
+        block_size=gamma + 1,  # the verify window: the bonus token and the γ drafts
+        dspark_block_size=gamma,
+        num_steps=gamma,
+        sglang_features=["dspark", *manifest["sglang_features"][1:]],
         **{key: config[key] for key in ("markov_rank", "markov_head_type", "confidence_head_with_markov")},
-        "draft_window_size": None,  # the draft's sliding windows are its config's, not a flag
-        "minimum_sglang": MINIMUM_SGLANG,
-        "sglang_features": ["dspark", *dflash_features(config)[1:]],
-        "weights": sorted(weights),
-    }
+    )
+    return manifest

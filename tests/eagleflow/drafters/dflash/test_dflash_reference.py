@@ -24,20 +24,13 @@ from eagleflow.errors import UserError
 from eagleflow.export import ServedDrafter
 from eagleflow.export.step import ExportConfig, export
 
+from greedy_decoding import greedy, stop_ids
 from training_data import copy_dataset, random_dflash_checkpoint
 
 AUX = [2, 4, 6]
 BLOCK = 4
 MAX_NEW_TOKENS = 40
-TEXTS = ["hello there, how are you", "the cat sat on", "1 2 3 4", "Tell me a story about a dragon."]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def target(tiny_model: Path) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    return AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(str(tiny_model))
 
 
 @pytest.fixture(scope="module")
@@ -46,28 +39,6 @@ def drafter(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     checkpoint = random_dflash_checkpoint(tiny_model, folder / "checkpoint", AUX, block_size=BLOCK, full_attention_indices=[1])
     export(ExportConfig(checkpoint=checkpoint, verifier=tiny_model, out=folder / "drafter"))
     return folder / "drafter" / "sglang"
-
-
-@pytest.fixture(scope="module")
-def prompts(target: tuple[Any, Any]) -> list[list[int]]:
-    return [target[1](text)["input_ids"] for text in TEXTS]
-
-
-def greedy(model: Any, ids: list[int], max_new_tokens: int, stop_ids: set[int] = frozenset()) -> list[int]:
-    """Plain greedy decoding, one token per forward, up to and including the first stop token."""
-    out: list[int] = []
-    cache, step = None, list(ids)
-    with torch.no_grad():
-        while len(out) < max_new_tokens and not (out and out[-1] in stop_ids):
-            result = model(input_ids=torch.tensor([step]), past_key_values=cache, use_cache=True)
-            cache, step = result.past_key_values, [int(result.logits[0, -1].argmax())]
-            out += step
-    return out
-
-
-def stop_ids(model: Any) -> set[int]:
-    eos = model.generation_config.eos_token_id
-    return set(eos if isinstance(eos, list) else [eos])
 
 
 def assert_counts(output: list[int], stats: Any, block: int) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from dspark_checkpoints import random_dspark_checkpoint, speculators_chain, speculators_forward
 from eagleflow.drafters.dspark import expected_dspark_weights
@@ -33,7 +33,7 @@ from eagleflow.drafters.dspark.reference import load_dspark_decoder
 from eagleflow.errors import UserError
 from eagleflow.export import ServedDrafter
 from eagleflow.export.step import ExportConfig, export
-from training_data import tampered_checkpoint
+from training_data import edit_folder, tampered_checkpoint
 
 AUX = [2, 4, 6]
 GAMMA = 4
@@ -151,21 +151,11 @@ def test_the_folder_holds_what_sglang_reads_and_moves_with_its_drafter(drafters:
 
 
 def _edit_config(edit: Callable[[dict[str, Any]], None]) -> Callable[[Path], None]:
-    def tamper(folder: Path) -> None:
-        config = json.loads((folder / "config.json").read_text())
-        edit(config)
-        (folder / "config.json").write_text(json.dumps(config))
-
-    return tamper
+    return lambda folder: edit_folder(folder, config=edit)
 
 
 def _edit_weights(edit: Callable[[dict[str, torch.Tensor]], None]) -> Callable[[Path], None]:
-    def tamper(folder: Path) -> None:
-        weights = load_file(str(folder / "model.safetensors"))
-        edit(weights)
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
-
-    return tamper
+    return lambda folder: edit_folder(folder, weights=edit)
 
 
 def _swap(a: str, b: str) -> Callable[[dict[str, torch.Tensor]], None]:

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from dspark_checkpoints import random_dspark_checkpoint
 from eagleflow.drafters.dflash import layer_attention
@@ -33,6 +33,7 @@ from eagleflow.drafters.dspark.reference import DSparkDrafter, load_dspark_decod
 from eagleflow.export.step import ExportConfig, export
 from sglang_dspark_exec import ServedDSpark, TargetHead, load_into_sglang_dspark, misrouted, wheel_definition
 from sglang_wheels import get_wheel, pinned_version
+from training_data import edit_folder
 
 pytestmark = [pytest.mark.sglang_source, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -166,15 +167,10 @@ def test_sglang_drafts_the_block_the_reference_drafter_drafts(
 
 
 def tampered(exported: Path, tmp_path: Path, config: dict[str, Any] | None = None, weights: Any = None) -> Path:
+    """A copy of the exported folder with ``config``'s keys set and its tensors edited by ``weights``."""
     folder = tmp_path / "sglang"
     shutil.copytree(exported, folder)
-    if config is not None:
-        settings = json.loads((folder / "config.json").read_text())
-        (folder / "config.json").write_text(json.dumps({**settings, **config}))
-    if weights is not None:
-        tensors = load_file(str(folder / "model.safetensors"))
-        weights(tensors)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    edit_folder(folder, (lambda settings: settings.update(config)) if config else None, weights)
     return folder
 
 
