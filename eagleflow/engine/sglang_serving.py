@@ -33,7 +33,7 @@ from sglang_patch.hook_spec import parse_version
 def speculative_flags(drafter: ServedDrafter, topk: int = 1, num_draft_tokens: int | None = None) -> list[str]:
     """SGLang's flags serving ``drafter``, as its family says (:mod:`eagleflow.drafters`): an EAGLE-3 chain of
     ``drafter.num_steps`` (topk 1, steps + 1 verified tokens) unless ``topk`` and ``num_draft_tokens`` ask for a
-    tree; a DFlash block of ``num_draft_tokens`` (default: the trained block size)."""
+    tree; a block drafter's block of ``num_draft_tokens`` verified (default: the trained one, the manifest's block_size)."""
     from eagleflow.drafters import family_of_algorithm
 
     serving = family_of_algorithm(drafter.algorithm).owner("serving")

@@ -20,7 +20,8 @@ EXPORT_MANIFEST = "export.json"
 @dataclass(frozen=True)
 class ServedDrafter:
     """What an engine needs to serve an exported drafter: SGLang's folder, the draft length, the window,
-    the algorithm (``EAGLE3``, or ``DFLASH`` whose ``block_size`` is verified per round)."""
+    the algorithm (``EAGLE3``, or a block drafter's, ``DFLASH``, ``DSPARK``, whose ``block_size`` is the tokens
+    verified per round: SGLang's ``--speculative-num-draft-tokens``)."""
 
     path: Path
     num_steps: int

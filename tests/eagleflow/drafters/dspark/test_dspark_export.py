@@ -30,7 +30,10 @@ from safetensors.torch import load_file
 from dspark_checkpoints import random_dspark_checkpoint, speculators_chain, speculators_forward
 from eagleflow.drafters.dspark import expected_dspark_weights
 from eagleflow.drafters.dspark.reference import load_dspark_decoder
+from eagleflow.engine.serving_command import serving_engine_command
+from eagleflow.engine.sglang_serving import speculative_flags
 from eagleflow.errors import UserError
+from eagleflow.evaluate.sweep import default_shape
 from eagleflow.export import ServedDrafter
 from eagleflow.export.step import ExportConfig, export
 from training_data import edit_folder, tampered_checkpoint
@@ -148,6 +151,13 @@ def test_the_folder_holds_what_sglang_reads_and_moves_with_its_drafter(drafters:
     served_drafter = ServedDrafter.from_export(moved)
     # What an engine serves: the verify window (the bonus token and γ drafts), as SGLang's --speculative-num-draft-tokens.
     assert (served_drafter.path, served_drafter.algorithm, served_drafter.block_size) == (moved / "sglang", "DSPARK", GAMMA + 1)
+    assert speculative_flags(served_drafter)[2:] == [
+        "--speculative-draft-model-path", str(moved / "sglang"), "--speculative-dspark-block-size", str(GAMMA),
+        "--speculative-num-draft-tokens", str(GAMMA + 1),
+    ]
+    argv, _ = serving_engine_command("reference", moved, 30000, served_drafter)
+    assert {"--speculative-algorithm=DSPARK", f"--speculative-num-draft-tokens={GAMMA + 1}"} <= set(argv)
+    assert default_shape("DSPARK", served_drafter.num_steps, served_drafter.block_size) == (1, 1, GAMMA + 1)  # the sweep's default
 
 
 def _edit_config(edit: Callable[[dict[str, Any]], None]) -> Callable[[Path], None]:
