@@ -130,3 +130,44 @@ def test_online_every_drafters_trainer_knows_the_others_and_the_first_leads(tmp_
     # One drafter: a lone feed, as before.
     single = PipelineConfig.from_params(base(tmp_path, random_tiny_model, hidden_states_source="engine"))
     assert shared_feed(single.train_config([engine])) == {}
+
+
+@pytest.mark.parametrize(("algorithm", "words"), [("nope", "unknown draft algorithm 'nope'"), ("dflash2", "draft algorithm 'dflash2' is not offered")])
+def test_an_entry_naming_an_unknown_or_refused_family_is_refused_by_name(
+    tmp_path: Path, random_tiny_model: Path, algorithm: str, words: str
+) -> None:
+    for entry, label in (({"name": "x", "draft_algorithm": algorithm}, "x"), (algorithm, algorithm)):
+        with pytest.raises(UserError, match=rf"^Param drafters \({label}\) draft_algorithm: {words}"):
+            PipelineConfig.from_params(base(tmp_path, random_tiny_model, drafters=["eagle3", entry]))
+
+
+@pytest.mark.parametrize(
+    ("entry", "words"),
+    [
+        ({"mask_token_id": 1024}, "mask token id 1024 is not below the target's vocab size 1024"),
+        ({"mask_token_id": 0, "aux_layer_ids": [0, 3]}, "aux layer id 0 .* cannot be a DFlash context layer"),
+        ({"mask_token_id": 0, "aux_layer_ids": [4, 2]}, r"aux layer ids \[4, 2\] are not in increasing order"),
+        ({"mask_token_id": 0, "aux_layer_ids": [2, 8]}, "aux layer id 8 is the final pre-norm state"),
+    ],
+)
+def test_what_sglang_would_refuse_of_a_drafter_fails_the_first_task_naming_it(
+    tmp_path: Path, random_tiny_model: Path, entry: dict[str, Any], words: str
+) -> None:
+    """Settings only the verifier's folder can judge (its vocabulary, its depth) fail the run's first task, by the
+    drafter's family's own rules, not the training or the export hours later."""
+    from operators.server import PlanEnginesOperator
+    from operators.step import ParamsRefused
+
+    (tmp_path / "in.jsonl").write_text("")
+    params = base(tmp_path, random_tiny_model, drafters=["eagle3", {"name": "b", "draft_algorithm": "dflash", **entry}])
+    with pytest.raises(ParamsRefused, match=rf"^Param drafters \(b\) \(dflash for .*\): {words}"):
+        PlanEnginesOperator(task_id="plan_engines").execute({"params": params, "run_id": "manual__x"})  # type: ignore[arg-type]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_template_switch_apply_chat_template_owns_fails_the_first_task(tmp_path: Path, random_tiny_model: Path) -> None:
+    from eagleflow.run.param_checks import check_against_verifier
+
+    cfg = PipelineConfig.from_params(base(tmp_path, random_tiny_model, chat_template_kwargs={"add_generation_prompt": True}))
+    with pytest.raises(UserError, match=r"^Param chat_template_kwargs .*'add_generation_prompt' is an argument of apply_chat_template"):
+        check_against_verifier(cfg)
