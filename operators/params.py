@@ -28,13 +28,13 @@ def form_defaults() -> dict[str, Any]:
     """Defaults this deployment puts in the trigger form.
 
     With ``EAGLEFLOW_DEMO_DIR`` set (``make demo``, ``make airflow``): the CPU demo's inputs and
-    2-core sizes. Otherwise the run folders go under ``EAGLEFLOW_OUTPUT_ROOT`` and the model and
+    2-core sizes, and ``make demo``'s two drafters compared. Otherwise the run folders go under ``EAGLEFLOW_OUTPUT_ROOT`` and the model and
     dataset are left for the user to fill in; the rest are the seed's GPU values.
     """
     from eagleflow.deploy import OUTPUT_ROOT_ENV
 
     if os.environ.get(DEMO_DIR_ENV):
-        from eagleflow.demo import demo_params
+        from eagleflow.demo import form_params
 
-        return demo_params(os.environ[DEMO_DIR_ENV])
+        return form_params(os.environ[DEMO_DIR_ENV])
     return {"output_root": os.environ.get(OUTPUT_ROOT_ENV, "/opt/eagleflow/runs")}

@@ -16,7 +16,7 @@ __all__, __getattr__ = lazy_exports(
     {
         "run": [
             "DEMO_COMPARE_DRAFTERS", "DEMO_DFLASH_PARAMS", "DEMO_PARAMS", "DEMO_ROWS", "DEMO_RUN_NAME", "DEMO_THINKING_PARAMS",
-            "demo_params", "demo_paths", "make_demo_inputs", "make_thinking_inputs", "run_summary"
+            "demo_params", "demo_paths", "form_params", "make_demo_inputs", "make_thinking_inputs", "run_summary"
         ],
     },
 )

@@ -64,15 +64,21 @@ class RunDrafters(BaseModel):
     def given_step_params(self) -> dict[str, Any]:
         """The step Params as given to the run, with this drafter's own settings over them.
 
-        A block drafter listed beside EAGLE-3 ones reads the full vocabulary: the run's reduced
-        draft_vocab_size (theirs) is not its own unless it sets it.
+        A drafter of another family than the run's ``draft_algorithm`` (by speculators' type: eagle3 and eagle3.1
+        are one) takes its own family's defaults for the settings whose meaning is a family's
+        (:data:`~eagleflow.drafters.plan.FAMILY_SHAPED`: a block drafter beside EAGLE-3 ones reads the full
+        vocabulary and sweeps its own block, not their reduced vocabulary and chains), unless it sets them.
         """
-        from eagleflow.drafters import family
+        from eagleflow.drafters import FAMILY_SHAPED, family
 
         own = {k: v for k, v in self.drafter_settings.items() if k != "aux_layer_ids"}
         given = {**self.step_params, **own}
-        if self.drafter_name is not None and "draft_vocab_size" not in own and "draft_algorithm" in own and family(own["draft_algorithm"]).block:
-            given.pop("draft_vocab_size", None)
+        if self.drafter_name is not None and "draft_algorithm" in own:
+            run_family = family(self.run_step_param("draft_algorithm"))
+            if family(own["draft_algorithm"]).speculator_type != run_family.speculator_type:
+                for name in FAMILY_SHAPED:
+                    if name not in own:
+                        given.pop(name, None)
         return given
 
     @property

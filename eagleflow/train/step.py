@@ -180,7 +180,7 @@ def resolve_mask_token(cfg: TrainConfig, verifier_vocab: int) -> int | None:
     """A block drafter's mask token id, as SGLang will resolve it for the verifier's tokenizer (None for
     EAGLE-3, which never uses one); refuses, before training, what SGLang would refuse or serve otherwise:
     a reduced draft vocabulary, a mask token id not below the vocabulary size."""
-    from eagleflow.sglang_rules import BlockRuleError, resolve_mask_token_id
+    from eagleflow.sglang_rules import BlockRuleError, choose_mask_token_id
 
     if not family(cfg.draft_algorithm).block:
         return None
@@ -200,7 +200,7 @@ def resolve_mask_token(cfg: TrainConfig, verifier_vocab: int) -> int | None:
             raise UserError(f"--verifier {cfg.verifier}: no tokenizer to resolve the mask token from ({exc}); give --mask-token-id") from exc
         tokenizer = None
     try:
-        return resolve_mask_token_id(tokenizer, verifier_vocab, cfg.mask_token_id)
+        return choose_mask_token_id(tokenizer, verifier_vocab, cfg.mask_token_id)
     except BlockRuleError as exc:
         raise UserError(f"--mask-token-id: {exc}") from exc
 

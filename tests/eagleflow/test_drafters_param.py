@@ -171,3 +171,35 @@ def test_a_template_switch_apply_chat_template_owns_fails_the_first_task(tmp_pat
     cfg = PipelineConfig.from_params(base(tmp_path, random_tiny_model, chat_template_kwargs={"add_generation_prompt": True}))
     with pytest.raises(UserError, match=r"^Param chat_template_kwargs .*'add_generation_prompt' is an argument of apply_chat_template"):
         check_against_verifier(cfg)
+
+
+def test_an_entry_naming_only_its_family_takes_its_familys_defaults_beside_the_runs(tmp_path: Path, random_tiny_model: Path) -> None:
+    """The form's demo defaults (EAGLE-3's chain sweep and reduced vocabulary, run-wide) with ``["eagle3", "dflash"]``:
+    the DFlash takes its own family's defaults for what is a family's (its block's sweep, the full vocabulary, its
+    block size), and passes the first task's checks on a verifier whose full vocabulary leaves SGLang no room to add
+    a mask token (the pad token is chosen, and written into the export)."""
+    from eagleflow.demo import DEMO_PARAMS
+    from eagleflow.run.param_checks import check_against_verifier
+    from eagleflow.sglang_rules import BlockRuleError, choose_mask_token_id, resolve_mask_token_id
+    from eagleflow.verifier import load_tokenizer
+
+    cfg = PipelineConfig.from_params({**base(tmp_path, random_tiny_model), **DEMO_PARAMS, "drafters": ["eagle3", "dflash"]})
+    check_against_verifier(cfg)
+    eagle, dflash = (cfg.for_drafter(d) for d in cfg.drafter_plan())
+    assert eagle.evaluate_config().eval_configs == DEMO_PARAMS["eval_configs"]
+    assert eagle.train_config().draft_vocab_size == DEMO_PARAMS["draft_vocab_size"]
+    assert dflash.evaluate_config().eval_configs == ""  # its own default sweep: its block, 1 and eval_concurrency in flight
+    trained = dflash.train_config()
+    assert (trained.block_size, trained.draft_vocab_size) == (16, train_default("draft_vocab_size"))
+    # The tiny tokenizer is full (1024 ids, no <|MASK|>): SGLang could not add one; its pad token is chosen.
+    tokenizer = load_tokenizer(random_tiny_model)
+    with pytest.raises(BlockRuleError, match="not below the target's vocab size 1024"):
+        resolve_mask_token_id(tokenizer, 1024)
+    assert choose_mask_token_id(tokenizer, 1024) == tokenizer.pad_token_id == 0
+    assert choose_mask_token_id(tokenizer, 1024, 5) == 5  # a given id is SGLang's to check, as given
+
+
+def train_default(name: str) -> Any:
+    from eagleflow.train import TrainConfig
+
+    return TrainConfig.model_fields[name].default
