@@ -152,3 +152,6 @@ with DAG(
     [extract_shard, stop_server] >> build_vocab >> plan_train_nodes >> train_drafter >> plot_metrics
     train_drafter >> stop_server_after_training
     train_drafter >> export_drafter >> evaluate_drafter >> compare_drafters
+    # plan_engines checks every Param first: nothing else starts before it passes, and after a refusal every task
+    # says it could not run (upstream_failed) and compare_drafters, the last, gives the refusal's sentence.
+    plan_engines >> plan_drafters

@@ -30,6 +30,11 @@ def step_python() -> str:
     return os.environ.get("EAGLEFLOW_PYTHON") or sys.executable
 
 
+# The first task's refusal of the run's Params, in its one sentence (XCom key of plan_engines): the run's last task
+# leads its message with it, and the runs list shows it for a run that failed before writing its folder.
+REFUSAL_XCOM = "eagleflow_refused"
+
+
 def pipeline_config(context: Context, check_model: bool = True, check_paths: bool = False) -> PipelineConfig:
     """The run's Params as a validated :class:`PipelineConfig` (a bad Param fails here, named, as its message).
 
@@ -51,6 +56,8 @@ def pipeline_config(context: Context, check_model: bool = True, check_paths: boo
             check_against_verifier(cfg)
         return cfg.check_model() if check_model else cfg
     except UserError as exc:
+        if check_paths and "ti" in context:  # the first task: its sentence is what the last task and the runs list say
+            context["ti"].xcom_push(key=REFUSAL_XCOM, value=str(exc))
         raise ParamsRefused(str(exc)) from None  # the message is the report: no chain of frames under it
 
 

@@ -281,7 +281,12 @@ def test_a_missing_model_folder_fails_the_first_task_saying_so_and_nothing_start
     tis = {(ti.task_id, ti.map_index): ti for ti in run.get_task_instances()}
     assert str(run.state) == "failed"
     assert tis[("plan_engines", -1)].state == "failed" and tis[("plan_engines", -1)].try_number == 1
-    assert tis[("launch_server", -1)].state == "upstream_failed"
+    # Nothing ran after the first task: every other task could not (upstream_failed), but the last one, which runs
+    # whatever happened (all_done) and fails the run naming the refusal's sentence, which the first task kept.
+    others = {key: str(ti.state) for key, ti in tis.items() if key[0] not in ("plan_engines", "compare_drafters")}
+    assert set(others.values()) == {"upstream_failed"}, others
+    assert ("plan_drafters", -1) in others and tis[("compare_drafters", -1)].state == "failed"
+    assert refusal_of(run.run_id).startswith('Param model_path ("Verifier model folder"): ')
     assert not (tmp_path / "runs").exists(), "nothing was written before the check"
     from operators.step import ParamsRefused
     from operators.server import PlanEnginesOperator
@@ -289,3 +294,17 @@ def test_a_missing_model_folder_fails_the_first_task_saying_so_and_nothing_start
     context = {"params": conf, "run_id": "manual__x"}
     with pytest.raises(ParamsRefused, match=r'^Param model_path \("Verifier model folder"\): .*Kimi-K2.5 does not exist$'):
         PlanEnginesOperator(task_id="plan_engines").execute(context)  # type: ignore[arg-type]
+
+
+def refusal_of(run_id: str) -> str:
+    """The first task's refusal of a run's Params, as it kept it (its XCom)."""
+    from airflow.models.xcom import XComModel
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    from operators.step import REFUSAL_XCOM
+
+    with create_session() as session:
+        value = session.scalar(select(XComModel.value).where(
+            XComModel.run_id == run_id, XComModel.task_id == "plan_engines", XComModel.key == REFUSAL_XCOM))
+    return value
