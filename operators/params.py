@@ -16,9 +16,9 @@ def pipeline_params(defaults: dict[str, Any] | None = None) -> dict[str, dict[st
     Each entry is a JSON schema (``default``, ``type``, ``title``, ``description``, bounds)
     that ``airflow.sdk.Param(**entry)`` accepts, so the trigger form shows titles and help.
     """
-    from eagleflow.run.pipeline import param_schemas
+    from eagleflow.run import form_schemas
 
-    schemas = param_schemas()
+    schemas = form_schemas()
     for name, value in (defaults or {}).items():
         schemas[name]["default"] = value
     return schemas

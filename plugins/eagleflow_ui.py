@@ -294,6 +294,14 @@ def create_app(output_root: str | os.PathLike[str] | None = None) -> FastAPI:
                    "dag_runs_list": dag_runs_list_url()}
         return templates.TemplateResponse(request, "index.html", context)
 
+    @app.get("/readme", response_class=HTMLResponse)
+    def readme(request: Request) -> Response:
+        """The README, each heading anchored as on GitHub: the trigger form's help links to its sections."""
+        from plugins.readme_page import readme_html
+
+        page = readme_html()
+        return HTMLResponse(page) if page is not None else error_response(request, 404, "this deployment has no README")
+
     @app.get("/runs/{run_name}", response_class=HTMLResponse)
     def run_page(request: Request, run_name: str) -> Response:
         try:
