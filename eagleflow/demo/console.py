@@ -70,6 +70,11 @@ def _regenerated(r: dict[str, Any]) -> str:
     return f"{r['rows']} conversations regenerated ({r['shortened_conversations']} shortened, {r['skipped_rows']} left out)"
 
 
+def _node(n: dict[str, Any]) -> str:
+    drafter = n["drafter"]["name"]
+    return n["name"] if n["name"] == drafter else f"{n['name']} ({drafter})"  # several drafters: nodes named after them
+
+
 def _capture(r: dict[str, Any]) -> str:
     if r.get("passed") is None:
         return "not checked: no engine of this run to check"
@@ -109,7 +114,7 @@ def _exported(r: dict[str, Any]) -> str:
     drafter = Path(r["drafter"])
     sglang = json.loads((drafter / "export.json").read_text())["sglang"]
     size = sum(p.stat().st_size for p in Path(r["sglang"]).rglob("*") if p.is_file())
-    return f"{sglang['algorithm']} drafter for SGLang, {format_bytes(size)} in {r['sglang']}"
+    return f"{sglang['algorithm']} drafter for SGLang, {format_bytes(size)}"
 
 
 def _evaluated(r: dict[str, Any]) -> str:
@@ -139,9 +144,9 @@ _FIGURES: dict[str, Callable[[Any], str]] = {
     "plan_shards": lambda r: f"{len(r)} shard(s) of {r[0]['end'] - r[0]['start']} rows",
     "extract_shard": _shard,
     "build_vocab": _vocab,
-    "plan_train_nodes": lambda r: f"{len(r)} training node(s): {', '.join(n['name'] + ' ' + n['drafter']['name'] for n in r)}",
+    "plan_train_nodes": lambda r: f"{len(r)} training node(s): {', '.join(_node(n) for n in r)}",
     "train_drafter": _trained,
-    "plot_metrics": lambda r: f"{len(r['png'])} charts in {Path(r['png'][0]).parent}",
+    "plot_metrics": lambda r: f"{len(r['png'])} charts: {', '.join(Path(p).stem for p in r['png'])}",
     "export_drafter": _exported,
     "evaluate_drafter": _evaluated,
     "compare_drafters": _compared,
