@@ -3,8 +3,10 @@
 Builds the tiny verifier and 120 synthetic conversations (cached under .cache/demo), gives
 Airflow a SQLite home in .airflow-demo, runs the DAG in-process with ``dag.test()`` (the
 real scheduling loop, deferrals and mapped tasks; no scheduler daemon needed) with the
-demo's Params, then prints where everything is and a short summary (the capture check's
-figures among it).
+demo's Params, printing one line per task as it ends (state, duration, the figure that matters
+for it) while Airflow's task logs go to ``<run folder>/demo.log`` (a failed task's last lines
+come to the terminal too), then prints where everything is and a short summary (the capture
+check's figures among it).
 
 ``--hidden-states-dtype fp8`` runs the same DAG storing fp8 hidden states, ``--regenerate``
 with the verifier's own answers (``regenerate_responses``), and ``--online`` trains from the
