@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 
+from eagleflow.demo.console import TAIL_LINES, LogsToFile
 from eagleflow.extract.sample_store import validate_dataset
 from eagleflow.engine.process import ServerInfo, pid_alive, stop_server
 from reference_engines import ENGINE_COMPUTE_FLAGS, launch_engine
@@ -120,6 +124,14 @@ def test_parsing_the_dag_imports_no_heavy_library() -> None:
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
+def assert_task_lines(said: list[str], tis: dict[tuple[str, int], Any]) -> None:
+    """``said`` opens with one line per task instance of ``tis``: its state and its name, as ``make demo`` prints them."""
+    lines = said[:len(tis)]
+    shown = {line.split()[1]: line.split()[0] for line in lines}
+    named = {ti.task_id if index < 0 else f"{ti.task_id}[{ti.rendered_map_index or index}]": str(ti.state) for (_, index), ti in tis.items()}
+    assert len(lines) == len(tis) and shown == named, said
+
+
 def start_outside_engine(tmp_path: Path, model: Path, **faults: Any) -> ServerInfo:
     """A reference engine started by hand, outside Airflow (another team's server), injecting the test-only ``faults``."""
     return launch_engine(model, tmp_path / "remote-dumps", tmp_path / "remote.log", aux=[2, 4, 5], faults=faults)
@@ -147,14 +159,25 @@ def remote_conf(tmp_path: Path, model: Path, engine: ServerInfo, run_name: str) 
 
 @pytest.mark.e2e
 def test_remote_server_mode_launches_and_stops_nothing_and_extracts_everything(
-    eagleflow_dag, outside_engine, tmp_path: Path, random_tiny_model: Path
+    eagleflow_dag, outside_engine, tmp_path: Path, random_tiny_model: Path, scripts: Callable[[str], ModuleType]
 ) -> None:
     # Training and export are covered elsewhere; here the point is the engine hand-off, and the run
-    # stops after extraction: everything after it skipped, the run a success.
+    # stops after extraction: everything after it skipped, the run a success. It runs as make demo runs
+    # it: one line per task on the terminal, with the figure that matters for it; the logs in a file.
     conf = {**remote_conf(tmp_path, random_tiny_model, outside_engine, "remote"), "stop_after_extraction": True}
-    run = eagleflow_dag.test(run_conf=conf)
+    said: list[str] = []
+    with LogsToFile(tmp_path / "demo.log") as logs:
+        run = scripts("demo").run_with_task_lines(eagleflow_dag, conf, logs, said.append)
     tis = {(ti.task_id, ti.map_index): ti for ti in run.get_task_instances()}
     assert str(run.state) == "success", {k: ti.state for k, ti in tis.items()}
+    assert_task_lines(said, tis)
+    assert len(said) == len(tis), "a run that succeeds prints no log lines"
+    line = {line.split()[1]: line for line in said}
+    assert re.search(r"  passed: worst final-slot logprob error \d\.\d{3}, top-1 agreement \d+%$", line["verify_capture[engine-0]"])
+    assert re.search(r"\d+s  2 rows, [\d,]+ tokens, [\d.]+ kB of hidden states$", line["extract_shard[rows_10-12]"])
+    assert line["stop_server[engine-0]"].endswith("  remote engine left running")
+    assert line["build_vocab"] == "  skipped         build_vocab", "a skipped task: no duration, no figure"
+    assert "[DAG TEST] end task task_id=extract_shard" in (tmp_path / "demo.log").read_text()
     after_extraction = ("build_vocab", "plan_train_nodes", "train_drafter", "compare_drafters")
     assert {task: tis[(task, -1)].state for task in after_extraction} == dict.fromkeys(after_extraction, "skipped")
     # One instance per drafter (the run's one), each skipped: its drafter was never trained.
@@ -266,10 +289,12 @@ def test_online_mode_skips_every_shard_trains_from_the_engine_through_the_runs_s
 
 
 def test_a_missing_model_folder_fails_the_first_task_saying_so_and_nothing_starts(
-    eagleflow_dag, tmp_path: Path, random_tiny_model: Path
+    eagleflow_dag, tmp_path: Path, random_tiny_model: Path, scripts: Callable[[str], ModuleType]
 ) -> None:
     """The first task (plan_engines) checks every path Param: the run fails there, its message the reason in plain
-    words (no retry: the same Params fail alike), and no engine is launched nor any folder written."""
+    words (no retry: the same Params fail alike), and no engine is launched nor any folder written. Run as
+    ``make demo`` runs it, the terminal gets one line per task, then the failed task's last log lines with the
+    reason and the log file's path; Airflow's logs go to that file."""
     (tmp_path / "conv.jsonl").write_text("")
     conf = {
         "model_path": str(tmp_path / "models" / "Kimi-K2.5"), "dataset_input": str(tmp_path / "conv.jsonl"),
@@ -277,7 +302,9 @@ def test_a_missing_model_folder_fails_the_first_task_saying_so_and_nothing_start
         # Said explicitly: dag.test() keeps an earlier test's run_conf in the shared DAG's params.
         "server_urls": [], "server_dump_dir": None, "stop_after_extraction": False, "drafters": [], "sample_transport": "file",
     }
-    run = eagleflow_dag.test(run_conf=conf)
+    said: list[str] = []
+    with LogsToFile(tmp_path / "demo.log") as logs:
+        run = scripts("demo").run_with_task_lines(eagleflow_dag, conf, logs, said.append)
     tis = {(ti.task_id, ti.map_index): ti for ti in run.get_task_instances()}
     assert str(run.state) == "failed"
     assert tis[("plan_engines", -1)].state == "failed" and tis[("plan_engines", -1)].try_number == 1
@@ -287,6 +314,17 @@ def test_a_missing_model_folder_fails_the_first_task_saying_so_and_nothing_start
     assert set(others.values()) == {"upstream_failed"}, others
     assert ("plan_drafters", -1) in others and tis[("compare_drafters", -1)].state == "failed"
     assert refusal_of(run.run_id).startswith('Param model_path ("Verifier model folder"): ')
+    assert_task_lines(said, tis)
+    # then each failed task's last log lines: plan_engines with the reason, compare_drafters saying it compared nothing
+    headers = [i for i, line in enumerate(said) if line.startswith("[demo] ")]
+    assert [said[i] for i in headers] == [
+        f"[demo] {task} failed; the last {TAIL_LINES} lines of its log (all of Airflow's logs: {tmp_path / 'demo.log'}):"
+        for task in ("plan_engines", "compare_drafters")
+    ], said
+    tail = said[headers[0] + 1:headers[1]]
+    assert 0 < len(tail) <= TAIL_LINES and all(said[i].startswith("    ") for i in range(headers[0], len(said)) if i not in headers)
+    assert any('Param model_path ("Verifier model folder")' in line for line in tail), tail
+    assert "[DAG TEST] starting task_id=plan_engines" in (tmp_path / "demo.log").read_text(), "Airflow's logs went to the file"
     assert not (tmp_path / "runs").exists(), "nothing was written before the check"
     from operators.step import ParamsRefused
     from operators.server import PlanEnginesOperator
