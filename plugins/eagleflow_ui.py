@@ -36,9 +36,7 @@ called: the output root comes from the argument, else ``$EAGLEFLOW_OUTPUT_ROOT``
 from __future__ import annotations
 
 import json
-import math
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
@@ -55,13 +53,16 @@ from eagleflow.deploy import OUTPUT_ROOT_ENV
 from eagleflow.errors import UserError
 from eagleflow.files import RefusedFile, resolve_under
 from eagleflow.layout import RunLayout
-from eagleflow.progress import format_duration
 from eagleflow.report import MetricsCache, RunFiles, list_runs, run_summary
 
 try:
     from plugins.eagleflow_dag_runs import dag_run_url, dag_runs_by_folder, dag_runs_list_url
+    from plugins.page_filters import FILTERS
+    from plugins.readme_page import add_readme_route
 except ImportError:  # only the plugins folder is on sys.path (Airflow adds it)
     from eagleflow_dag_runs import dag_run_url, dag_runs_by_folder, dag_runs_list_url  # type: ignore[no-redef]
+    from page_filters import FILTERS  # type: ignore[no-redef]
+    from readme_page import add_readme_route  # type: ignore[no-redef]
 
 CONFIG_SECTION, CONFIG_KEY = "eagleflow", "output_root"
 # What the file route serves: charts, manifests, metrics and logs; never hidden states or weights. Only the
@@ -130,64 +131,10 @@ async def require_airflow_user(
 # templates and their filters
 
 
-def _real(value: Any) -> float | None:
-    """``value`` as a finite number, or None for anything else (None, text, a list, an undefined field)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value) if math.isfinite(value) else None
-
-
-def _num(value: Any, digits: int = 3) -> str:
-    if _real(value) is None:
-        return "–"
-    if isinstance(value, float) and not value.is_integer():
-        return f"{value:.{digits}g}" if abs(value) < 1e-2 else f"{value:.{digits}f}"
-    return f"{int(value):,}"
-
-
-def _percent(value: Any) -> str:
-    number = _real(value)
-    return "–" if number is None else f"{100 * number:.1f}%"
-
-
-def _thousands(value: Any) -> str:
-    number = _real(value)
-    return "–" if number is None else f"{number:,.0f}"
-
-
-def _scientific(value: Any) -> str:
-    number = _real(value)
-    return "–" if number is None else f"{number:.2e}"
-
-
-def _age(timestamp: Any) -> str:
-    if not _real(timestamp):
-        return "–"
-    seconds = max(0, time.time() - timestamp)
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.0f} {unit} ago"
-    return f"{seconds:.0f} s ago"
-
-
-def _duration(seconds: Any) -> str:
-    """``3725`` -> ``1h02m05s``; '–' for none (a training that did not record its time)."""
-    number = _real(seconds)
-    return "–" if number is None else format_duration(number)
-
-
-def _when(iso: Any) -> str:
-    """``2026-12-02T02:05:16.34+00:00`` -> ``2026-12-02 02:05 UTC`` (Airflow stores UTC); '–' for none."""
-    return f"{iso[:10]} {iso[11:16]} UTC" if isinstance(iso, str) and len(iso) >= 16 else "–"
-
-
 def make_templates() -> Jinja2Templates:
     """The page templates (autoescaped HTML) with eagleflow's number filters."""
     templates = Jinja2Templates(directory=str(TEMPLATES_DIR))
-    templates.env.filters.update(
-        num=_num, percent=_percent, age=_age, thousands=_thousands, scientific=_scientific, when=_when, duration=_duration,
-        urlquote=lambda s: quote(str(s)),
-    )
+    templates.env.filters.update(FILTERS, urlquote=lambda s: quote(str(s)))
     templates.env.globals.update(refresh_seconds=REFRESH_SECONDS)
     return templates
 
@@ -294,13 +241,7 @@ def create_app(output_root: str | os.PathLike[str] | None = None) -> FastAPI:
                    "dag_runs_list": dag_runs_list_url()}
         return templates.TemplateResponse(request, "index.html", context)
 
-    @app.get("/readme", response_class=HTMLResponse)
-    def readme(request: Request) -> Response:
-        """The README, each heading anchored as on GitHub: the trigger form's help links to its sections."""
-        from plugins.readme_page import readme_html
-
-        page = readme_html()
-        return HTMLResponse(page) if page is not None else error_response(request, 404, "this deployment has no README")
+    add_readme_route(app, error_response)
 
     @app.get("/runs/{run_name}", response_class=HTMLResponse)
     def run_page(request: Request, run_name: str) -> Response:

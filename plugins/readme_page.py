@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import html
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import HTMLResponse
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -43,3 +48,12 @@ def readme_html(readme: Path = README) -> str | None:
         "td,th{border:1px solid #ccc;padding:2px 6px}pre{background:#f6f6f6;padding:8px;overflow:auto}img{max-width:100%}"
         f"</style></head><body>{body}<p>{html.escape(str(readme.name))}</p></body></html>"
     )
+
+
+def add_readme_route(app: Any, error_response: Callable[[Any, int, str], Any]) -> None:
+    """``GET /readme`` on the plugin's app: the README page, or the plugin's 404 where there is none."""
+    @app.get("/readme", response_class=HTMLResponse)
+    def readme(request: Request) -> Any:
+        """The README, each heading anchored as on GitHub: the trigger form's help links to its sections."""
+        page = readme_html()
+        return HTMLResponse(page) if page is not None else error_response(request, 404, "this deployment has no README")
