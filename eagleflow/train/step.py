@@ -176,8 +176,8 @@ def ensure_vocab(cfg: TrainConfig, verifier_vocab: int, log: TrainLog) -> None:
     build_vocab(VocabConfig(dataset=cfg.dataset, draft_vocab_size=cfg.draft_vocab_size, target_vocab_size=verifier_vocab))
 
 
-def resolve_mask_token(cfg: TrainConfig, verifier_vocab: int) -> int | None:
-    """A block drafter's mask token id, as SGLang will resolve it for the verifier's tokenizer (None for
+def resolve_mask_token(cfg: TrainConfig, verifier_vocab: int) -> tuple[int, str] | None:
+    """A block drafter's mask token id and how it was chosen (:func:`eagleflow.sglang_rules.choose_mask_token_id`; None for
     EAGLE-3, which never uses one); refuses, before training, what SGLang would refuse or serve otherwise:
     a reduced draft vocabulary, a mask token id not below the vocabulary size."""
     from eagleflow.sglang_rules import BlockRuleError, choose_mask_token_id
@@ -258,7 +258,8 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
         rows, stored = check_dataset(cfg, hidden)
         if cfg.draft_vocab_size > vocab and not family(cfg.draft_algorithm).block:  # block drafters: the full vocabulary
             raise UserError(f"--draft-vocab-size {cfg.draft_vocab_size} exceeds the verifier vocabulary ({vocab})")
-        mask_token_id = resolve_mask_token(cfg, vocab)
+        mask = resolve_mask_token(cfg, vocab)
+        mask_token_id = None if mask is None else mask[0]
         source = f"from the engines ({', '.join(cfg.engine_urls)})" if online else "stored"
         log.say(
             f"{rows} rows, hidden states {source} as {stored}; verifier: {layers} layers, hidden {hidden}, vocab {vocab}; "
@@ -280,10 +281,10 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
             atomic_write_json(paths.config, json.loads(cfg.model_dump_json()))
             if resume is None:
                 log.say(f"starting fresh: {cfg.epochs} epochs, checkpoints in {paths.checkpoints}")
-            if mask_token_id is not None:
+            if mask is not None:
                 log.say(
                     f"{cfg.draft_algorithm} drafter: {cfg.num_layers} layer(s), block {cfg.block_size}, mask token id "
-                    f"{mask_token_id} (as SGLang resolves it), the full vocabulary of {vocab}"
+                    f"{mask[0]} ({mask[1]}), the full vocabulary of {vocab}"
                 )
             else:
                 target = serving_target(cfg.serve_with)

@@ -195,8 +195,9 @@ def test_an_entry_naming_only_its_family_takes_its_familys_defaults_beside_the_r
     tokenizer = load_tokenizer(random_tiny_model)
     with pytest.raises(BlockRuleError, match="not below the target's vocab size 1024"):
         resolve_mask_token_id(tokenizer, 1024)
-    assert choose_mask_token_id(tokenizer, 1024) == tokenizer.pad_token_id == 0
-    assert choose_mask_token_id(tokenizer, 1024, 5) == 5  # a given id is SGLang's to check, as given
+    assert choose_mask_token_id(tokenizer, 1024) == (0, "the pad token: mask token id 1024 is not below the target's vocab size 1024")
+    assert tokenizer.pad_token_id == 0
+    assert choose_mask_token_id(tokenizer, 1024, 5) == (5, "as given")  # a given id is SGLang's to check
 
 
 def train_default(name: str) -> Any:
