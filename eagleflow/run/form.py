@@ -80,15 +80,22 @@ def in_labels(text: str, labels: Mapping[str, str]) -> str:
     return re.sub(r"(?<![\w\-\"'])(--[a-z][\w-]*|[a-z]+(?:_[a-z0-9]+)+)(?![\w\-\"'])", label, text)
 
 
-def form_help(name: str, description: str, section: str | None, labels: Mapping[str, str]) -> dict[str, Any]:
+def form_help(name: str, description: str, section: str | None, labels: Mapping[str, str], bounds: str = "") -> dict[str, Any]:
     """The schema keys that carry Param ``name``'s help in the form: ``description``, or for a long help
-    ``description_md`` (Airflow's form renders it as Markdown when ``description`` is null) with the link."""
+    ``description_md`` (Airflow's form renders it as Markdown when ``description`` is null) with the link.
+
+    ``bounds``: a number's range as its help ends with it (``At least 1.``, :func:`eagleflow.config.bounds_text`),
+    kept after a cut too: the form checks no bound itself, so the help is where a user reads it.
+    """
     text = in_labels(description, {k: v for k, v in labels.items() if k != name})  # its own key: a symbol in a formula
     if len(text) <= SHORT_HELP:
         return {"description": text}
+    room = SHORT_HELP - len(bounds) - 1 if bounds else SHORT_HELP
     match = _FIRST_SENTENCE.match(text)
-    first = SHORT_HELPS.get(name) or (match.group(1) if match and len(match.group(1)) <= SHORT_HELP else
-                                      text[:SHORT_HELP].rsplit(" ", 1)[0] + " …")
+    first = SHORT_HELPS.get(name) or (match.group(1) if match and len(match.group(1)) <= room else
+                                      text[:room].rsplit(" ", 1)[0] + " …")
+    if bounds and not first.endswith(bounds):
+        first = f"{first} {bounds}"
     return {"description": None, "description_md": f"{first} [More in the README]({README_PATH}#{readme_anchor(name, section)})"}
 
 
@@ -97,9 +104,12 @@ def form_schemas() -> dict[str, dict[str, Any]]:
     in the form's words (:func:`form_help`)."""
     from eagleflow.run.pipeline import param_schemas
 
+    from eagleflow.config import bounds_text
+
     schemas = param_schemas()
     labels = {name: schema.get("title") or name for name, schema in schemas.items()}
     for name, schema in schemas.items():
         if schema.get("description"):
-            schema.update(form_help(name, schema["description"], schema.get("section"), labels))
+            bounds = bounds_text(schema["allOf"][0]) if schema.get("allOf") else ""
+            schema.update(form_help(name, schema["description"], schema.get("section"), labels, bounds))
     return schemas

@@ -38,3 +38,15 @@ def test_every_link_of_the_form_opens_its_readme_section(client: Any) -> None:
     anchors = set(re.findall(r'<h[1-6] id="([^"]+)"', page.text))
     linked = {match.group(1) for schema in form_schemas().values() if (match := LINK.search(shown(schema)))}
     assert linked and linked <= anchors, sorted(linked - anchors)
+
+
+def test_a_bounded_number_says_its_range_in_the_form_even_when_its_help_is_cut() -> None:
+    """The form checks no bound itself (a refused value is named only in the box at the form's top): the help under
+    the field says the range, also after a long help is cut to its first sentence."""
+    from eagleflow.config import bounds_text
+
+    bounded = {name: schema for name, schema in form_schemas().items() if schema.get("allOf")}
+    for name, schema in bounded.items():
+        assert LINK.sub("", shown(schema)).rstrip().endswith(bounds_text(schema["allOf"][0])), name
+    assert shown(bounded["shard_size"]).endswith("At least 1.") and bounded["shard_size"]["allOf"] == [{"minimum": 1}]
+    assert LINK.search(shown(bounded["num_engines"])) and "From 1 to 64. [More in the README]" in shown(bounded["num_engines"])
