@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from eagleflow.deploy import DAG_ID, GPU_POOL, GPU_QUEUE  # noqa: F401  (re-exported for the DAG)
+from eagleflow.deploy import DAG_ID, GPU_POOL, GPU_QUEUE, PLAN_DRAFTERS_TASK_ID  # noqa: F401  (re-exported for the DAG)
 
 DEMO_DIR_ENV = "EAGLEFLOW_DEMO_DIR"
 

@@ -8,10 +8,13 @@ Routes (relative to the mount point):
 ``/runs/{run}/files/{path}``           a chart or log of that run (only regular files under the output root),
                                        with headers that let no script in it run (:data:`FILE_HEADERS`)
 ``/api/runs/{run}``                    the same facts as JSON
+``/dag-runs/{dag_id}/{run_id}``         the page of the run folder a DAG run writes (a redirect to ``/runs/{run}``): the
+                                       "eagleflow run" tab of each DAG run's page in Airflow (:mod:`eagleflow_plugin`)
 
 A run folder is matched to the DAG runs that write it (:func:`dag_runs_by_folder`, read from
-Airflow's metadata database): each page links to its DAG run in Airflow's UI and shows its state. A DAG
-run that failed before its first task wrote its folder is listed too, and its run page says so.
+Airflow's metadata database): each page links to its DAG run in Airflow's UI and shows its state; a running
+run's drafters are counted by its drafter plan. A DAG run that failed before its first task wrote its folder is
+listed too, with the reason its first failed task gave (:func:`first_failure`), and its run page says so.
 
 Airflow 3.3 shows these pages (Browse → eagleflow runs, the route ``/plugin/eagleflow/*``) in an
 ``<iframe sandbox="allow-scripts allow-same-origin allow-forms allow-downloads">`` (its UI bundle,
@@ -44,23 +47,27 @@ from urllib.parse import quote
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.templating import Jinja2Templates
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from eagleflow.deploy import OUTPUT_ROOT_ENV
+from eagleflow.deploy import DAG_ID, OUTPUT_ROOT_ENV
 from eagleflow.errors import UserError
 from eagleflow.files import RefusedFile, resolve_under
-from eagleflow.layout import RunLayout
+from eagleflow.layout import RunLayout, run_name_of
 from eagleflow.report import MetricsCache, RunFiles, list_runs, run_summary
 
 try:
-    from plugins.eagleflow_dag_runs import dag_run_url, dag_runs_by_folder, dag_runs_list_url
+    from plugins.eagleflow_dag_runs import (
+        UNFINISHED_DAG_RUN_STATES, dag_run_conf, dag_run_url, dag_runs_by_folder, dag_runs_list_url, newest_plan, without_folder,
+    )
     from plugins.page_filters import FILTERS
     from plugins.readme_page import add_readme_route
 except ImportError:  # only the plugins folder is on sys.path (Airflow adds it)
-    from eagleflow_dag_runs import dag_run_url, dag_runs_by_folder, dag_runs_list_url  # type: ignore[no-redef]
+    from eagleflow_dag_runs import (  # type: ignore[no-redef]
+        UNFINISHED_DAG_RUN_STATES, dag_run_conf, dag_run_url, dag_runs_by_folder, dag_runs_list_url, newest_plan, without_folder,
+    )
     from page_filters import FILTERS  # type: ignore[no-redef]
     from readme_page import add_readme_route  # type: ignore[no-redef]
 
@@ -83,7 +90,6 @@ FILE_HEADERS = {
 }
 CHUNK_BYTES = 1 << 16  # a served file is streamed, never held whole in memory
 REFRESH_SECONDS = 30
-UNFINISHED_DAG_RUN_STATES = ("queued", "running")  # the run page reloads while its DAG run is in one
 TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
 
 _bearer = HTTPBearer(auto_error=False)
@@ -226,12 +232,14 @@ def create_app(output_root: str | os.PathLike[str] | None = None) -> FastAPI:
     def summary_with_dag_runs(run_name: str) -> dict[str, Any]:
         layout = run_layout(run_name)
         dag_runs = dag_runs_by_folder(root)  # type: ignore[arg-type]  (run_layout checked it)
-        return {**run_summary(layout, metrics), "dag_runs": None if dag_runs is None else dag_runs.get(layout.root.name, [])}
+        found = None if dag_runs is None else dag_runs.get(layout.root.name, [])
+        return {**run_summary(layout, metrics, newest_plan(found)), "dag_runs": found}
 
     @app.get("/", response_class=HTMLResponse)
     def index(request: Request) -> Response:
-        runs = list_runs(root, metrics) if root else []
         dag_runs = dag_runs_by_folder(root) if root else {}
+        planned = {name: newest_plan(found) for name, found in (dag_runs or {}).items()}
+        runs = list_runs(root, metrics, planned) if root else []
         for run in runs:
             run["dag_run"] = (dag_runs.get(run["name"]) or [None])[0] if dag_runs is not None else None
         listed = {run["name"] for run in runs}
@@ -268,6 +276,20 @@ def create_app(output_root: str | os.PathLike[str] | None = None) -> FastAPI:
     def run_json(run_name: str) -> JSONResponse:
         return JSONResponse(summary_with_dag_runs(run_name))
 
+    @app.get("/dag-runs/{dag_id}/{run_id:path}")
+    def dag_run_page(request: Request, dag_id: str, run_id: str) -> Response:
+        # Airflow shows a plugin's DAG-run view on the page of every DAG's runs: only the eagleflow DAG's have a folder.
+        if dag_id != DAG_ID:
+            raise PageError(404, f"DAG {dag_id!r} is not eagleflow's ({DAG_ID!r}): its runs have no eagleflow run folder")
+        conf = dag_run_conf(run_id)
+        if conf is None:
+            raise PageError(404, f"no DAG run {run_id!r} of the {DAG_ID} DAG")
+        if root is not None and conf.get("output_root") and Path(str(conf["output_root"])).resolve() != root:
+            raise PageError(404, f"DAG run {run_id!r} writes its run folder under {conf['output_root']}; these pages show "
+                                 f"the runs under {root}")
+        name = run_name_of(conf, run_id)
+        return RedirectResponse(f"{list_href(request)}runs/{quote(name, safe='')}", status_code=303)
+
     @app.get("/runs/{run_name}/files/{file_path:path}")
     def run_file(run_name: str, file_path: str) -> StreamingResponse:
         layout = run_layout(run_name)
@@ -282,35 +304,6 @@ def create_app(output_root: str | os.PathLike[str] | None = None) -> FastAPI:
 
 class NoRunFolder(PageError):
     """The run's folder does not exist (a 404, unless a DAG run of that name failed before writing it)."""
-
-
-def without_folder(root: Path, name: str, dag_runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """A row of the list for a folder that DAG runs write but that holds no run (yet): its newest DAG run,
-    when it last changed, and why there is nothing to show (``no_folder``)."""
-    latest = dag_runs[0]
-    try:
-        layout = RunLayout.of(root, name)
-    except UserError:  # a run_name Param no run may use: the DAG run failed on it, before any folder
-        layout = None
-    exists = layout is not None and RunFiles(layout).folder(layout.root)
-    state = latest["state"]
-    if exists:
-        why = "its folder holds no shards, training or drafters yet"
-    elif state in UNFINISHED_DAG_RUN_STATES:
-        why = "no run folder yet: no task of the DAG run has written it"
-    elif state == "failed":
-        why = "no run folder was written: the DAG run failed before its first task wrote it"
-    else:
-        why = "no run folder: the DAG run wrote none here, or it was moved or deleted since"
-    when = next((latest[k] for k in ("end_date", "start_date", "first_start", "run_after") if latest.get(k)), None)
-    return {"name": name, "linked": layout is not None, "dag_run": latest, "headline": None, "no_folder": why,
-            "modified": _timestamp(when)}
-
-
-def _timestamp(iso: str | None) -> float | None:
-    from datetime import datetime
-
-    return datetime.fromisoformat(iso).timestamp() if iso else None
 
 
 def open_run_file(layout: RunLayout, relative: str) -> BinaryIO:

@@ -57,6 +57,30 @@ def record_dflash_metrics() -> Any:
     return _record_dflash_metrics
 
 
+def write_compared_run(run: Path, chart_png: Path) -> dict[str, Any]:
+    """``run``: drafters ``eagle3`` (EAGLE-3 metrics of the fixture run, trained 3725 s) and ``dflash`` (the real DFlash
+    training's metrics), each evaluated, with its training and evaluation charts (``chart_png``'s bytes, each tagged
+    as its own file); then compared (``eval/compare.json``, eagle3 the winner). Returns ``{run, layouts, dflash_records}``."""
+    import argparse
+
+    from drafter_runs import write_two_drafters
+    from eagleflow.report.compare import main as compare
+
+    layouts = write_two_drafters(run)
+    shutil.copyfile(FIXTURES / "metrics.jsonl", layouts["eagle3"].train.metrics)
+    dflash_records = _record_dflash_metrics(layouts["dflash"].train.metrics)
+    charts = {"eagle3": ("loss", "acc"), "dflash": ("loss", "eal", "acc")}
+    for name, layout in layouts.items():
+        layout.train.log.write_text(f"{name}: step 0 loss 9.1\n")
+        layout.charts.mkdir()
+        for chart in charts[name]:
+            (layout.charts / f"{chart}.png").write_bytes(chart_png.read_bytes() + f"{name}/{chart}".encode())
+        for chart in ("accept", "sweep"):
+            (layout.evaluation / f"{chart}.png").write_bytes(chart_png.read_bytes() + f"{name}/{chart}".encode())
+    assert compare(argparse.Namespace(run=run, drafters=["eagle3", "dflash"])) == 0
+    return {"run": run, "layouts": layouts, "dflash_records": dflash_records}
+
+
 @pytest.fixture()
 def output_root(tmp_path: Path) -> Path:
     """``<root>/demo``: three shard manifests, metrics from the real fixture run, two charts; plus
@@ -138,23 +162,26 @@ def client(output_root: Path, airflow_login: AirflowLogin) -> Any:
 
 @pytest.fixture()
 def dag_runs(airflow_login: AirflowLogin, output_root: Path) -> Iterator[Callable[..., None]]:
-    """``add(run_id, state, conf, minutes_ago, *, started_minutes_ago=…, cleared=0, tries=())``: a DAG run of the
-    eagleflow DAG in the test's metadata DB (removed after), triggered ``minutes_ago``.
+    """``add(run_id, state, conf, minutes_ago, *, started_minutes_ago=…, cleared=0, tries=(), failed=(), plan=None)``: a
+    DAG run of the eagleflow DAG in the test's metadata DB (removed after), triggered ``minutes_ago``.
 
     Its ``start_date`` is ``started_minutes_ago`` (default: when triggered; None: not started). ``tries`` are
     ``(task_id, minutes_ago)`` starts of task tries: the last of a task is its current try (``task_instance``),
-    the earlier ones are in ``task_instance_history``, as Airflow keeps a cleared or retried try.
-    ``cleared``: the DAG run's ``clear_number``. A finished one ended when it started.
+    the earlier ones are in ``task_instance_history``, as Airflow keeps a cleared or retried try; a task named in
+    ``failed`` failed its current try (else it succeeded), ending a minute after it started.
+    ``cleared``: the DAG run's ``clear_number``. A finished one ended when it started. ``plan``: the drafter plan
+    ``plan_drafters`` returned (its XCom), when it ran.
     """
     import pendulum
     from airflow.models.dagrun import DagRun
     from airflow.models.taskinstance import TaskInstance
     from airflow.models.taskinstancehistory import TaskInstanceHistory
+    from airflow.models.xcom import XComModel
     from airflow.utils.session import create_session
     from airflow.utils.types import DagRunType
     from sqlalchemy import delete, insert
 
-    from eagleflow.deploy import DAG_ID
+    from eagleflow.deploy import DAG_ID, PLAN_DRAFTERS_TASK_ID
 
     added: list[str] = []
     unset = object()
@@ -163,7 +190,8 @@ def dag_runs(airflow_login: AirflowLogin, output_root: Path) -> Iterator[Callabl
         return None if minutes is None else pendulum.now("UTC").subtract(minutes=minutes)
 
     def add(run_id: str, state: str, conf: dict[str, Any], minutes_ago: float, *, started_minutes_ago: Any = unset,
-            cleared: int = 0, tries: tuple[tuple[str, float], ...] = ()) -> None:
+            cleared: int = 0, tries: tuple[tuple[str, float], ...] = (), failed: tuple[str, ...] = (),
+            plan: list[dict[str, Any]] | None = None) -> None:
         start = ago(minutes_ago if started_minutes_ago is unset else started_minutes_ago)
         with create_session() as session:
             session.add(DagRun(dag_id=DAG_ID, run_id=run_id, run_type=DagRunType.MANUAL, state=state, conf=conf,
@@ -180,14 +208,50 @@ def dag_runs(airflow_login: AirflowLogin, output_root: Path) -> Iterator[Callabl
                 *earlier, current = starts
                 key = {"dag_id": DAG_ID, "run_id": run_id, "task_id": task_id, "map_index": -1, "pool": "default_pool"}
                 ti = TaskInstance.__table__
-                session.execute(insert(ti).values(**key, id=uuid.uuid4(), try_number=len(starts),
-                                                  start_date=ago(current), state="success"))
+                session.execute(insert(ti).values(**key, id=uuid.uuid4(), try_number=len(starts), start_date=ago(current),
+                                                  end_date=ago(current - 1), state="failed" if task_id in failed else "success"))
                 for number, minutes in enumerate(earlier, start=1):
                     session.execute(insert(TaskInstanceHistory.__table__).values(
                         **key, task_instance_id=uuid.uuid4(), try_number=number, start_date=ago(minutes), state="failed"))
+            if plan is not None:
+                XComModel.set("return_value", plan, dag_id=DAG_ID, task_id=PLAN_DRAFTERS_TASK_ID, run_id=run_id, session=session)
         added.append(run_id)
 
     yield add
     with create_session() as session:
-        for table in (TaskInstanceHistory, TaskInstance, DagRun):
+        for table in (XComModel, TaskInstanceHistory, TaskInstance, DagRun):
             session.execute(delete(table).where(table.dag_id == DAG_ID, table.run_id.in_(added)))
+
+
+# A task's exception as Airflow 3.3's task runner logs it (``log.exception("Task failed with exception")``, one JSON
+# line of the task's log; read from a real failed task by ``test_ui_in_airflow.py``).
+def failed_task_line(exc_type: str, message: str) -> dict[str, Any]:
+    return {"timestamp": "2026-12-07T03:21:49.397993Z", "event": "Task failed with exception", "level": "error", "logger": "task",
+            "filename": "task_runner.py", "lineno": 1639,
+            "error_detail": [{"exc_type": exc_type, "exc_value": message, "exc_notes": [], "syntax_error": None, "is_cause": False,
+                              "frames": [{"filename": "step.py", "lineno": 54, "name": "pipeline_config"}], "is_group": False,
+                              "exceptions": []}]}
+
+
+@pytest.fixture()
+def task_logs(airflow_db: Path) -> Iterator[Callable[..., Path]]:
+    """``write(run_id, task_id, *lines)``: the log of a task's first try where Airflow's log reader finds it (the
+    configured log folder and file name template), one JSON line per dict; removed after."""
+    from airflow.configuration import conf
+    from jinja2 import Template
+
+    from eagleflow.deploy import DAG_ID
+
+    folder, written = Path(conf.get("logging", "base_log_folder")), []
+
+    def write(run_id: str, task_id: str, *lines: dict[str, Any]) -> Path:
+        ti = {"dag_id": DAG_ID, "run_id": run_id, "task_id": task_id, "map_index": -1}
+        path = folder / Template(conf.get("logging", "log_filename_template")).render(ti=ti, try_number=1)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        written.append(path)
+        return path
+
+    yield write
+    for path in written:
+        shutil.rmtree(path.parents[1], ignore_errors=True)  # .../run_id=<run>/task_id=<task>/attempt=1.log
