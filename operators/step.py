@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
+# REFUSAL_XCOM: the first task's refusal of the run's Params, in its one sentence (XCom key of plan_engines): the run's
+# last task leads its message with it, and the UI plugin's runs list shows it for a run that failed before its folder.
+from eagleflow.deploy import REFUSAL_XCOM
 from eagleflow.errors import UserError
 
 if TYPE_CHECKING:
@@ -28,11 +31,6 @@ ERROR_TAIL_LINES = 30
 def step_python() -> str:
     """Interpreter for the steps: ``EAGLEFLOW_PYTHON`` lets a deployment point them at another environment."""
     return os.environ.get("EAGLEFLOW_PYTHON") or sys.executable
-
-
-# The first task's refusal of the run's Params, in its one sentence (XCom key of plan_engines): the run's last task
-# leads its message with it, and the runs list shows it for a run that failed before writing its folder.
-REFUSAL_XCOM = "eagleflow_refused"
 
 
 def pipeline_config(context: Context, check_model: bool = True, check_paths: bool = False) -> PipelineConfig:

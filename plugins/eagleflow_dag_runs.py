@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from eagleflow.deploy import DAG_ID, PLAN_DRAFTERS_TASK_ID
+from eagleflow.deploy import DAG_ID, PLAN_DRAFTERS_TASK_ID, REFUSAL_XCOM
 from eagleflow.errors import UserError
 from eagleflow.layout import RunLayout
 from eagleflow.report import RunFiles
@@ -168,13 +168,15 @@ def first_failure(run_id: str) -> dict[str, str | None] | None:
     """The first task of DAG run ``run_id`` that failed, and why: ``{task, reason}``, or None when none failed.
 
     The first is the failed task instance that ended first (the tasks after it are ``upstream_failed``, with no
-    log). Its reason is the message of the exception it failed with, read from its log through Airflow's own log
-    reader (``TaskLogReader``, what the UI's log view uses: local files, a worker's log server or remote logging
-    alike): Airflow 3.3 keeps a task's exception nowhere else (no column of ``task_instance`` holds it; its note is
-    the users'). Only the message's first line: an eagleflow task that refuses its input fails with one sentence
-    (``AirflowFailException``). ``reason`` is None when the log cannot be read or holds no exception.
+    log). Its reason: the sentence the first task keeps when it refuses the run's Params (XCom
+    :data:`~eagleflow.deploy.REFUSAL_XCOM`, in the metadata database), else the message of the exception it failed
+    with, read from its log through Airflow's own log reader (``TaskLogReader``, what the UI's log view uses: local
+    files, a worker's log server or remote logging alike): Airflow 3.3 keeps a task's exception nowhere else (no
+    column of ``task_instance`` holds it; its note is the users'). Only the message's first line: an eagleflow task
+    that refuses its input fails with one sentence (``AirflowFailException``). ``reason`` is None when neither says.
     """
     from airflow.models.taskinstance import TaskInstance
+    from airflow.models.xcom import XComModel
     from airflow.utils.session import create_session
     from airflow.utils.state import TaskInstanceState
     from sqlalchemy import select
@@ -193,7 +195,12 @@ def first_failure(run_id: str) -> dict[str, str | None] | None:
             return None
         task = ti.task_id if ti.map_index < 0 else f"{ti.task_id} {ti.rendered_map_index or ti.map_index}"
         key = (run_id, ti.task_id, ti.map_index, ti.try_number)
-        reason = _reasons.get(key) or _failure_reason(ti)
+        refusal = session.scalars(select(XComModel).where(
+            XComModel.dag_id == DAG_ID, XComModel.run_id == run_id, XComModel.task_id == ti.task_id,
+            XComModel.map_index == ti.map_index, XComModel.key == REFUSAL_XCOM,
+        )).first()
+        said = XComModel.deserialize_value(refusal) if refusal is not None else None
+        reason = _first_line(said) if isinstance(said, str) and said.strip() else _reasons.get(key) or _failure_reason(ti)
     if reason is not None:  # none yet: the log may still be arriving (a worker's log reaches its reader after the state)
         if len(_reasons) >= REASONS_KEPT:
             _reasons.clear()
@@ -217,11 +224,15 @@ def _failure_reason(ti: Any) -> str | None:
             raised = next((d for d in details if isinstance(d, dict) and not d.get("is_cause")), None)
             text = str((raised or {}).get("exc_value") or "").strip()
             if text:
-                line = text.splitlines()[0]
-                return line if len(line) <= REASON_CHARS else line[: REASON_CHARS - 1] + "…"
+                return _first_line(text)
     except Exception:  # noqa: BLE001  (a log that cannot be read leaves the page its link to the log)
         return None
     return None
+
+
+def _first_line(text: str) -> str:
+    line = text.strip().splitlines()[0]
+    return line if len(line) <= REASON_CHARS else line[: REASON_CHARS - 1] + "…"
 
 
 def newest_plan(dag_runs: list[dict[str, Any]] | None) -> list[str] | None:

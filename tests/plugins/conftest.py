@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
+from ui_run_folders import FIXTURES, write_dflash_metrics
 
 # A 1x1 PNG: the routes serve chart files, they do not look inside them.
 TINY_PNG = bytes.fromhex(
@@ -29,56 +28,11 @@ def write_manifest(shards: Path, **fields: Any) -> None:
     (shards / f"{data['name']}.json").write_text(json.dumps(data))
 
 
-def _record_dflash_metrics(metrics: Path) -> list[dict[str, Any]]:
-    import io
-    import logging
-
-    from eagleflow.metrics import read_records
-    from eagleflow.train.recorder import MetricsRecorder
-
-    metrics.unlink(missing_ok=True)
-    recorder = MetricsRecorder(metrics, stream=io.StringIO(), clock=time.time)
-    logger = logging.getLogger("eagleflow.test.plugins.dflash")
-    logger.handlers, logger.propagate, logger.level = [recorder], False, logging.INFO
-    try:
-        for line in (FIXTURES / "dflash" / "metric_dicts.jsonl").read_text().splitlines():
-            entry = json.loads(line)
-            logger.info(entry["msg"], extra={"step": entry["step"]})
-    finally:
-        logger.handlers = []
-        recorder.close()
-    return read_records(metrics)
-
-
 @pytest.fixture()
 def record_dflash_metrics() -> Any:
     """``record(metrics)``: the real DFlash training's metric dicts (``fixtures/metrics/dflash``) through the
     training step's recorder into ``metrics``, as speculators logs them; returns the records written."""
-    return _record_dflash_metrics
-
-
-def write_compared_run(run: Path, chart_png: Path) -> dict[str, Any]:
-    """``run``: drafters ``eagle3`` (EAGLE-3 metrics of the fixture run, trained 3725 s) and ``dflash`` (the real DFlash
-    training's metrics), each evaluated, with its training and evaluation charts (``chart_png``'s bytes, each tagged
-    as its own file); then compared (``eval/compare.json``, eagle3 the winner). Returns ``{run, layouts, dflash_records}``."""
-    import argparse
-
-    from drafter_runs import write_two_drafters
-    from eagleflow.report.compare import main as compare
-
-    layouts = write_two_drafters(run)
-    shutil.copyfile(FIXTURES / "metrics.jsonl", layouts["eagle3"].train.metrics)
-    dflash_records = _record_dflash_metrics(layouts["dflash"].train.metrics)
-    charts = {"eagle3": ("loss", "acc"), "dflash": ("loss", "eal", "acc")}
-    for name, layout in layouts.items():
-        layout.train.log.write_text(f"{name}: step 0 loss 9.1\n")
-        layout.charts.mkdir()
-        for chart in charts[name]:
-            (layout.charts / f"{chart}.png").write_bytes(chart_png.read_bytes() + f"{name}/{chart}".encode())
-        for chart in ("accept", "sweep"):
-            (layout.evaluation / f"{chart}.png").write_bytes(chart_png.read_bytes() + f"{name}/{chart}".encode())
-    assert compare(argparse.Namespace(run=run, drafters=["eagle3", "dflash"])) == 0
-    return {"run": run, "layouts": layouts, "dflash_records": dflash_records}
+    return write_dflash_metrics
 
 
 @pytest.fixture()
@@ -162,15 +116,16 @@ def client(output_root: Path, airflow_login: AirflowLogin) -> Any:
 
 @pytest.fixture()
 def dag_runs(airflow_login: AirflowLogin, output_root: Path) -> Iterator[Callable[..., None]]:
-    """``add(run_id, state, conf, minutes_ago, *, started_minutes_ago=…, cleared=0, tries=(), failed=(), plan=None)``: a
-    DAG run of the eagleflow DAG in the test's metadata DB (removed after), triggered ``minutes_ago``.
+    """``add(run_id, state, conf, minutes_ago, *, started_minutes_ago=…, cleared=0, tries=(), failed=(), plan=None,
+    refusals={})``: a DAG run of the eagleflow DAG in the test's metadata DB (removed after), triggered ``minutes_ago``.
 
     Its ``start_date`` is ``started_minutes_ago`` (default: when triggered; None: not started). ``tries`` are
     ``(task_id, minutes_ago)`` starts of task tries: the last of a task is its current try (``task_instance``),
     the earlier ones are in ``task_instance_history``, as Airflow keeps a cleared or retried try; a task named in
     ``failed`` failed its current try (else it succeeded), ending a minute after it started.
     ``cleared``: the DAG run's ``clear_number``. A finished one ended when it started. ``plan``: the drafter plan
-    ``plan_drafters`` returned (its XCom), when it ran.
+    ``plan_drafters`` returned (its XCom), when it ran; ``refusals``: per task, the sentence it kept refusing the run's
+    Params (XCom ``REFUSAL_XCOM``, as the first task keeps it).
     """
     import pendulum
     from airflow.models.dagrun import DagRun
@@ -181,7 +136,7 @@ def dag_runs(airflow_login: AirflowLogin, output_root: Path) -> Iterator[Callabl
     from airflow.utils.types import DagRunType
     from sqlalchemy import delete, insert
 
-    from eagleflow.deploy import DAG_ID, PLAN_DRAFTERS_TASK_ID
+    from eagleflow.deploy import DAG_ID, PLAN_DRAFTERS_TASK_ID, REFUSAL_XCOM
 
     added: list[str] = []
     unset = object()
@@ -191,7 +146,7 @@ def dag_runs(airflow_login: AirflowLogin, output_root: Path) -> Iterator[Callabl
 
     def add(run_id: str, state: str, conf: dict[str, Any], minutes_ago: float, *, started_minutes_ago: Any = unset,
             cleared: int = 0, tries: tuple[tuple[str, float], ...] = (), failed: tuple[str, ...] = (),
-            plan: list[dict[str, Any]] | None = None) -> None:
+            plan: list[dict[str, Any]] | None = None, refusals: dict[str, str] | None = None) -> None:
         start = ago(minutes_ago if started_minutes_ago is unset else started_minutes_ago)
         with create_session() as session:
             session.add(DagRun(dag_id=DAG_ID, run_id=run_id, run_type=DagRunType.MANUAL, state=state, conf=conf,
@@ -215,22 +170,14 @@ def dag_runs(airflow_login: AirflowLogin, output_root: Path) -> Iterator[Callabl
                         **key, task_instance_id=uuid.uuid4(), try_number=number, start_date=ago(minutes), state="failed"))
             if plan is not None:
                 XComModel.set("return_value", plan, dag_id=DAG_ID, task_id=PLAN_DRAFTERS_TASK_ID, run_id=run_id, session=session)
+            for task_id, sentence in (refusals or {}).items():
+                XComModel.set(REFUSAL_XCOM, sentence, dag_id=DAG_ID, task_id=task_id, run_id=run_id, session=session)
         added.append(run_id)
 
     yield add
     with create_session() as session:
         for table in (XComModel, TaskInstanceHistory, TaskInstance, DagRun):
             session.execute(delete(table).where(table.dag_id == DAG_ID, table.run_id.in_(added)))
-
-
-# A task's exception as Airflow 3.3's task runner logs it (``log.exception("Task failed with exception")``, one JSON
-# line of the task's log; read from a real failed task by ``test_ui_in_airflow.py``).
-def failed_task_line(exc_type: str, message: str) -> dict[str, Any]:
-    return {"timestamp": "2026-12-07T03:21:49.397993Z", "event": "Task failed with exception", "level": "error", "logger": "task",
-            "filename": "task_runner.py", "lineno": 1639,
-            "error_detail": [{"exc_type": exc_type, "exc_value": message, "exc_notes": [], "syntax_error": None, "is_cause": False,
-                              "frames": [{"filename": "step.py", "lineno": 54, "name": "pipeline_config"}], "is_group": False,
-                              "exceptions": []}]}
 
 
 @pytest.fixture()

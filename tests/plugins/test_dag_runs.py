@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pendulum
-from conftest import failed_task_line
+from ui_run_folders import failed_task_line
 from fastapi.testclient import TestClient
 
 HTML = {"accept": "text/html"}
@@ -30,18 +30,22 @@ def test_a_dag_run_that_failed_before_writing_its_folder_is_listed_and_has_a_pag
     client: TestClient, output_root: Path, dag_runs: Callable[..., None], task_logs: Callable[..., Path]
 ) -> None:
     here = {"output_root": str(output_root)}
-    # plan_engines refused the verifier folder first; prepare_dataset failed after it (on its own log's reason).
-    dag_runs("manual__bad-model", "failed", {**here, "run_name": "never-written"}, minutes_ago=30,
-             tries=(("plan_engines", 29), ("prepare_dataset", 28), ("plan_drafters", 29)), failed=("plan_engines", "prepare_dataset"))
+    # plan_engines refused the verifier folder (its sentence kept as XCom); a task failing after it gave another reason.
     refused = 'Param model_path ("Verifier model folder"): /models/kimi does not exist'
-    task_logs("manual__bad-model", "plan_engines", {"event": "Checking the run's paths", "level": "info"},
-              failed_task_line("ParamsRefused", refused))
-    task_logs("manual__bad-model", "prepare_dataset", failed_task_line("ParamsRefused", "a later task's reason"))
+    dag_runs("manual__bad-model", "failed", {**here, "run_name": "never-written"}, minutes_ago=30,
+             tries=(("plan_engines", 29), ("compare_drafters", 28)), failed=("plan_engines", "compare_drafters"),
+             refusals={"plan_engines": refused})
+    task_logs("manual__bad-model", "compare_drafters", failed_task_line("AirflowFailException", "a later task's reason"))
     dag_runs("manual__waiting", "queued", {**here, "run_name": "not-yet"}, minutes_ago=2, started_minutes_ago=None)
     dag_runs("manual__bad-name", "failed", {**here, "run_name": "../escape"}, minutes_ago=40)
+    # An engine that died: its task kept no sentence, its log says why (the exception's first line).
     (output_root / "engine-only" / "server").mkdir(parents=True)  # launch_server's log, then the run failed
     dag_runs("manual__engine-died", "failed", {**here, "run_name": "engine-only"}, minutes_ago=10,
-             tries=(("launch_server", 9),), failed=("launch_server",))  # its log is gone
+             tries=(("launch_server", 9),), failed=("launch_server",))
+    task_logs("manual__engine-died", "launch_server", {"event": "Starting the engine", "level": "info"},
+              failed_task_line("StepFailed", "python -m eagleflow serve exited with code 1; last lines:\nTraceback (most recent call last):"))
+    dag_runs("manual__log-lost", "failed", {**here, "run_name": "log-lost"}, minutes_ago=50,
+             tries=(("plan_engines", 49),), failed=("plan_engines",))  # its log is gone
 
     index = client.get("/", headers=HTML).text
     cells = row_of(index, "never-written")
@@ -52,11 +56,13 @@ def test_a_dag_run_that_failed_before_writing_its_folder_is_listed_and_has_a_pag
     assert cells[3] == ('<span class="muted">no run folder was written: the DAG run failed before its first task wrote it</span>'
                         f'<span class="error failure"><b>plan_engines</b> failed: {said}</span>')
     assert row_of(index, "not-yet")[3] == '<span class="muted">no run folder yet: no task of the DAG run has written it</span>'
-    assert row_of(index, "engine-only")[3] == ('<span class="muted">its folder holds no shards, training or drafters yet</span>'
-                                               '<span class="error failure"><b>launch_server</b> failed (its log in Airflow says why)</span>')
+    assert row_of(index, "engine-only")[3] == (
+        '<span class="muted">its folder holds no shards, training or drafters yet</span><span class="error failure"><b>launch_server</b> '
+        "failed: python -m eagleflow serve exited with code 1; last lines:</span>")
+    assert row_of(index, "log-lost")[3].endswith('<span class="error failure"><b>plan_engines</b> failed (its log in Airflow says why)</span>')
     assert row_of(index, "../escape")[0] == "../escape"  # a name no run may use: listed, not linked, never opened
     names = re.findall(r'<tr><td>(?:<a href="runs/[^"]+">)?([^<]+)', index)
-    assert names == ["demo", "not-yet", "engine-only", "never-written", "../escape"]  # newest change first
+    assert names == ["demo", "not-yet", "engine-only", "never-written", "../escape", "log-lost"]  # newest change first
 
     page = client.get("/runs/never-written", headers=HTML)
     assert page.status_code == 200

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from conftest import write_compared_run
+from ui_run_folders import write_compared_run
 from eagleflow.report.run_page import list_runs
 from plugins.eagleflow_ui import create_app
 
@@ -29,7 +29,7 @@ def client(output_root: Path, airflow_login) -> TestClient:
 
 @pytest.fixture()
 def multi(output_root: Path) -> dict[str, Any]:
-    """``<root>/multi``: two drafters, evaluated and compared (:func:`conftest.write_compared_run`)."""
+    """``<root>/multi``: two drafters, evaluated and compared (:func:`ui_run_folders.write_compared_run`)."""
     return write_compared_run(output_root / "multi", output_root / "demo" / "train-progress" / "loss.png")
 
 

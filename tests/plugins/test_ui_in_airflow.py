@@ -59,7 +59,7 @@ def ui_output_root(tmp_path_factory: pytest.TempPathFactory, fill_output_root: A
     set before the stack starts) with the run folder of :data:`RUN_ID`."""
     from eagleflow.layout import run_name_from_run_id
 
-    from conftest import write_compared_run
+    from ui_run_folders import write_compared_run
 
     root = fill_output_root(tmp_path_factory.mktemp("ui-in-airflow") / "runs")
     (root / "demo").rename(root / run_name_from_run_id(RUN_ID))
