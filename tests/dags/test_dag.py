@@ -53,7 +53,7 @@ def test_the_dag_tells_the_story(eagleflow_dag) -> None:
     assert tasks["build_vocab"].upstream_task_ids == {"extract_shard", "stop_server"}
     assert tasks["build_vocab"].trigger_rule == "none_failed"  # online, every shard is skipped
     # the engines' list: online, training asks them
-    assert tasks["plan_drafters"].upstream_task_ids == set()  # the drafters Param alone
+    assert tasks["plan_drafters"].upstream_task_ids == {"plan_engines"}  # after every Param is checked
     assert tasks["plan_train_nodes"].upstream_task_ids == {"build_vocab", "plan_drafters"}
     assert tasks["train_drafter"].upstream_task_ids == {"plan_train_nodes", "wait_server_ready"}
     # one instance per drafter and training node, named after them, all of a drafter's nodes retried when one
@@ -104,7 +104,8 @@ def test_every_param_has_a_title_and_description(eagleflow_dag) -> None:
                  "eval_concurrency", "eval_sets", "eval_prompts", "eval_configs", "eval_rounds", "regenerate_responses", "regen_temperature", "regen_max_new_tokens",
                  "regen_concurrency", "verify_rows"):
         param = params.get_param(name)
-        assert param.schema.get("title") and param.description, name
+        # A long help is the form's Markdown (its first sentence and a README link): Airflow shows description_md then.
+        assert param.schema.get("title") and (param.description or param.schema.get("description_md")), name
     assert params.get_param("shard_size").value == 2000 and params.get_param("verify_rows").value == 4
     assert params.get_param("num_engines").value == 1 and params.get_param("server_urls").value == []
     assert params.get_param("epochs").value == 5 and params.get_param("lr").value == 3e-5
