@@ -24,6 +24,9 @@ The story of docs/design.md §1, top to bottom:
 7. export_drafter writes each drafter as SGLang and vLLM load it, evaluate_drafter serves it, measuring
    accept length and speedup on held-out prompts, and compare_drafters puts the drafters side by side
    and names the fastest for each batch size.
+
+Each DAG run's page has an "eagleflow run" tab (the UI plugin, plugins/): its run folder's page, the
+comparison of its drafters first.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from operators.extract import (
     ShardExtractOperator,
     VerifyCaptureOperator,
 )
-from operators.params import DAG_ID, GPU_POOL, GPU_QUEUE, form_defaults, pipeline_params
+from operators.params import DAG_ID, GPU_POOL, GPU_QUEUE, PLAN_DRAFTERS_TASK_ID, form_defaults, pipeline_params
 from operators.server import (
     ENGINE_MAP_INDEX_TEMPLATE,
     SERVER_MAP_INDEX_TEMPLATE,
@@ -123,7 +126,7 @@ with DAG(
     build_vocab = BuildVocabOperator(task_id="build_vocab", trigger_rule="none_failed")
     # One instance per drafter (the drafters Param; one by default) and training node, all at once: a drafter's
     # nodes meet in its folder and train as one torchrun group; each drafter is cleared and retried on its own.
-    plan_drafters = PlanDraftersOperator(task_id="plan_drafters")
+    plan_drafters = PlanDraftersOperator(task_id=PLAN_DRAFTERS_TASK_ID)
     plan_train_nodes = PlanTrainNodesOperator(task_id="plan_train_nodes", drafters=plan_drafters.output)
     train_drafter = TrainOperator.partial(
         task_id="train_drafter", engines=wait_server_ready.output, map_index_template=NODE_MAP_INDEX_TEMPLATE,
@@ -152,3 +155,6 @@ with DAG(
     [extract_shard, stop_server] >> build_vocab >> plan_train_nodes >> train_drafter >> plot_metrics
     train_drafter >> stop_server_after_training
     train_drafter >> export_drafter >> evaluate_drafter >> compare_drafters
+    # plan_engines checks every Param first: nothing else starts before it passes, and after a refusal every task
+    # says it could not run (upstream_failed) and compare_drafters, the last, gives the refusal's sentence.
+    plan_engines >> plan_drafters

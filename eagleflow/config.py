@@ -257,6 +257,17 @@ def model_to_argv(config: BaseModel) -> list[str]:
 BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
+def bounds_text(bounds: dict[str, float]) -> str:
+    """A number's bounds as the form's help says them: ``At least 1.``, ``From 0 to 1.``, ``Above 0 and below 1.``"""
+    low = [f"{word} {bounds[key]:g}" for key, word in (("minimum", "at least"), ("exclusiveMinimum", "above")) if key in bounds]
+    high = [f"{word} {bounds[key]:g}" for key, word in (("maximum", "at most"), ("exclusiveMaximum", "below")) if key in bounds]
+    if "minimum" in bounds and "maximum" in bounds:
+        text = f"from {bounds['minimum']:g} to {bounds['maximum']:g}"
+    else:
+        text = " and ".join(low + high)
+    return f"{text[:1].upper()}{text[1:]}."
+
+
 def schemas_of(model: type[BaseModel], names: tuple[str, ...], section: str | None = None) -> dict[str, dict[str, Any]]:
     """JSON schemas of ``model``'s fields ``names``, shaped for Airflow ``Param(**schema)``.
 
@@ -289,8 +300,12 @@ def schemas_of(model: type[BaseModel], names: tuple[str, ...], section: str | No
         if bounds := {key: prop.pop(key) for key in BOUNDS if key in prop}:
             # Airflow's trigger form hands a top-level minimum/maximum to its number field, which clamps a typed
             # value into them when it loses focus, silently; under allOf the value stays as typed and the trigger
-            # refuses it, naming the Param (jsonschema applies allOf's bounds the same way).
+            # refuses it, naming the Param (jsonschema applies allOf's bounds the same way). The form checks no bound
+            # itself (only required fields, arrays' JSON, durations) and shows the refusal above its first field: the
+            # help under the field says the range, where the value is typed.
             prop["allOf"] = [bounds]
+            said = prop.get("description", "").rstrip()
+            prop["description"] = f"{said}{'' if not said or said.endswith('.') else '.'} {bounds_text(bounds)}".lstrip()
         if section is not None:
             prop.setdefault("section", section)
         out[name] = prop

@@ -29,6 +29,13 @@ SGLANG_PYTHON_ENV = "EAGLEFLOW_SGLANG_PYTHON"
 # The DAG's id: the UI plugin finds the DAG runs of a run folder under it.
 DAG_ID = "eagleflow"
 
+# The task that lists a run's drafters (its XCom: the drafter plan); the UI plugin counts a running run's drafters by it.
+PLAN_DRAFTERS_TASK_ID = "plan_drafters"
+
+# The XCom key under which the first task keeps its refusal of the run's Params, in its one sentence: the run's last
+# task leads its message with it, and the UI plugin's list of runs shows it for a run that failed before its folder.
+REFUSAL_XCOM = "eagleflow_refused"
+
 # Where the UI plugin's pages live under the Airflow API server; the operators' "eagleflow run"
 # button links there.
 UI_PREFIX = "/eagleflow"

@@ -164,11 +164,19 @@ class CompareOperator(EagleflowStepOperator):
         return result
 
 
+FIRST_TASK_ID = "plan_engines"  # checks every Param before anything starts (operators.server.PlanEnginesOperator)
+
+
 def failed_tasks(context: Context) -> list[str]:
     """This run's failed task instances (``task`` or ``task_<map index>``, as Airflow's execution API lists them),
     then how many could not run after them."""
+    from operators.step import REFUSAL_XCOM
+
     ti = context["ti"]
     states = ti.get_task_states(dag_id=ti.dag_id, run_ids=[ti.run_id]).get(ti.run_id, {})
     failed = sorted(key for key, state in states.items() if state == "failed" and key != ti.task_id)
     after = sum(state == "upstream_failed" for key, state in states.items() if key != ti.task_id)
+    if FIRST_TASK_ID in failed and (refusal := ti.xcom_pull(task_ids=FIRST_TASK_ID, key=REFUSAL_XCOM)):
+        # The run's Params were refused: that sentence is the reason, and nothing after the first task ran.
+        failed[failed.index(FIRST_TASK_ID)] = f"{FIRST_TASK_ID} (refused the run's Params: {refusal})"
     return failed + ([f"{after} task(s) that could not run after them"] if after and failed else [])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from eagleflow.deploy import DAG_ID, GPU_POOL, GPU_QUEUE  # noqa: F401  (re-exported for the DAG)
+from eagleflow.deploy import DAG_ID, GPU_POOL, GPU_QUEUE, PLAN_DRAFTERS_TASK_ID  # noqa: F401  (re-exported for the DAG)
 
 DEMO_DIR_ENV = "EAGLEFLOW_DEMO_DIR"
 
@@ -16,9 +16,9 @@ def pipeline_params(defaults: dict[str, Any] | None = None) -> dict[str, dict[st
     Each entry is a JSON schema (``default``, ``type``, ``title``, ``description``, bounds)
     that ``airflow.sdk.Param(**entry)`` accepts, so the trigger form shows titles and help.
     """
-    from eagleflow.run.pipeline import param_schemas
+    from eagleflow.run import form_schemas
 
-    schemas = param_schemas()
+    schemas = form_schemas()
     for name, value in (defaults or {}).items():
         schemas[name]["default"] = value
     return schemas
@@ -28,13 +28,13 @@ def form_defaults() -> dict[str, Any]:
     """Defaults this deployment puts in the trigger form.
 
     With ``EAGLEFLOW_DEMO_DIR`` set (``make demo``, ``make airflow``): the CPU demo's inputs and
-    2-core sizes. Otherwise the run folders go under ``EAGLEFLOW_OUTPUT_ROOT`` and the model and
+    2-core sizes, and ``make demo``'s two drafters compared. Otherwise the run folders go under ``EAGLEFLOW_OUTPUT_ROOT`` and the model and
     dataset are left for the user to fill in; the rest are the seed's GPU values.
     """
     from eagleflow.deploy import OUTPUT_ROOT_ENV
 
     if os.environ.get(DEMO_DIR_ENV):
-        from eagleflow.demo import demo_params
+        from eagleflow.demo import form_params
 
-        return demo_params(os.environ[DEMO_DIR_ENV])
+        return form_params(os.environ[DEMO_DIR_ENV])
     return {"output_root": os.environ.get(OUTPUT_ROOT_ENV, "/opt/eagleflow/runs")}

@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
+# REFUSAL_XCOM: the first task's refusal of the run's Params, in its one sentence (XCom key of plan_engines): the run's
+# last task leads its message with it, and the UI plugin's runs list shows it for a run that failed before its folder.
+from eagleflow.deploy import REFUSAL_XCOM
 from eagleflow.errors import UserError
 
 if TYPE_CHECKING:
@@ -35,18 +38,24 @@ def pipeline_config(context: Context, check_model: bool = True, check_paths: boo
 
     With ``check_model`` (every task but the teardown) the Params that need the model folder
     are checked too, so a bad aux id list fails the first task that starts, not an extraction;
-    with ``check_paths`` (the first task) every path Param (:func:`eagleflow.run.param_checks.check_paths`).
+    with ``check_paths`` (the first task) every path Param (:func:`eagleflow.run.param_checks.check_paths`), the
+    model's, and what the verifier's folder decides of each drafter and of the chat template's switches
+    (:func:`eagleflow.run.param_checks.check_against_verifier`).
     """
     from eagleflow.run.pipeline import PipelineConfig
 
     try:
         cfg = PipelineConfig.from_params(context["params"], context["run_id"])
         if check_paths:
-            from eagleflow.run.param_checks import check_paths as check_path_params
+            from eagleflow.run.param_checks import check_against_verifier, check_paths as check_path_params
 
             check_path_params(cfg)
+            cfg.check_model()
+            check_against_verifier(cfg)
         return cfg.check_model() if check_model else cfg
     except UserError as exc:
+        if check_paths and "ti" in context:  # the first task: its sentence is what the last task and the runs list say
+            context["ti"].xcom_push(key=REFUSAL_XCOM, value=str(exc))
         raise ParamsRefused(str(exc)) from None  # the message is the report: no chain of frames under it
 
 

@@ -8,10 +8,13 @@ Routes (relative to the mount point):
 ``/runs/{run}/files/{path}``           a chart or log of that run (only regular files under the output root),
                                        with headers that let no script in it run (:data:`FILE_HEADERS`)
 ``/api/runs/{run}``                    the same facts as JSON
+``/dag-runs/{dag_id}/{run_id}``         the page of the run folder a DAG run writes (a redirect to ``/runs/{run}``): the
+                                       "eagleflow run" tab of each DAG run's page in Airflow (:mod:`eagleflow_plugin`)
 
 A run folder is matched to the DAG runs that write it (:func:`dag_runs_by_folder`, read from
-Airflow's metadata database): each page links to its DAG run in Airflow's UI and shows its state. A DAG
-run that failed before its first task wrote its folder is listed too, and its run page says so.
+Airflow's metadata database): each page links to its DAG run in Airflow's UI and shows its state; a running
+run's drafters are counted by its drafter plan. A DAG run that failed before its first task wrote its folder is
+listed too, with the reason its first failed task gave (:func:`first_failure`), and its run page says so.
 
 Airflow 3.3 shows these pages (Browse → eagleflow runs, the route ``/plugin/eagleflow/*``) in an
 ``<iframe sandbox="allow-scripts allow-same-origin allow-forms allow-downloads">`` (its UI bundle,
@@ -36,9 +39,7 @@ called: the output root comes from the argument, else ``$EAGLEFLOW_OUTPUT_ROOT``
 from __future__ import annotations
 
 import json
-import math
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
@@ -46,22 +47,29 @@ from urllib.parse import quote
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.templating import Jinja2Templates
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from eagleflow.deploy import OUTPUT_ROOT_ENV
+from eagleflow.deploy import DAG_ID, OUTPUT_ROOT_ENV
 from eagleflow.errors import UserError
 from eagleflow.files import RefusedFile, resolve_under
-from eagleflow.layout import RunLayout
-from eagleflow.progress import format_duration
+from eagleflow.layout import RunLayout, run_name_of
 from eagleflow.report import MetricsCache, RunFiles, list_runs, run_summary
 
 try:
-    from plugins.eagleflow_dag_runs import dag_run_url, dag_runs_by_folder, dag_runs_list_url
+    from plugins.eagleflow_dag_runs import (
+        UNFINISHED_DAG_RUN_STATES, dag_run_conf, dag_run_url, dag_runs_by_folder, dag_runs_list_url, newest_plan, without_folder,
+    )
+    from plugins.page_filters import FILTERS
+    from plugins.readme_page import add_readme_route
 except ImportError:  # only the plugins folder is on sys.path (Airflow adds it)
-    from eagleflow_dag_runs import dag_run_url, dag_runs_by_folder, dag_runs_list_url  # type: ignore[no-redef]
+    from eagleflow_dag_runs import (  # type: ignore[no-redef]
+        UNFINISHED_DAG_RUN_STATES, dag_run_conf, dag_run_url, dag_runs_by_folder, dag_runs_list_url, newest_plan, without_folder,
+    )
+    from page_filters import FILTERS  # type: ignore[no-redef]
+    from readme_page import add_readme_route  # type: ignore[no-redef]
 
 CONFIG_SECTION, CONFIG_KEY = "eagleflow", "output_root"
 # What the file route serves: charts, manifests, metrics and logs; never hidden states or weights. Only the
@@ -82,7 +90,6 @@ FILE_HEADERS = {
 }
 CHUNK_BYTES = 1 << 16  # a served file is streamed, never held whole in memory
 REFRESH_SECONDS = 30
-UNFINISHED_DAG_RUN_STATES = ("queued", "running")  # the run page reloads while its DAG run is in one
 TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
 
 _bearer = HTTPBearer(auto_error=False)
@@ -130,64 +137,10 @@ async def require_airflow_user(
 # templates and their filters
 
 
-def _real(value: Any) -> float | None:
-    """``value`` as a finite number, or None for anything else (None, text, a list, an undefined field)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value) if math.isfinite(value) else None
-
-
-def _num(value: Any, digits: int = 3) -> str:
-    if _real(value) is None:
-        return "–"
-    if isinstance(value, float) and not value.is_integer():
-        return f"{value:.{digits}g}" if abs(value) < 1e-2 else f"{value:.{digits}f}"
-    return f"{int(value):,}"
-
-
-def _percent(value: Any) -> str:
-    number = _real(value)
-    return "–" if number is None else f"{100 * number:.1f}%"
-
-
-def _thousands(value: Any) -> str:
-    number = _real(value)
-    return "–" if number is None else f"{number:,.0f}"
-
-
-def _scientific(value: Any) -> str:
-    number = _real(value)
-    return "–" if number is None else f"{number:.2e}"
-
-
-def _age(timestamp: Any) -> str:
-    if not _real(timestamp):
-        return "–"
-    seconds = max(0, time.time() - timestamp)
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.0f} {unit} ago"
-    return f"{seconds:.0f} s ago"
-
-
-def _duration(seconds: Any) -> str:
-    """``3725`` -> ``1h02m05s``; '–' for none (a training that did not record its time)."""
-    number = _real(seconds)
-    return "–" if number is None else format_duration(number)
-
-
-def _when(iso: Any) -> str:
-    """``2026-12-02T02:05:16.34+00:00`` -> ``2026-12-02 02:05 UTC`` (Airflow stores UTC); '–' for none."""
-    return f"{iso[:10]} {iso[11:16]} UTC" if isinstance(iso, str) and len(iso) >= 16 else "–"
-
-
 def make_templates() -> Jinja2Templates:
     """The page templates (autoescaped HTML) with eagleflow's number filters."""
     templates = Jinja2Templates(directory=str(TEMPLATES_DIR))
-    templates.env.filters.update(
-        num=_num, percent=_percent, age=_age, thousands=_thousands, scientific=_scientific, when=_when, duration=_duration,
-        urlquote=lambda s: quote(str(s)),
-    )
+    templates.env.filters.update(FILTERS, urlquote=lambda s: quote(str(s)))
     templates.env.globals.update(refresh_seconds=REFRESH_SECONDS)
     return templates
 
@@ -279,12 +232,14 @@ def create_app(output_root: str | os.PathLike[str] | None = None) -> FastAPI:
     def summary_with_dag_runs(run_name: str) -> dict[str, Any]:
         layout = run_layout(run_name)
         dag_runs = dag_runs_by_folder(root)  # type: ignore[arg-type]  (run_layout checked it)
-        return {**run_summary(layout, metrics), "dag_runs": None if dag_runs is None else dag_runs.get(layout.root.name, [])}
+        found = None if dag_runs is None else dag_runs.get(layout.root.name, [])
+        return {**run_summary(layout, metrics, newest_plan(found)), "dag_runs": found}
 
     @app.get("/", response_class=HTMLResponse)
     def index(request: Request) -> Response:
-        runs = list_runs(root, metrics) if root else []
         dag_runs = dag_runs_by_folder(root) if root else {}
+        planned = {name: newest_plan(found) for name, found in (dag_runs or {}).items()}
+        runs = list_runs(root, metrics, planned) if root else []
         for run in runs:
             run["dag_run"] = (dag_runs.get(run["name"]) or [None])[0] if dag_runs is not None else None
         listed = {run["name"] for run in runs}
@@ -293,6 +248,8 @@ def create_app(output_root: str | os.PathLike[str] | None = None) -> FastAPI:
         context = {"title": "eagleflow runs", "root": root, "runs": runs, "dag_runs_unreadable": dag_runs is None,
                    "dag_runs_list": dag_runs_list_url()}
         return templates.TemplateResponse(request, "index.html", context)
+
+    add_readme_route(app, error_response)
 
     @app.get("/runs/{run_name}", response_class=HTMLResponse)
     def run_page(request: Request, run_name: str) -> Response:
@@ -319,6 +276,20 @@ def create_app(output_root: str | os.PathLike[str] | None = None) -> FastAPI:
     def run_json(run_name: str) -> JSONResponse:
         return JSONResponse(summary_with_dag_runs(run_name))
 
+    @app.get("/dag-runs/{dag_id}/{run_id:path}")
+    def dag_run_page(request: Request, dag_id: str, run_id: str) -> Response:
+        # Airflow shows a plugin's DAG-run view on the page of every DAG's runs: only the eagleflow DAG's have a folder.
+        if dag_id != DAG_ID:
+            raise PageError(404, f"DAG {dag_id!r} is not eagleflow's ({DAG_ID!r}): its runs have no eagleflow run folder")
+        conf = dag_run_conf(run_id)
+        if conf is None:
+            raise PageError(404, f"no DAG run {run_id!r} of the {DAG_ID} DAG")
+        if root is not None and conf.get("output_root") and Path(str(conf["output_root"])).resolve() != root:
+            raise PageError(404, f"DAG run {run_id!r} writes its run folder under {conf['output_root']}; these pages show "
+                                 f"the runs under {root}")
+        name = run_name_of(conf, run_id)
+        return RedirectResponse(f"{list_href(request)}runs/{quote(name, safe='')}", status_code=303)
+
     @app.get("/runs/{run_name}/files/{file_path:path}")
     def run_file(run_name: str, file_path: str) -> StreamingResponse:
         layout = run_layout(run_name)
@@ -333,35 +304,6 @@ def create_app(output_root: str | os.PathLike[str] | None = None) -> FastAPI:
 
 class NoRunFolder(PageError):
     """The run's folder does not exist (a 404, unless a DAG run of that name failed before writing it)."""
-
-
-def without_folder(root: Path, name: str, dag_runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """A row of the list for a folder that DAG runs write but that holds no run (yet): its newest DAG run,
-    when it last changed, and why there is nothing to show (``no_folder``)."""
-    latest = dag_runs[0]
-    try:
-        layout = RunLayout.of(root, name)
-    except UserError:  # a run_name Param no run may use: the DAG run failed on it, before any folder
-        layout = None
-    exists = layout is not None and RunFiles(layout).folder(layout.root)
-    state = latest["state"]
-    if exists:
-        why = "its folder holds no shards, training or drafters yet"
-    elif state in UNFINISHED_DAG_RUN_STATES:
-        why = "no run folder yet: no task of the DAG run has written it"
-    elif state == "failed":
-        why = "no run folder was written: the DAG run failed before its first task wrote it"
-    else:
-        why = "no run folder: the DAG run wrote none here, or it was moved or deleted since"
-    when = next((latest[k] for k in ("end_date", "start_date", "first_start", "run_after") if latest.get(k)), None)
-    return {"name": name, "linked": layout is not None, "dag_run": latest, "headline": None, "no_folder": why,
-            "modified": _timestamp(when)}
-
-
-def _timestamp(iso: str | None) -> float | None:
-    from datetime import datetime
-
-    return datetime.fromisoformat(iso).timestamp() if iso else None
 
 
 def open_run_file(layout: RunLayout, relative: str) -> BinaryIO:

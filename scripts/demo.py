@@ -3,8 +3,10 @@
 Builds the tiny verifier and 120 synthetic conversations (cached under .cache/demo), gives
 Airflow a SQLite home in .airflow-demo, runs the DAG in-process with ``dag.test()`` (the
 real scheduling loop, deferrals and mapped tasks; no scheduler daemon needed) with the
-demo's Params, then prints where everything is and a short summary (the capture check's
-figures among it).
+demo's Params, printing one line per task as it ends (state, duration, the figure that matters
+for it) while Airflow's task logs go to ``<run folder>/demo.log`` (a failed task's last lines
+come to the terminal too), then prints where everything is and a short summary (the capture
+check's figures among it).
 
 ``--hidden-states-dtype fp8`` runs the same DAG storing fp8 hidden states, ``--regenerate``
 with the verifier's own answers (``regenerate_responses``), and ``--online`` trains from the
@@ -23,35 +25,47 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from eagleflow.demo.console import LogsToFile, TaskOutcome
 
 REPO = Path(__file__).resolve().parents[1]
 ONLINE_WINDOW_GB = 0.002
 DEMO_DIR = REPO / ".cache" / "demo"
+DEMO_LOG = "demo.log"  # in the run folder: Airflow's task logs, which the terminal shows one line per task
 AIRFLOW_HOME = REPO / ".airflow-demo"
 
-os.environ.update(
-    {
-        "AIRFLOW_HOME": str(AIRFLOW_HOME),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
-        "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "EAGLEFLOW_DEMO_DIR": str(DEMO_DIR),
-        "PYTHONUNBUFFERED": "1",
-    }
-)
+DEMO_ENV = {
+    "AIRFLOW_HOME": str(AIRFLOW_HOME),
+    "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
+    "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
+    "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+    "EAGLEFLOW_DEMO_DIR": str(DEMO_DIR),
+    "PYTHONUNBUFFERED": "1",
+}
 sys.path.insert(0, str(REPO))
+# dag.test() logs "[DAG TEST] starting task_id=%s map_index=%s" and "[DAG TEST] end task …" here around each task it runs.
+DAG_TEST_LOGGER = "airflow.sdk.definitions.dag"
+DAG_TEST_EVENTS = ("[DAG TEST] starting task_id=", "[DAG TEST] end task task_id=")
+SHOWN_STATES = ("success", "failed", "skipped", "upstream_failed", "removed", "up_for_retry")
 
 
 def main() -> int:
+    os.environ.update(DEMO_ENV)  # here, not on import: the tests load this module beside their own Airflow
     from eagleflow.demo import (
         DEMO_COMPARE_DRAFTERS, DEMO_DFLASH_PARAMS, DEMO_DSPARK_PARAMS, DEMO_RUN_NAME, DEMO_THINKING_PARAMS, demo_params, make_demo_inputs, make_thinking_inputs,
         run_summary,
     )
+    from eagleflow.demo.console import LogsToFile
     from eagleflow.progress import format_bytes
     from sglang_patch.sample_format import DEFAULT_HIDDEN_STATES_DTYPE, HIDDEN_STATES_DTYPES
 
@@ -84,12 +98,6 @@ def main() -> int:
     for command in (["db", "migrate"], ["pools", "import", str(REPO / "docker" / "pools.json")]):
         subprocess.run([sys.executable, "-m", "airflow", *command], check=True, stdout=subprocess.DEVNULL)
 
-    from airflow.dag_processing.dagbag import DagBag
-
-    bag = DagBag(dag_folder=str(REPO / "dags"))
-    if bag.import_errors:
-        print(f"[demo] the DAG does not import: {bag.import_errors}", file=sys.stderr)
-        return 1
     variant = (
         ([] if dtype == DEFAULT_HIDDEN_STATES_DTYPE else [dtype])
         + (["regenerated"] if args.regenerate else [])
@@ -110,15 +118,28 @@ def main() -> int:
     if args.online:
         # A window of a few samples: the disk holds megabytes whatever the dataset's size.
         conf.update(hidden_states_source="engine", dump_queue_gb=ONLINE_WINDOW_GB)
-    print(f"[demo] running DAG eagleflow with conf {json.dumps(conf)}", flush=True)
-    run = bag.get_dag("eagleflow").test(run_conf=conf)
-    states = {f"{ti.task_id}{'' if ti.map_index < 0 else f'[{ti.map_index}]'}": ti.state for ti in run.get_task_instances()}
     from eagleflow.run.pipeline import PipelineConfig
 
     cfg = PipelineConfig.from_params(conf)
+    log_path = cfg.layout.root / DEMO_LOG
+    print(f"[demo] running DAG eagleflow into {cfg.layout.root}; one line per task as it ends, Airflow's logs in {log_path}",
+          flush=True)
+    with LogsToFile(log_path) as logs:
+        print(f"[demo] running DAG eagleflow with conf {json.dumps(conf)}")  # into the log: the whole run's Params
+        from airflow.dag_processing.dagbag import DagBag
+
+        bag = DagBag(dag_folder=str(REPO / "dags"))
+        if bag.import_errors:
+            logs.say(f"[demo] the DAG does not import: {bag.import_errors}")
+            return 1
+        try:
+            run = run_with_task_lines(bag.get_dag("eagleflow"), conf, logs, logs.say)
+        except Exception as exc:
+            traceback.print_exc()  # into the log
+            logs.say(f"[demo] the DAG run stopped: {type(exc).__name__}: {exc}; the traceback is at the end of {log_path}")
+            return 1
     summary = run_summary(cfg.layout.root, cfg.model_path, cfg.captured_aux_layer_ids(), cfg.hidden_states_dtype)
-    print("\n[demo] task states: " + ", ".join(f"{k}={v}" for k, v in sorted(states.items())))
-    print(f"[demo] DAG run {run.run_id}: {run.state} in {time.monotonic() - began:.0f}s")
+    print(f"\n[demo] DAG run {run.run_id}: {run.state} in {time.monotonic() - began:.0f}s; Airflow's logs in {log_path}")
     regeneration = summary.get("regeneration")
     if regeneration:
         print(f"  regenerated  {regeneration['rows']} conversations in {regeneration['seconds']:.0f}s; "
@@ -182,6 +203,99 @@ def main() -> int:
     evaluated = evaluated and not lossy
     checked = bool(check) and check["passed"]
     return 0 if str(run.state) == "success" and complete and evaluated and checked else 1
+
+
+class TaskLines(logging.Handler):
+    """Says one line per task of the DAG run ``dag.test()`` makes, as each ends.
+
+    dag.test() logs a record before and after each task it runs (:data:`DAG_TEST_EVENTS`); at each, this
+    notes where the task's share of the log file begins or ends and reads the run's task instances and
+    results from the metadata DB, saying those that ended since (tasks skipped or held back by an upstream
+    failure end without running). :meth:`report` after the run says whatever is left.
+    """
+
+    def __init__(self, dag_id: str, after_run_id: int, logs: LogsToFile, say: Callable[[str], None]) -> None:
+        super().__init__(logging.INFO)
+        self.dag_id, self.after_run_id, self.logs, self.say = dag_id, after_run_id, logs, say
+        self.spans: dict[tuple[str, int], list[int | None]] = {}  # a task's [first, last) byte of the log file
+        self.shown: set[tuple[str, int, int, str]] = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if not (isinstance(record.msg, str) and record.msg.startswith(DAG_TEST_EVENTS) and len(args) == 2):
+            return
+        key, offset = (str(args[0]), int(str(args[1]))), self.logs.offset()
+        if record.msg.startswith(DAG_TEST_EVENTS[0]):
+            self.spans[key] = [offset, None]
+        else:
+            self.spans.setdefault(key, [0, None])[1] = offset
+        try:
+            self.report()
+        except Exception:  # the DB busy a moment: the next record, or the report after the run, catches up
+            logging.getLogger(__name__).exception("[demo] could not read the run's task instances")
+
+    def report(self) -> list[TaskOutcome]:
+        """Say the tasks that ended since the last report; return every task instance of the run, as it is now."""
+        from airflow.models.dagrun import DagRun
+        from airflow.models.taskinstance import TaskInstance
+        from airflow.models.xcom import XComModel
+        from airflow.utils.session import create_session
+        from sqlalchemy import select
+
+        from eagleflow.demo.console import TaskOutcome, task_line
+
+        with create_session(scoped=False) as session:  # never dag.test()'s own (thread-scoped) session
+            run_id = session.scalar(select(DagRun.run_id).where(DagRun.dag_id == self.dag_id, DagRun.id > self.after_run_id)
+                                    .order_by(DagRun.id).limit(1))
+            if run_id is None:
+                return []
+            tis = list(session.scalars(select(TaskInstance).where(TaskInstance.dag_id == self.dag_id, TaskInstance.run_id == run_id)))
+            results = {(x.task_id, x.map_index): XComModel.deserialize_value(x)
+                       for x in session.scalars(XComModel.get_many(run_id=run_id, key="return_value", dag_ids=self.dag_id))}
+            now: list[tuple[float, tuple[str, int, int, str], TaskOutcome]] = []
+            for ti in tis:  # read here: the session's objects expire when it closes
+                state = str(getattr(ti.state, "value", ti.state))
+                result = results.get((ti.task_id, ti.map_index))
+                ended = ti.end_date.timestamp() if ti.end_date else float("inf")
+                now.append((ended, (ti.task_id, ti.map_index, ti.try_number, state),
+                            TaskOutcome(ti.task_id, task_label(ti), state, ti.duration, result, ti.map_index)))
+        for _, key, outcome in sorted(now, key=lambda row: row[0]):  # in the order they ended
+            if outcome.state in SHOWN_STATES and key not in self.shown:  # a retried task: a line per try
+                self.shown.add(key)
+                self.say(task_line(outcome))
+        return [outcome for _, _, outcome in now]
+
+
+def task_label(ti: Any) -> str:
+    """``extract_shard[rows_0-40]``: the task, and its map index by name where it has one."""
+    return ti.task_id if ti.map_index < 0 else f"{ti.task_id}[{ti.rendered_map_index or ti.map_index}]"
+
+
+def run_with_task_lines(dag: Any, conf: dict[str, Any], logs: LogsToFile, say: Callable[[str], None]) -> Any:
+    """``dag.test(run_conf=conf)`` with its logs in ``logs``' file: ``say`` gets one line per task as it ends, then,
+    for each task that failed, the last lines of its log and where the rest is. Returns the DAG run."""
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+    from sqlalchemy import func, select
+
+    from eagleflow.demo.console import TAIL_LINES, log_tail
+
+    with create_session(scoped=False) as session:
+        after = session.scalar(select(func.max(DagRun.id)).where(DagRun.dag_id == dag.dag_id)) or 0
+    lines = TaskLines(dag.dag_id, after, logs, say)
+    watched = logging.getLogger(DAG_TEST_LOGGER)
+    watched.addHandler(lines)
+    try:
+        run = dag.test(run_conf=conf)
+    finally:
+        watched.removeHandler(lines)
+    for outcome in lines.report():  # the last tasks, and every one had dag.test() stopped logging its records
+        if outcome.state == "failed":
+            start, end = lines.spans.get((outcome.task_id, outcome.map_index), [0, None])
+            say(f"[demo] {outcome.label} failed; the last {TAIL_LINES} lines of its log (all of Airflow's logs: {logs.path}):")
+            for line in log_tail(logs.path, start or 0, end):
+                say(f"    {line}")
+    return run
 
 
 def print_comparison(comparison: dict | None) -> bool:

@@ -11,11 +11,12 @@ BEGIN, END = "<!-- params-table:begin -->", "<!-- params-table:end -->"
 
 
 def params_table() -> str:
-    """A Markdown table: Param, its label and section in the trigger form, default, meaning (GPU/seed defaults, not the demo's)."""
-    from operators.params import pipeline_params
+    """A Markdown table: Param, its label and section in the trigger form, default, meaning (GPU/seed defaults, not the
+    demo's; the whole help, where the form shows its first sentence and links here)."""
+    from eagleflow.run.pipeline import param_schemas
 
     lines = ["| Param | Form label (section) | Default | Meaning |", "|---|---|---|---|"]
-    for name, schema in pipeline_params().items():
+    for name, schema in param_schemas().items():
         default = schema.get("default")
         if name == "output_root":
             shown = "`$EAGLEFLOW_OUTPUT_ROOT`"

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from plugins.readme_page import github_slug
+
 REPO = Path(__file__).resolve().parents[1]
 DESIGN = REPO / "docs/design.md"
 # The shared document the references used to name, spelled so that this file does not name it.
@@ -52,15 +54,6 @@ def read_text(path: Path) -> str | None:
     except (UnicodeDecodeError, OSError):
         return None
     return None if "\0" in text else text
-
-
-def github_slug(heading: str) -> str:
-    """The anchor GitHub gives a heading: markup dropped, lowercase, punctuation but '-' and '_' stripped, spaces -> '-'."""
-    text = re.sub(r"`([^`]*)`", r"\1", heading)
-    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
-    text = text.strip().lower()
-    text = re.sub(r"[^\w\- ]", "", text)
-    return text.replace(" ", "-")
 
 
 def design_headings() -> list[str]:

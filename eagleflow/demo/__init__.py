@@ -15,8 +15,9 @@ __all__, __getattr__ = lazy_exports(
     __name__,
     {
         "run": [
-            "DEMO_COMPARE_DRAFTERS", "DEMO_DFLASH_PARAMS", "DEMO_DSPARK_PARAMS", "DEMO_PARAMS", "DEMO_ROWS", "DEMO_RUN_NAME", "DEMO_THINKING_PARAMS",
-            "demo_params", "demo_paths", "make_demo_inputs", "make_thinking_inputs", "run_summary"
+            "DEMO_COMPARE_DRAFTERS", "DEMO_DFLASH_PARAMS", "DEMO_DSPARK_PARAMS", "DEMO_PARAMS", "DEMO_ROWS", "DEMO_RUN_NAME",
+            "DEMO_THINKING_PARAMS", "demo_params", "demo_paths", "form_params", "make_demo_inputs", "make_thinking_inputs",
+            "run_summary"
         ],
     },
 )

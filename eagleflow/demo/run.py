@@ -131,6 +131,12 @@ def demo_params(demo_dir: str | Path) -> dict[str, Any]:
     return {**demo_paths(demo_dir), **DEMO_PARAMS}
 
 
+def form_params(demo_dir: str | Path) -> dict[str, Any]:
+    """The trigger form's defaults where the demo is set up (``make airflow``): ``make demo``'s run, an EAGLE-3 and
+    a DFlash compared from one capture (:data:`DEMO_COMPARE_DRAFTERS`)."""
+    return {**demo_params(demo_dir), "drafters": DEMO_COMPARE_DRAFTERS}
+
+
 def make_demo_inputs(demo_dir: str | Path) -> dict[str, str]:
     """Build the trained tiny verifier and the conversations if they are missing (both cached)."""
     from eagleflow.demo.synthetic_data import DatasetConfig, make_dataset

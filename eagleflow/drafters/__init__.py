@@ -21,6 +21,6 @@ __all__, __getattr__ = lazy_exports(
             "FAMILIES", "FAMILY_SETTINGS", "NOT_OFFERED", "STAGES", "DraftAlgorithm", "DrafterFamily", "check_family_settings", "family",
             "family_of_algorithm", "family_of_checkpoint",
         ],
-        "plan": ["DRAFTER_SETTINGS", "drafter_plan", "slots_of", "union_of_layers"],
+        "plan": ["DRAFTER_SETTINGS", "FAMILY_SHAPED", "drafter_plan", "slots_of", "union_of_layers"],
     },
 )

@@ -26,6 +26,14 @@ DRAFTER_SETTINGS: tuple[str, ...] = (
     "ttt_steps", "lr", "epochs", "noise_std", "scheduler_type", "scheduler_warmup_ratio", "serve_with", "eval_configs",
     "aux_layer_ids", "markov_rank", "markov_head_type",
 )
+# Settings whose meaning is a family's (a chain's TTT steps and reduced vocabulary, a block's size, mask token and
+# anchors, DSpark's Markov head, the draft's depth, the serving configs its shape can take): the run's values are its draft_algorithm's;
+# a drafter of another family takes its own family's defaults unless its entry sets them, so an entry naming only
+# its family works beside the run's (``["eagle3", "dflash"]``).
+FAMILY_SHAPED: tuple[str, ...] = (
+    "draft_vocab_size", "eval_configs", "num_layers", "block_size", "mask_token_id", "max_anchors", "ttt_steps",
+    "markov_rank", "markov_head_type",
+)
 PARAM = "Param drafters"
 
 

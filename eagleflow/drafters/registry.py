@@ -9,6 +9,7 @@ the table (the Params form, the DAG file) costs no torch, and the stages, below 
 ``docs/design.md`` §2, never import one (``tests/test_package_architecture.py`` imports every owner named
 here and checks it lives in its family's folder):
 
+- ``check``: what SGLang would refuse of the family's settings for a verifier, checked by the run's first task;
 - ``train``: the family's speculators ``train`` flags;
 - ``export``: its SGLang folder, and ``checkpoint``: what its speculators checkpoint holds;
 - ``serving``: its SGLang serving flags;
@@ -29,8 +30,8 @@ DraftAlgorithm = Literal["eagle3", "eagle3.1", "dflash", "dspark"]
 
 
 # What a family owns, each named by a "module:attribute" string of its entry.
-Stage = Literal["train", "export", "checkpoint", "serving", "reference"]
-STAGES: tuple[Stage, ...] = ("train", "export", "checkpoint", "serving", "reference")
+Stage = Literal["check", "train", "export", "checkpoint", "serving", "reference"]
+STAGES: tuple[Stage, ...] = ("check", "train", "export", "checkpoint", "serving", "reference")
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class DrafterFamily:
     minimum_speculators: str  # the oldest release that trains it
     default_layers: int  # draft decoder layers when the run leaves them empty (speculators' own default)
     default_block_size: int | None  # block drafters: tokens per block when left empty (speculators' own default)
+    check: str
     train: str
     export: str
     checkpoint: str
@@ -62,7 +64,8 @@ class DrafterFamily:
 _EAGLE3 = dict(
     speculator_type="eagle3", sglang_algorithm="EAGLE3", block=False, minimum_speculators="0.8.1",
     default_layers=1, default_block_size=None,
-    train="eagleflow.drafters.eagle3.flags:train_flags", export="eagleflow.drafters.eagle3.sglang_export:export_eagle3_sglang",
+    check="eagleflow.drafters.eagle3.flags:check_settings", train="eagleflow.drafters.eagle3.flags:train_flags",
+    export="eagleflow.drafters.eagle3.sglang_export:export_eagle3_sglang",
     checkpoint="eagleflow.drafters.eagle3.sglang_export:CHECKPOINT", serving="eagleflow.drafters.eagle3.flags:serving_flags",
     reference="eagleflow.drafters.eagle3.reference:speculative_decoder",
 )
@@ -73,7 +76,8 @@ FAMILIES: dict[str, DrafterFamily] = {
         # speculators 0.9.0's DFlash recipe (RFC speculators#979): 5 layers, block 16 (z-lab's drafts use 16 too).
         "dflash", speculator_type="dflash", sglang_algorithm="DFLASH", block=True, minimum_speculators="0.9.0",
         default_layers=5, default_block_size=16,
-        train="eagleflow.drafters.dflash.flags:train_flags", export="eagleflow.drafters.dflash.sglang_export:export_dflash_sglang",
+        check="eagleflow.drafters.dflash.flags:check_settings", train="eagleflow.drafters.dflash.flags:train_flags",
+        export="eagleflow.drafters.dflash.sglang_export:export_dflash_sglang",
         checkpoint="eagleflow.drafters.dflash.sglang_export:CHECKPOINT", serving="eagleflow.drafters.dflash.flags:serving_flags",
         reference="eagleflow.drafters.dflash.reference:dflash_decoder",
     ),
@@ -83,7 +87,8 @@ FAMILIES: dict[str, DrafterFamily] = {
         # rank 256 and the confidence head.
         "dspark", speculator_type="dspark", sglang_algorithm="DSPARK", block=True, minimum_speculators="0.9.0",
         default_layers=5, default_block_size=8,
-        train="eagleflow.drafters.dspark.flags:train_flags", export="eagleflow.drafters.dspark.sglang_export:export_dspark_sglang",
+        check="eagleflow.drafters.dspark.flags:check_settings", train="eagleflow.drafters.dspark.flags:train_flags",
+        export="eagleflow.drafters.dspark.sglang_export:export_dspark_sglang",
         checkpoint="eagleflow.drafters.dspark.sglang_export:CHECKPOINT", serving="eagleflow.drafters.dspark.flags:serving_flags",
         reference="eagleflow.drafters.dspark.reference:dspark_decoder",
         settings={"markov_rank": 256, "markov_head_type": "vanilla"},

@@ -11,6 +11,7 @@ output root, each up to its bound); a drafter folder that is a link out of the r
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,9 +79,24 @@ def drafter_summary(layout: RunLayout, files: RunFiles, metrics: MetricsCache) -
     }
 
 
-def drafter_summaries(layout: RunLayout, files: RunFiles, metrics: MetricsCache) -> list[dict[str, Any]]:
-    """Every drafter of the run (:func:`drafter_names`), each as :func:`drafter_summary` reads it."""
-    return [drafter_summary(layout.for_drafter(name), files, metrics) for name in drafter_names(layout, files)]
+def shown_drafters(layout: RunLayout, files: RunFiles, planned: Sequence[str] | None = None) -> list[str]:
+    """The drafters a page shows, sorted: those the run's plan lists (``planned``: the folders of the drafter plan
+    of its newest DAG run, known before any drafter writes its folder) and those with a folder."""
+    names = set(drafter_names(layout, files))
+    for name in planned or ():
+        try:
+            check_run_name(name)
+        except ValueError:  # not a folder name (the plan checks it): nothing of it can be shown
+            continue
+        names.add(name)
+    return sorted(names)
+
+
+def drafter_summaries(layout: RunLayout, files: RunFiles, metrics: MetricsCache,
+                      planned: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Every drafter of the run (:func:`shown_drafters`), each as :func:`drafter_summary` reads it: one planned
+    whose folder is not written yet reads as not started."""
+    return [drafter_summary(layout.for_drafter(name), files, metrics) for name in shown_drafters(layout, files, planned)]
 
 
 def drafter_files(layout: RunLayout, files: RunFiles) -> list[Path]:
@@ -94,11 +110,13 @@ def drafter_files(layout: RunLayout, files: RunFiles) -> list[Path]:
     return paths
 
 
-def winner_headline(layout: RunLayout, files: RunFiles, metrics: MetricsCache | None) -> dict[str, Any]:
+def winner_headline(layout: RunLayout, files: RunFiles, metrics: MetricsCache | None,
+                    planned: Sequence[str] | None = None) -> dict[str, Any]:
     """For a run of several drafters, the figures of the list of runs taken from the winner of ``eval/compare.json``:
-    its name, accept length (mean over the prompt sets) and speedup (mean of the prompt sets' medians) at the
-    smallest batch size, and its latest losses; {} for a run of one drafter (its own figures stand)."""
-    names = drafter_names(layout, files)
+    how many drafters it trains (the plan's, ``planned``, while it runs; else the folders), the winner's name, accept
+    length (mean over the prompt sets) and speedup (mean of the prompt sets' medians) at the smallest batch size, and
+    its latest losses; {} for a run of one drafter (its own figures stand)."""
+    names = list(planned) if planned else drafter_names(layout, files)
     if not names:
         return {}
     comparison = comparison_summary(layout, files) or {}
@@ -117,4 +135,7 @@ def has_drafters(layout: RunLayout, files: RunFiles) -> bool:
     return files.folder(layout.root / DRAFTERS_DIR)
 
 
-__all__ = ["drafter_files", "drafter_names", "drafter_summaries", "drafter_summary", "has_drafters", "train_result", "winner_headline"]
+__all__ = [
+    "drafter_files", "drafter_names", "drafter_summaries", "drafter_summary", "has_drafters", "shown_drafters", "train_result",
+    "winner_headline",
+]

@@ -7,6 +7,7 @@ run's several drafters). Light on purpose: no torch, so the Airflow API server c
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,10 +77,11 @@ def shard_totals(shards: list[ShardSummary]) -> dict[str, Any]:
     }
 
 
-def run_headline(layout: RunLayout, metrics: MetricsCache | None = None) -> dict[str, Any]:
+def run_headline(layout: RunLayout, metrics: MetricsCache | None = None, planned: Sequence[str] | None = None) -> dict[str, Any]:
     """A run's figures at a glance, for the list of runs: extraction totals, the latest training and
     validation loss, the drafter's accept length and single-stream speedup (None where a stage has not run); for
-    a run of several drafters, compare.json's winner's (:func:`eagleflow.report.drafters.winner_headline`)."""
+    a run of several drafters (``planned``: its drafter plan's folders, when known), how many and compare.json's
+    winner's (:func:`eagleflow.report.drafters.winner_headline`)."""
     files = RunFiles(layout)
     latest = (metrics or MetricsCache()).latest(layout.train.metrics, files) or {}
     evaluation = evaluation_summary(layout, files) or {}
@@ -90,13 +92,14 @@ def run_headline(layout: RunLayout, metrics: MetricsCache | None = None) -> dict
         "val_loss": (latest.get("val") or {}).get("loss"),
         "accept_length": (evaluation.get("accept_length") or {}).get("mean"),
         "speedup": None if single.get("disturbed") else single.get("speedup"),
-        **winner_headline(layout, files, metrics),
+        **winner_headline(layout, files, metrics, planned),
     }
 
 
-def run_summary(layout: RunLayout, metrics: MetricsCache | None = None) -> dict[str, Any]:
+def run_summary(layout: RunLayout, metrics: MetricsCache | None = None, planned: Sequence[str] | None = None) -> dict[str, Any]:
     """Everything a page or a summary shows about a run, as plain JSON (paths relative to the run); ``refused``
-    names each file left unread and why (:class:`RunFiles`); ``drafters`` each drafter of a run of several."""
+    names each file left unread and why (:class:`RunFiles`); ``drafters`` each drafter of a run of several, those
+    ``planned`` (its drafter plan's folders, when known) included before they write their folders."""
     files, metrics = RunFiles(layout), metrics or MetricsCache()
     shards = read_shards(layout, files)
     latest = metrics.latest(layout.train.metrics, files)
@@ -114,15 +117,15 @@ def run_summary(layout: RunLayout, metrics: MetricsCache | None = None) -> dict[
         "capture_checks": capture_check_summaries(layout, files),
         "evaluation": evaluation_summary(layout, files),
         "comparison": comparison_summary(layout, files),
-        "drafters": drafter_summaries(layout, files, metrics),
+        "drafters": drafter_summaries(layout, files, metrics, planned),
         "files": [files.name(p) for p in readable_files(layout, files) if files.stat(p)],
         "refused": [f"{name}: {why}" for name, why in sorted(files.refused.items())],
     }
 
 
-def list_runs(root: Path, metrics: MetricsCache | None = None) -> list[dict[str, Any]]:
+def list_runs(root: Path, metrics: MetricsCache | None = None, planned: Mapping[str, Sequence[str]] | None = None) -> list[dict[str, Any]]:
     """Folders under the output root that look like runs (they have shards/, train/ or drafters/), newest first,
-    each with its :func:`run_headline` figures."""
+    each with its :func:`run_headline` figures (``planned``: each run's drafter plan's folders, by run name, when known)."""
     runs = []
     if not root.is_dir():
         return runs
@@ -134,5 +137,6 @@ def list_runs(root: Path, metrics: MetricsCache | None = None) -> list[dict[str,
         files = RunFiles(layout)  # a run folder that is a link out of the output root is not listed
         parts = (layout.shards, layout.train.root, layout.root / DRAFTERS_DIR)
         if files.folder(layout.root) and any(files.folder(part) for part in parts):
-            runs.append({"name": child.name, "modified": child.stat().st_mtime, "headline": run_headline(layout, metrics)})
+            headline = run_headline(layout, metrics, (planned or {}).get(child.name))
+            runs.append({"name": child.name, "modified": child.stat().st_mtime, "headline": headline})
     return sorted(runs, key=lambda r: -r["modified"])

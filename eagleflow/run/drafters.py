@@ -64,15 +64,21 @@ class RunDrafters(BaseModel):
     def given_step_params(self) -> dict[str, Any]:
         """The step Params as given to the run, with this drafter's own settings over them.
 
-        A block drafter listed beside EAGLE-3 ones reads the full vocabulary: the run's reduced
-        draft_vocab_size (theirs) is not its own unless it sets it.
+        A drafter of another family than the run's ``draft_algorithm`` (by speculators' type: eagle3 and eagle3.1
+        are one) takes its own family's defaults for the settings whose meaning is a family's
+        (:data:`~eagleflow.drafters.plan.FAMILY_SHAPED`: a block drafter beside EAGLE-3 ones reads the full
+        vocabulary and sweeps its own block, not their reduced vocabulary and chains), unless it sets them.
         """
-        from eagleflow.drafters import family
+        from eagleflow.drafters import FAMILY_SHAPED, family
 
         own = {k: v for k, v in self.drafter_settings.items() if k != "aux_layer_ids"}
         given = {**self.step_params, **own}
-        if self.drafter_name is not None and "draft_vocab_size" not in own and "draft_algorithm" in own and family(own["draft_algorithm"]).block:
-            given.pop("draft_vocab_size", None)
+        if self.drafter_name is not None and "draft_algorithm" in own:
+            run_family = family(self.run_step_param("draft_algorithm"))
+            if family(own["draft_algorithm"]).speculator_type != run_family.speculator_type:
+                for name in FAMILY_SHAPED:
+                    if name not in own:
+                        given.pop(name, None)
         return given
 
     @property
@@ -119,9 +125,15 @@ class RunDrafters(BaseModel):
     def check_drafters(self) -> None:
         """Each drafter's settings by its family's and its steps' own rules, before any work (a bad one named)."""
         from eagleflow.config import build_model
+        from eagleflow.drafters import family
         from eagleflow.run.step_params import StepParams
 
         plan = self.drafter_plan()
+        for drafter in plan:
+            try:
+                family(drafter["settings"].get("draft_algorithm") or self.run_step_param("draft_algorithm"))
+            except ValueError as exc:  # an unknown family, or one not offered (its reason)
+                raise UserError(f"{self.drafter_label(drafter)} draft_algorithm: {exc}") from None
         epochs = {d["name"]: self.for_drafter(d).step_param("epochs") for d in plan}
         if len(set(epochs.values())) > 1 and self.run_step_param("hidden_states_source") == "engine":
             # Online, every drafter reads each sample of one prefill, pass after pass: they train as many passes.
@@ -135,3 +147,21 @@ class RunDrafters(BaseModel):
             build_model(StepParams, seen.given_step_params(), lambda field: f"Param drafters ({label}) {field}")
             seen.check_drafter_family()
             seen.evaluate_config()
+
+    def drafter_label(self, drafter: dict[str, Any]) -> str:
+        """How a message names ``drafter``'s settings: ``Param drafters (name)``, or the run's Params for its one drafter."""
+        return "Param" if drafter.get("folder") is None else f"Param drafters ({drafter['name']})"
+
+    def check_drafters_against_verifier(self) -> None:
+        """What SGLang would refuse of each drafter's settings for this verifier (its family's ``check``: context
+        layers it cannot capture, a mask token it cannot embed), before any engine starts; a refusal names the drafter."""
+        from pathlib import Path
+
+        for drafter in self.drafter_plan():
+            seen = self.for_drafter(drafter)
+            chosen = seen.drafter_family()
+            settings = {name: seen.step_param(name) for name in ("mask_token_id", "block_size", "serve_with")}
+            try:
+                chosen.owner("check")(Path(self.model_path), seen.resolved_aux_layer_ids(), settings)
+            except ValueError as exc:  # the family's rule, in its words
+                raise UserError(f"{self.drafter_label(drafter)} ({chosen.name} for {self.model_path}): {exc}") from None

@@ -38,3 +38,16 @@ def check_paths(cfg: PipelineConfig) -> None:
             raise UserError(f"{param_name(name)}: {path} {why}")
     if Path(cfg.output_root).exists() and (why := path_problem(Path(cfg.output_root), "folder")):
         raise UserError(f"{param_name('output_root')}: {cfg.output_root} {why}")
+
+
+def check_against_verifier(cfg: PipelineConfig) -> None:
+    """What needs the verifier's folder and would otherwise fail hours later: each drafter's settings by its family's
+    SGLang rules (:meth:`~eagleflow.run.drafters.RunDrafters.check_drafters_against_verifier`) and the chat
+    template's switches (``chat_template_kwargs``: a switch its template never reads, a key of apply_chat_template)."""
+    from eagleflow.data import check_chat_template_kwargs
+    from eagleflow.run.pipeline import param_name
+
+    cfg.check_drafters_against_verifier()
+    kwargs = cfg.run_step_param("chat_template_kwargs")
+    if kwargs:
+        check_chat_template_kwargs(cfg.model_path, kwargs, name=param_name("chat_template_kwargs"))

@@ -341,7 +341,7 @@ class PipelineConfig(RunDrafters):
 
     def step_param(self, name: str) -> Any:
         """Step Param ``name`` as given (a drafter's own first), else its step's default."""
-        return self.given_step_params().get(name, STEP_PARAMS[name].model_fields[name].default)
+        return self.given_step_params().get(name, STEP_PARAMS[name].model_fields[name].get_default(call_default_factory=True))
 
     def plot_config(self) -> PlotConfig:
         """``plot``: charts of the run's training metrics (a :class:`~eagleflow.metrics.plot.PlotConfig`)."""

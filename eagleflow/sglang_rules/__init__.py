@@ -19,7 +19,7 @@ __all__, __getattr__ = lazy_exports(
     {
         "rope": ["UnsupportedRope", "rope_settings", "sglang_rotary"],
         "draft_shape": ["check_block_flags", "check_tree_flags"],
-        "mask_token": ["DEFAULT_MASK_TOKEN", "BlockRuleError", "resolve_mask_token_id"],
+        "mask_token": ["DEFAULT_MASK_TOKEN", "BlockRuleError", "choose_mask_token_id", "resolve_mask_token_id"],
         "serving_targets": ["SERVING_TARGETS", "ServeWith", "ServingEngine", "ServingTarget", "serving_target"],
     },
 )

@@ -47,3 +47,24 @@ def resolve_mask_token_id(tokenizer: Any, vocab_size: int, given: int | None = N
             f"(it does not resize the target's embedding); give a mask token id below {vocab_size}, e.g. an unused token's"
         )
     return resolved
+
+
+def choose_mask_token_id(tokenizer: Any, vocab_size: int, given: int | None = None) -> tuple[int, str]:
+    """The mask token id a block drafter is trained and exported with, and how it was chosen: ``given`` (checked as
+    SGLang checks it), else the id SGLang's own resolution gives (:func:`resolve_mask_token_id`); where SGLang could
+    not embed that one (no mask token in the tokenizer and no room to add one: a full vocabulary, as small models
+    have), the tokenizer's pad token, which no training target holds. The export writes the id into the drafter's
+    config, so SGLang serves with the same one whichever way it was chosen.
+
+    :raises BlockRuleError: nothing SGLang can embed (no pad token either), naming the vocabulary size.
+    """
+    if given is not None:
+        return resolve_mask_token_id(tokenizer, vocab_size, given), "as given"
+    try:
+        return resolve_mask_token_id(tokenizer, vocab_size), "as SGLang resolves it"
+    except BlockRuleError as exc:
+        pad = getattr(tokenizer, "pad_token_id", None)
+        if pad is None:
+            raise
+        why = f"the pad token: {str(exc).split(':')[0]}"  # "mask token id N is not below the target's vocab size V"
+        return resolve_mask_token_id(tokenizer, vocab_size, int(pad)), why

@@ -118,7 +118,7 @@ class TrainConfig(BaseModel):
         None, ge=0, title="Mask token id (block drafters)",
         description="block drafters: the token whose embedding fills the draft block after the bonus token. Empty: "
         "resolved from the verifier's tokenizer as SGLang resolves it (its <|MASK|> token, or the id adding one gives, "
-        "which must be below the vocabulary size); give an unused token's id when the tokenizer has none",
+        "which must be below the vocabulary size), else its pad token; the export writes the id, so SGLang serves the same one",
     )
     max_anchors: int = Field(
         512, ge=1, title="Blocks per packed sequence (block drafters)",

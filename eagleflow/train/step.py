@@ -25,126 +25,25 @@ from eagleflow.errors import UserError
 from eagleflow.drafters import family
 from eagleflow.sglang_rules import serving_target
 from eagleflow.files import atomic_write_json
-from eagleflow.layout import FeedLayout, TrainLayout, hidden_states_dir
-from eagleflow.progress import format_bytes, format_gb
+from eagleflow.layout import FeedLayout, TrainLayout
+from eagleflow.progress import format_bytes
 from eagleflow.results import emit_result
 from eagleflow.train.child import (
     TrainerChild, TrainingFailed, TrainLog, child_command, child_env, entry_argv, online_flags, resolve_device, run_child,
     speculators_flags,
 )
 from eagleflow.train.config import RESUME_MUST_MATCH, TrainConfig
+from eagleflow.train.dataset_checks import check_dataset
 from eagleflow.train.disk_space import NO_SPACE_ERRNOS, child_failed_message, no_space_reason
 from eagleflow.train.failure import failure_cause
 from eagleflow.train.lock import TrainFolderLock
 from eagleflow.train.nodes import follow_node_0, lead_nodes
 from eagleflow.train.resume import best_checkpoint, epoch_dirs, prepare_checkpoints
-from eagleflow.train.online.settings import feed_settings, online_window_bytes, read_status
+from eagleflow.train.online.settings import feed_settings, read_status
 from eagleflow.train.speculators_support import check_online, installed_release
-from sglang_patch.mooncake_store import store_sample_limit
-from sglang_patch.sample_format import HiddenStatesDtype, sample_file_bytes
 
 if TYPE_CHECKING:
     from eagleflow.reuse import MadeFrom
-
-
-def check_dataset(cfg: TrainConfig, hidden_size: int) -> tuple[int, HiddenStatesDtype]:
-    """Fail early, naming the file or row, on what speculators would trip over mid-run.
-
-    Checks: the folder is a whole ``datasets`` folder (every file speculators' ``load_from_disk``
-    opens: ``eagleflow.data.dataset_files.check_dataset_files``) saved in torch format (speculators compares
-    each row's ``input_ids`` with ``torch.equal``), both the train and the validation split get
-    at least one row, and (from disk) every row has its ``hs_{row}`` file, all in one storage
-    dtype (read from each header: the dtype decides how speculators reads them), the first file
-    with ``len(captured) + 1`` slots of the verifier's hidden size. Online
-    (``--hidden-states-source engine``) there are no files: the largest sample must fit in the
-    online window. Returns the rows and the storage dtype.
-    """
-    from eagleflow.data import dataset_column, dataset_shape, dataset_state
-
-    rows, columns = dataset_shape(cfg.dataset)  # first: it checks every file is whole, naming a torn one
-    format_type = dataset_state(cfg.dataset).get("_format_type")
-    if format_type != "torch":
-        raise UserError(
-            f"--dataset {cfg.dataset} is saved in format {format_type!r}; speculators reads rows as torch "
-            f"tensors, so the dataset must be saved after set_format('torch') (re-run prepare-dataset)"
-        )
-    missing_columns = {"input_ids", "loss_mask", "seq_len"} - set(columns)
-    if missing_columns:
-        raise UserError(f"--dataset {cfg.dataset} lacks column(s) {sorted(missing_columns)}")
-    train_rows = int(rows * cfg.train_data_ratio)
-    if not 0 < train_rows < rows:
-        raise UserError(
-            f"--train-data-ratio {cfg.train_data_ratio} of {rows} rows leaves the train or the validation split empty"
-        )
-    if cfg.hidden_states_source == "engine":
-        check_online_window(cfg, hidden_size, [int(n) for n in dataset_column(cfg.dataset, "seq_len")])
-        return rows, cfg.hidden_states_dtype
-    return rows, _check_hidden_state_files(cfg, hidden_size, rows)
-
-
-def check_online_window(cfg: TrainConfig, hidden_size: int, lengths: list[int]) -> None:
-    """Refuse, before training, a window too small for the largest sample (it could never be fetched)."""
-    n_slots = len(cfg.captured) + 1
-    longest = max(range(len(lengths)), key=lengths.__getitem__)
-    needed = sample_file_bytes(lengths[longest], n_slots, hidden_size, cfg.hidden_states_dtype)
-    window = online_window_bytes(cfg)
-    limit = store_sample_limit(window) if cfg.sample_store else window  # a store's sample must fit its writer's buffer
-    if needed > limit:
-        what = "the sample store's room for one sample" if cfg.sample_store else "the online window"
-        raise UserError(
-            f"{what} ({format_bytes(limit)}: Param dump_queue_gb, flag --online-window-gb) is smaller than "
-            f"the largest sample, row {longest} ({lengths[longest]} tokens, {format_bytes(needed)} as "
-            f"{cfg.hidden_states_dtype}); raise it to at least {format_gb(needed)} GB or lower max_len"
-        )
-
-
-def _check_hidden_state_files(cfg: TrainConfig, hidden_size: int, rows: int) -> HiddenStatesDtype:
-    """Every row's file exists, all in one storage dtype, the first of the right shape: headers only (no torch)."""
-    from sglang_patch.sample_format import HIDDEN_STATES_KEY, sample_file_name
-    from sglang_patch.sample_header import read_header
-
-    hs_dir = hidden_states_dir(cfg.dataset)
-    missing = [row for row in range(rows) if not (hs_dir / sample_file_name(row)).exists()]
-    if missing:
-        raise UserError(
-            f"--dataset {cfg.dataset}: {len(missing)} of {rows} rows have no hidden states in {hs_dir} "
-            f"(rows {_rows_text(missing)}); finish extraction first, or train with --hidden-states-source engine"
-        )
-    stored_as: dict[HiddenStatesDtype | None, list[int]] = {}
-    first_shape: tuple[int, ...] = ()
-    torn = ""  # why the first unreadable file is (a truncated write names its bytes)
-    for row in range(rows):
-        try:
-            header = read_header(hs_dir / sample_file_name(row))
-        except (OSError, ValueError) as exc:
-            dtype = None
-            torn = torn or f"; {exc}"
-        else:
-            dtype = header.storage_dtype(HIDDEN_STATES_KEY)
-            if row == 0 and dtype is not None:
-                first_shape = header.tensors[HIDDEN_STATES_KEY].shape
-        stored_as.setdefault(dtype, []).append(row)
-    if len(stored_as) > 1 or None in stored_as:
-        kinds = "; ".join(
-            f"{dtype or 'unreadable or another dtype'}: rows {_rows_text(found)}" for dtype, found in stored_as.items()
-        )
-        raise UserError(
-            f"--dataset {cfg.dataset}: the hidden-state files are not all stored alike ({kinds}){torn}; "
-            "re-extract the odd rows with the run's hidden_states_dtype"
-        )
-    (dtype,) = stored_as
-    expected = [len(cfg.captured) + 1, hidden_size]
-    if list(first_shape[1:]) != expected:
-        raise UserError(
-            f"{hs_dir / sample_file_name(0)} has hidden_states of shape {list(first_shape)}; the captured layer ids "
-            f"{cfg.captured} and the verifier's hidden size need [seq_len, {expected[0]}, {expected[1]}] "
-            "(aux slots + the final state)"
-        )
-    return dtype  # type: ignore[return-value]  # None was refused above
-
-
-def _rows_text(rows: list[int]) -> str:
-    return ", ".join(str(r) for r in rows[:10]) + (" …" if len(rows) > 10 else "")
 
 
 def _format_count(n: int) -> str:
@@ -176,11 +75,11 @@ def ensure_vocab(cfg: TrainConfig, verifier_vocab: int, log: TrainLog) -> None:
     build_vocab(VocabConfig(dataset=cfg.dataset, draft_vocab_size=cfg.draft_vocab_size, target_vocab_size=verifier_vocab))
 
 
-def resolve_mask_token(cfg: TrainConfig, verifier_vocab: int) -> int | None:
-    """A block drafter's mask token id, as SGLang will resolve it for the verifier's tokenizer (None for
+def resolve_mask_token(cfg: TrainConfig, verifier_vocab: int) -> tuple[int, str] | None:
+    """A block drafter's mask token id and how it was chosen (:func:`eagleflow.sglang_rules.choose_mask_token_id`; None for
     EAGLE-3, which never uses one); refuses, before training, what SGLang would refuse or serve otherwise:
     a reduced draft vocabulary, a mask token id not below the vocabulary size."""
-    from eagleflow.sglang_rules import BlockRuleError, resolve_mask_token_id
+    from eagleflow.sglang_rules import BlockRuleError, choose_mask_token_id
 
     if not family(cfg.draft_algorithm).block:
         return None
@@ -200,7 +99,7 @@ def resolve_mask_token(cfg: TrainConfig, verifier_vocab: int) -> int | None:
             raise UserError(f"--verifier {cfg.verifier}: no tokenizer to resolve the mask token from ({exc}); give --mask-token-id") from exc
         tokenizer = None
     try:
-        return resolve_mask_token_id(tokenizer, verifier_vocab, cfg.mask_token_id)
+        return choose_mask_token_id(tokenizer, verifier_vocab, cfg.mask_token_id)
     except BlockRuleError as exc:
         raise UserError(f"--mask-token-id: {exc}") from exc
 
@@ -258,7 +157,8 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
         rows, stored = check_dataset(cfg, hidden)
         if cfg.draft_vocab_size > vocab and not family(cfg.draft_algorithm).block:  # block drafters: the full vocabulary
             raise UserError(f"--draft-vocab-size {cfg.draft_vocab_size} exceeds the verifier vocabulary ({vocab})")
-        mask_token_id = resolve_mask_token(cfg, vocab)
+        mask = resolve_mask_token(cfg, vocab)
+        mask_token_id = None if mask is None else mask[0]
         source = f"from the engines ({', '.join(cfg.engine_urls)})" if online else "stored"
         log.say(
             f"{rows} rows, hidden states {source} as {stored}; verifier: {layers} layers, hidden {hidden}, vocab {vocab}; "
@@ -280,10 +180,10 @@ def run_training(cfg: TrainConfig) -> dict[str, str]:
             atomic_write_json(paths.config, json.loads(cfg.model_dump_json()))
             if resume is None:
                 log.say(f"starting fresh: {cfg.epochs} epochs, checkpoints in {paths.checkpoints}")
-            if mask_token_id is not None:
+            if mask is not None:
                 log.say(
                     f"{cfg.draft_algorithm} drafter: {cfg.num_layers} layer(s), block {cfg.block_size}, mask token id "
-                    f"{mask_token_id} (as SGLang resolves it), the full vocabulary of {vocab}"
+                    f"{mask[0]} ({mask[1]}), the full vocabulary of {vocab}"
                 )
             else:
                 target = serving_target(cfg.serve_with)

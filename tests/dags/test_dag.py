@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 
+from eagleflow.demo.console import TAIL_LINES, LogsToFile
 from eagleflow.extract.sample_store import validate_dataset
 from eagleflow.engine.process import ServerInfo, pid_alive, stop_server
 from reference_engines import ENGINE_COMPUTE_FLAGS, launch_engine
@@ -49,7 +53,7 @@ def test_the_dag_tells_the_story(eagleflow_dag) -> None:
     assert tasks["build_vocab"].upstream_task_ids == {"extract_shard", "stop_server"}
     assert tasks["build_vocab"].trigger_rule == "none_failed"  # online, every shard is skipped
     # the engines' list: online, training asks them
-    assert tasks["plan_drafters"].upstream_task_ids == set()  # the drafters Param alone
+    assert tasks["plan_drafters"].upstream_task_ids == {"plan_engines"}  # after every Param is checked
     assert tasks["plan_train_nodes"].upstream_task_ids == {"build_vocab", "plan_drafters"}
     assert tasks["train_drafter"].upstream_task_ids == {"plan_train_nodes", "wait_server_ready"}
     # one instance per drafter and training node, named after them, all of a drafter's nodes retried when one
@@ -100,7 +104,8 @@ def test_every_param_has_a_title_and_description(eagleflow_dag) -> None:
                  "eval_concurrency", "eval_sets", "eval_prompts", "eval_configs", "eval_rounds", "regenerate_responses", "regen_temperature", "regen_max_new_tokens",
                  "regen_concurrency", "verify_rows"):
         param = params.get_param(name)
-        assert param.schema.get("title") and param.description, name
+        # A long help is the form's Markdown (its first sentence and a README link): Airflow shows description_md then.
+        assert param.schema.get("title") and (param.description or param.schema.get("description_md")), name
     assert params.get_param("shard_size").value == 2000 and params.get_param("verify_rows").value == 4
     assert params.get_param("num_engines").value == 1 and params.get_param("server_urls").value == []
     assert params.get_param("epochs").value == 5 and params.get_param("lr").value == 3e-5
@@ -118,6 +123,14 @@ def test_parsing_the_dag_imports_no_heavy_library() -> None:
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def assert_task_lines(said: list[str], tis: dict[tuple[str, int], Any]) -> None:
+    """``said`` opens with one line per task instance of ``tis``: its state and its name, as ``make demo`` prints them."""
+    lines = said[:len(tis)]
+    shown = {line.split()[1]: line.split()[0] for line in lines}
+    named = {ti.task_id if index < 0 else f"{ti.task_id}[{ti.rendered_map_index or index}]": str(ti.state) for (_, index), ti in tis.items()}
+    assert len(lines) == len(tis) and shown == named, said
 
 
 def start_outside_engine(tmp_path: Path, model: Path, **faults: Any) -> ServerInfo:
@@ -147,14 +160,25 @@ def remote_conf(tmp_path: Path, model: Path, engine: ServerInfo, run_name: str) 
 
 @pytest.mark.e2e
 def test_remote_server_mode_launches_and_stops_nothing_and_extracts_everything(
-    eagleflow_dag, outside_engine, tmp_path: Path, random_tiny_model: Path
+    eagleflow_dag, outside_engine, tmp_path: Path, random_tiny_model: Path, scripts: Callable[[str], ModuleType]
 ) -> None:
     # Training and export are covered elsewhere; here the point is the engine hand-off, and the run
-    # stops after extraction: everything after it skipped, the run a success.
+    # stops after extraction: everything after it skipped, the run a success. It runs as make demo runs
+    # it: one line per task on the terminal, with the figure that matters for it; the logs in a file.
     conf = {**remote_conf(tmp_path, random_tiny_model, outside_engine, "remote"), "stop_after_extraction": True}
-    run = eagleflow_dag.test(run_conf=conf)
+    said: list[str] = []
+    with LogsToFile(tmp_path / "demo.log") as logs:
+        run = scripts("demo").run_with_task_lines(eagleflow_dag, conf, logs, said.append)
     tis = {(ti.task_id, ti.map_index): ti for ti in run.get_task_instances()}
     assert str(run.state) == "success", {k: ti.state for k, ti in tis.items()}
+    assert_task_lines(said, tis)
+    assert len(said) == len(tis), "a run that succeeds prints no log lines"
+    line = {line.split()[1]: line for line in said}
+    assert re.search(r"  passed: worst final-slot logprob error \d\.\d{3}, top-1 agreement \d+%$", line["verify_capture[engine-0]"])
+    assert re.search(r"\d+s  2 rows, [\d,]+ tokens, [\d.]+ kB of hidden states$", line["extract_shard[rows_10-12]"])
+    assert line["stop_server[engine-0]"].endswith("  remote engine left running")
+    assert line["build_vocab"] == "  skipped         build_vocab", "a skipped task: no duration, no figure"
+    assert "[DAG TEST] end task task_id=extract_shard" in (tmp_path / "demo.log").read_text()
     after_extraction = ("build_vocab", "plan_train_nodes", "train_drafter", "compare_drafters")
     assert {task: tis[(task, -1)].state for task in after_extraction} == dict.fromkeys(after_extraction, "skipped")
     # One instance per drafter (the run's one), each skipped: its drafter was never trained.
@@ -266,10 +290,12 @@ def test_online_mode_skips_every_shard_trains_from_the_engine_through_the_runs_s
 
 
 def test_a_missing_model_folder_fails_the_first_task_saying_so_and_nothing_starts(
-    eagleflow_dag, tmp_path: Path, random_tiny_model: Path
+    eagleflow_dag, tmp_path: Path, random_tiny_model: Path, scripts: Callable[[str], ModuleType]
 ) -> None:
     """The first task (plan_engines) checks every path Param: the run fails there, its message the reason in plain
-    words (no retry: the same Params fail alike), and no engine is launched nor any folder written."""
+    words (no retry: the same Params fail alike), and no engine is launched nor any folder written. Run as
+    ``make demo`` runs it, the terminal gets one line per task, then the failed task's last log lines with the
+    reason and the log file's path; Airflow's logs go to that file."""
     (tmp_path / "conv.jsonl").write_text("")
     conf = {
         "model_path": str(tmp_path / "models" / "Kimi-K2.5"), "dataset_input": str(tmp_path / "conv.jsonl"),
@@ -277,11 +303,29 @@ def test_a_missing_model_folder_fails_the_first_task_saying_so_and_nothing_start
         # Said explicitly: dag.test() keeps an earlier test's run_conf in the shared DAG's params.
         "server_urls": [], "server_dump_dir": None, "stop_after_extraction": False, "drafters": [], "sample_transport": "file",
     }
-    run = eagleflow_dag.test(run_conf=conf)
+    said: list[str] = []
+    with LogsToFile(tmp_path / "demo.log") as logs:
+        run = scripts("demo").run_with_task_lines(eagleflow_dag, conf, logs, said.append)
     tis = {(ti.task_id, ti.map_index): ti for ti in run.get_task_instances()}
     assert str(run.state) == "failed"
     assert tis[("plan_engines", -1)].state == "failed" and tis[("plan_engines", -1)].try_number == 1
-    assert tis[("launch_server", -1)].state == "upstream_failed"
+    # Nothing ran after the first task: every other task could not (upstream_failed), but the last one, which runs
+    # whatever happened (all_done) and fails the run naming the refusal's sentence, which the first task kept.
+    others = {key: str(ti.state) for key, ti in tis.items() if key[0] not in ("plan_engines", "compare_drafters")}
+    assert set(others.values()) == {"upstream_failed"}, others
+    assert ("plan_drafters", -1) in others and tis[("compare_drafters", -1)].state == "failed"
+    assert refusal_of(run.run_id).startswith('Param model_path ("Verifier model folder"): ')
+    assert_task_lines(said, tis)
+    # then each failed task's last log lines: plan_engines with the reason, compare_drafters saying it compared nothing
+    headers = [i for i, line in enumerate(said) if line.startswith("[demo] ")]
+    assert [said[i] for i in headers] == [
+        f"[demo] {task} failed; the last {TAIL_LINES} lines of its log (all of Airflow's logs: {tmp_path / 'demo.log'}):"
+        for task in ("plan_engines", "compare_drafters")
+    ], said
+    tail = said[headers[0] + 1:headers[1]]
+    assert 0 < len(tail) <= TAIL_LINES and all(said[i].startswith("    ") for i in range(headers[0], len(said)) if i not in headers)
+    assert any('Param model_path ("Verifier model folder")' in line for line in tail), tail
+    assert "[DAG TEST] starting task_id=plan_engines" in (tmp_path / "demo.log").read_text(), "Airflow's logs went to the file"
     assert not (tmp_path / "runs").exists(), "nothing was written before the check"
     from operators.step import ParamsRefused
     from operators.server import PlanEnginesOperator
@@ -289,3 +333,17 @@ def test_a_missing_model_folder_fails_the_first_task_saying_so_and_nothing_start
     context = {"params": conf, "run_id": "manual__x"}
     with pytest.raises(ParamsRefused, match=r'^Param model_path \("Verifier model folder"\): .*Kimi-K2.5 does not exist$'):
         PlanEnginesOperator(task_id="plan_engines").execute(context)  # type: ignore[arg-type]
+
+
+def refusal_of(run_id: str) -> str:
+    """The first task's refusal of a run's Params, as it kept it (its XCom)."""
+    from airflow.models.xcom import XComModel
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    from operators.step import REFUSAL_XCOM
+
+    with create_session() as session:
+        value = session.scalar(select(XComModel.value).where(
+            XComModel.run_id == run_id, XComModel.task_id == "plan_engines", XComModel.key == REFUSAL_XCOM))
+    return value

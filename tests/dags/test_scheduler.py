@@ -327,20 +327,19 @@ def test_bad_aux_layer_ids_are_refused_at_trigger_or_by_the_first_tasks(
                                     json={"dag_run_id": "bad-shard-size", "logical_date": None, "conf": {**conf, "shard_size": -5}})
     assert "shard_size" in json.dumps(refused) and "-5 is less than the minimum of 1" in json.dumps(refused), refused
 
-    # The verifier's depth (8 layers) lives in its folder, on the workers: the first task that
-    # reads it (the engine's launch) fails, naming the Param; nothing after it runs (preparation
-    # waits for the launch, through regenerate_dataset).
+    # The verifier's depth (8 layers) lives in its folder, on the workers: the first task (plan_engines) reads it and
+    # fails naming the Param; nothing after it runs, and the last task repeats its sentence.
     run_id = "bad-aux-depth"
     airflow_stack.trigger(run_id, {**conf, "aux_layer_ids": [2, 9]})
     assert airflow_stack.wait_for_run(run_id, RUN_TIMEOUT) == "failed", airflow_stack.describe(run_id)
     tis = airflow_stack.task_instances(run_id)
-    assert tis[("launch_server", 0)]["state"] == "failed", airflow_stack.describe(run_id)
-    log = airflow_stack.task_log(run_id, "launch_server", tis[("launch_server", 0)]["try_number"], 0)
+    assert tis[("plan_engines", -1)]["state"] == "failed", airflow_stack.describe(run_id)
+    log = airflow_stack.task_log(run_id, "plan_engines", tis[("plan_engines", -1)]["try_number"], -1)
     assert 'Param aux_layer_ids ("Aux layer ids"): aux layer ids [9] are outside 0..8' in log, log[-2000:]
     ran = {task for (task, _), ti in tis.items() if ti["state"] not in ("upstream_failed", "skipped", None)}
-    # The drafters' plan reads no model; the last task runs whatever happened before it, to fail the run by name.
-    assert ran <= {"plan_engines", "plan_drafters", "launch_server", "stop_server", "stop_server_after_training",
-                   "compare_drafters"}, airflow_stack.describe(run_id)
+    # The last task runs whatever happened before it, to fail the run by name.
+    assert ran <= {"plan_engines", "stop_server", "stop_server_after_training", "compare_drafters"}, airflow_stack.describe(run_id)
     compare = airflow_stack.task_log(run_id, "compare_drafters", tis[("compare_drafters", -1)]["try_number"], -1)
-    assert "failed in this run: launch_server_0, " in compare and "task(s) that could not run after them" in compare, compare[-2000:]
+    assert "failed in this run: plan_engines (refused the run's Params: Param aux_layer_ids" in compare, compare[-2000:]
+    assert "task(s) that could not run after them" in compare, compare[-2000:]
     assert not (tmp_path / "runs" / "bad-aux" / "dataset").exists()

@@ -130,3 +130,77 @@ def test_online_every_drafters_trainer_knows_the_others_and_the_first_leads(tmp_
     # One drafter: a lone feed, as before.
     single = PipelineConfig.from_params(base(tmp_path, random_tiny_model, hidden_states_source="engine"))
     assert shared_feed(single.train_config([engine])) == {}
+
+
+@pytest.mark.parametrize(("algorithm", "words"), [("nope", "unknown draft algorithm 'nope'"), ("dflash2", "draft algorithm 'dflash2' is not offered")])
+def test_an_entry_naming_an_unknown_or_refused_family_is_refused_by_name(
+    tmp_path: Path, random_tiny_model: Path, algorithm: str, words: str
+) -> None:
+    for entry, label in (({"name": "x", "draft_algorithm": algorithm}, "x"), (algorithm, algorithm)):
+        with pytest.raises(UserError, match=rf"^Param drafters \({label}\) draft_algorithm: {words}"):
+            PipelineConfig.from_params(base(tmp_path, random_tiny_model, drafters=["eagle3", entry]))
+
+
+@pytest.mark.parametrize(
+    ("entry", "words"),
+    [
+        ({"mask_token_id": 1024}, "mask token id 1024 is not below the target's vocab size 1024"),
+        ({"mask_token_id": 0, "aux_layer_ids": [0, 3]}, "aux layer id 0 .* cannot be a DFlash context layer"),
+        ({"mask_token_id": 0, "aux_layer_ids": [4, 2]}, r"aux layer ids \[4, 2\] are not in increasing order"),
+        ({"mask_token_id": 0, "aux_layer_ids": [2, 8]}, "aux layer id 8 is the final pre-norm state"),
+    ],
+)
+def test_what_sglang_would_refuse_of_a_drafter_fails_the_first_task_naming_it(
+    tmp_path: Path, random_tiny_model: Path, entry: dict[str, Any], words: str
+) -> None:
+    """Settings only the verifier's folder can judge (its vocabulary, its depth) fail the run's first task, by the
+    drafter's family's own rules, not the training or the export hours later."""
+    from operators.server import PlanEnginesOperator
+    from operators.step import ParamsRefused
+
+    (tmp_path / "in.jsonl").write_text("")
+    params = base(tmp_path, random_tiny_model, drafters=["eagle3", {"name": "b", "draft_algorithm": "dflash", **entry}])
+    with pytest.raises(ParamsRefused, match=rf"^Param drafters \(b\) \(dflash for .*\): {words}"):
+        PlanEnginesOperator(task_id="plan_engines").execute({"params": params, "run_id": "manual__x"})  # type: ignore[arg-type]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_template_switch_apply_chat_template_owns_fails_the_first_task(tmp_path: Path, random_tiny_model: Path) -> None:
+    from eagleflow.run.param_checks import check_against_verifier
+
+    cfg = PipelineConfig.from_params(base(tmp_path, random_tiny_model, chat_template_kwargs={"add_generation_prompt": True}))
+    with pytest.raises(UserError, match=r"^Param chat_template_kwargs .*'add_generation_prompt' is an argument of apply_chat_template"):
+        check_against_verifier(cfg)
+
+
+def test_an_entry_naming_only_its_family_takes_its_familys_defaults_beside_the_runs(tmp_path: Path, random_tiny_model: Path) -> None:
+    """The form's demo defaults (EAGLE-3's chain sweep and reduced vocabulary, run-wide) with ``["eagle3", "dflash"]``:
+    the DFlash takes its own family's defaults for what is a family's (its block's sweep, the full vocabulary, its
+    block size), and passes the first task's checks on a verifier whose full vocabulary leaves SGLang no room to add
+    a mask token (the pad token is chosen, and written into the export)."""
+    from eagleflow.demo import DEMO_PARAMS
+    from eagleflow.run.param_checks import check_against_verifier
+    from eagleflow.sglang_rules import BlockRuleError, choose_mask_token_id, resolve_mask_token_id
+    from eagleflow.verifier import load_tokenizer
+
+    cfg = PipelineConfig.from_params({**base(tmp_path, random_tiny_model), **DEMO_PARAMS, "drafters": ["eagle3", "dflash"]})
+    check_against_verifier(cfg)
+    eagle, dflash = (cfg.for_drafter(d) for d in cfg.drafter_plan())
+    assert eagle.evaluate_config().eval_configs == DEMO_PARAMS["eval_configs"]
+    assert eagle.train_config().draft_vocab_size == DEMO_PARAMS["draft_vocab_size"]
+    assert dflash.evaluate_config().eval_configs == ""  # its own default sweep: its block, 1 and eval_concurrency in flight
+    trained = dflash.train_config()
+    assert (trained.block_size, trained.draft_vocab_size) == (16, train_default("draft_vocab_size"))
+    # The tiny tokenizer is full (1024 ids, no <|MASK|>): SGLang could not add one; its pad token is chosen.
+    tokenizer = load_tokenizer(random_tiny_model)
+    with pytest.raises(BlockRuleError, match="not below the target's vocab size 1024"):
+        resolve_mask_token_id(tokenizer, 1024)
+    assert choose_mask_token_id(tokenizer, 1024) == (0, "the pad token: mask token id 1024 is not below the target's vocab size 1024")
+    assert tokenizer.pad_token_id == 0
+    assert choose_mask_token_id(tokenizer, 1024, 5) == (5, "as given")  # a given id is SGLang's to check
+
+
+def train_default(name: str) -> Any:
+    from eagleflow.train import TrainConfig
+
+    return TrainConfig.model_fields[name].default

@@ -10,6 +10,7 @@ import pytest
 from airflow.sdk import Param
 from airflow.sdk.definitions.param import ParamValidationError
 
+from eagleflow.config import bounds_text
 from eagleflow.engine.process import ServerInfo
 from eagleflow.errors import UserError
 from eagleflow.run.pipeline import PipelineConfig, param_schemas
@@ -42,8 +43,11 @@ def test_bad_params_are_refused_by_the_form_and_by_the_config_naming_the_param(
         Param(**schema).resolve(value)  # Airflow's trigger form and REST API
     if isinstance(value, (int, float)):  # refused, saying which bound, where the form would have clamped it
         assert "the minimum of" in str(refused.value) or "the maximum of" in str(refused.value), refused.value
-    # The form's number field clamps into a top-level minimum/maximum, silently: bounds live under allOf instead.
+    # The form's number field clamps into a top-level minimum/maximum, silently: bounds live under allOf instead,
+    # and the help under the field says them, where the value is typed (the form checks no bound itself).
     assert not {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"} & set(schema), schema
+    if isinstance(value, (int, float)):
+        assert schema["description"].endswith(" " + bounds_text(schema["allOf"][0])), schema["description"]
     with pytest.raises(UserError, match=f"Param {name}") as info:  # a run made without the form (CLI conf)
         PipelineConfig.from_params({**base(tmp_path, random_tiny_model), name: value})
     assert words in str(info.value)

@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
+from ui_run_folders import FIXTURES, write_dflash_metrics
 
 # A 1x1 PNG: the routes serve chart files, they do not look inside them.
 TINY_PNG = bytes.fromhex(
@@ -29,32 +28,11 @@ def write_manifest(shards: Path, **fields: Any) -> None:
     (shards / f"{data['name']}.json").write_text(json.dumps(data))
 
 
-def _record_dflash_metrics(metrics: Path) -> list[dict[str, Any]]:
-    import io
-    import logging
-
-    from eagleflow.metrics import read_records
-    from eagleflow.train.recorder import MetricsRecorder
-
-    metrics.unlink(missing_ok=True)
-    recorder = MetricsRecorder(metrics, stream=io.StringIO(), clock=time.time)
-    logger = logging.getLogger("eagleflow.test.plugins.dflash")
-    logger.handlers, logger.propagate, logger.level = [recorder], False, logging.INFO
-    try:
-        for line in (FIXTURES / "dflash" / "metric_dicts.jsonl").read_text().splitlines():
-            entry = json.loads(line)
-            logger.info(entry["msg"], extra={"step": entry["step"]})
-    finally:
-        logger.handlers = []
-        recorder.close()
-    return read_records(metrics)
-
-
 @pytest.fixture()
 def record_dflash_metrics() -> Any:
     """``record(metrics)``: the real DFlash training's metric dicts (``fixtures/metrics/dflash``) through the
     training step's recorder into ``metrics``, as speculators logs them; returns the records written."""
-    return _record_dflash_metrics
+    return write_dflash_metrics
 
 
 @pytest.fixture()
@@ -138,23 +116,27 @@ def client(output_root: Path, airflow_login: AirflowLogin) -> Any:
 
 @pytest.fixture()
 def dag_runs(airflow_login: AirflowLogin, output_root: Path) -> Iterator[Callable[..., None]]:
-    """``add(run_id, state, conf, minutes_ago, *, started_minutes_ago=…, cleared=0, tries=())``: a DAG run of the
-    eagleflow DAG in the test's metadata DB (removed after), triggered ``minutes_ago``.
+    """``add(run_id, state, conf, minutes_ago, *, started_minutes_ago=…, cleared=0, tries=(), failed=(), plan=None,
+    refusals={})``: a DAG run of the eagleflow DAG in the test's metadata DB (removed after), triggered ``minutes_ago``.
 
     Its ``start_date`` is ``started_minutes_ago`` (default: when triggered; None: not started). ``tries`` are
     ``(task_id, minutes_ago)`` starts of task tries: the last of a task is its current try (``task_instance``),
-    the earlier ones are in ``task_instance_history``, as Airflow keeps a cleared or retried try.
-    ``cleared``: the DAG run's ``clear_number``. A finished one ended when it started.
+    the earlier ones are in ``task_instance_history``, as Airflow keeps a cleared or retried try; a task named in
+    ``failed`` failed its current try (else it succeeded), ending a minute after it started.
+    ``cleared``: the DAG run's ``clear_number``. A finished one ended when it started. ``plan``: the drafter plan
+    ``plan_drafters`` returned (its XCom), when it ran; ``refusals``: per task, the sentence it kept refusing the run's
+    Params (XCom ``REFUSAL_XCOM``, as the first task keeps it).
     """
     import pendulum
     from airflow.models.dagrun import DagRun
     from airflow.models.taskinstance import TaskInstance
     from airflow.models.taskinstancehistory import TaskInstanceHistory
+    from airflow.models.xcom import XComModel
     from airflow.utils.session import create_session
     from airflow.utils.types import DagRunType
     from sqlalchemy import delete, insert
 
-    from eagleflow.deploy import DAG_ID
+    from eagleflow.deploy import DAG_ID, PLAN_DRAFTERS_TASK_ID, REFUSAL_XCOM
 
     added: list[str] = []
     unset = object()
@@ -163,7 +145,8 @@ def dag_runs(airflow_login: AirflowLogin, output_root: Path) -> Iterator[Callabl
         return None if minutes is None else pendulum.now("UTC").subtract(minutes=minutes)
 
     def add(run_id: str, state: str, conf: dict[str, Any], minutes_ago: float, *, started_minutes_ago: Any = unset,
-            cleared: int = 0, tries: tuple[tuple[str, float], ...] = ()) -> None:
+            cleared: int = 0, tries: tuple[tuple[str, float], ...] = (), failed: tuple[str, ...] = (),
+            plan: list[dict[str, Any]] | None = None, refusals: dict[str, str] | None = None) -> None:
         start = ago(minutes_ago if started_minutes_ago is unset else started_minutes_ago)
         with create_session() as session:
             session.add(DagRun(dag_id=DAG_ID, run_id=run_id, run_type=DagRunType.MANUAL, state=state, conf=conf,
@@ -180,14 +163,42 @@ def dag_runs(airflow_login: AirflowLogin, output_root: Path) -> Iterator[Callabl
                 *earlier, current = starts
                 key = {"dag_id": DAG_ID, "run_id": run_id, "task_id": task_id, "map_index": -1, "pool": "default_pool"}
                 ti = TaskInstance.__table__
-                session.execute(insert(ti).values(**key, id=uuid.uuid4(), try_number=len(starts),
-                                                  start_date=ago(current), state="success"))
+                session.execute(insert(ti).values(**key, id=uuid.uuid4(), try_number=len(starts), start_date=ago(current),
+                                                  end_date=ago(current - 1), state="failed" if task_id in failed else "success"))
                 for number, minutes in enumerate(earlier, start=1):
                     session.execute(insert(TaskInstanceHistory.__table__).values(
                         **key, task_instance_id=uuid.uuid4(), try_number=number, start_date=ago(minutes), state="failed"))
+            if plan is not None:
+                XComModel.set("return_value", plan, dag_id=DAG_ID, task_id=PLAN_DRAFTERS_TASK_ID, run_id=run_id, session=session)
+            for task_id, sentence in (refusals or {}).items():
+                XComModel.set(REFUSAL_XCOM, sentence, dag_id=DAG_ID, task_id=task_id, run_id=run_id, session=session)
         added.append(run_id)
 
     yield add
     with create_session() as session:
-        for table in (TaskInstanceHistory, TaskInstance, DagRun):
+        for table in (XComModel, TaskInstanceHistory, TaskInstance, DagRun):
             session.execute(delete(table).where(table.dag_id == DAG_ID, table.run_id.in_(added)))
+
+
+@pytest.fixture()
+def task_logs(airflow_db: Path) -> Iterator[Callable[..., Path]]:
+    """``write(run_id, task_id, *lines)``: the log of a task's first try where Airflow's log reader finds it (the
+    configured log folder and file name template), one JSON line per dict; removed after."""
+    from airflow.configuration import conf
+    from jinja2 import Template
+
+    from eagleflow.deploy import DAG_ID
+
+    folder, written = Path(conf.get("logging", "base_log_folder")), []
+
+    def write(run_id: str, task_id: str, *lines: dict[str, Any]) -> Path:
+        ti = {"dag_id": DAG_ID, "run_id": run_id, "task_id": task_id, "map_index": -1}
+        path = folder / Template(conf.get("logging", "log_filename_template")).render(ti=ti, try_number=1)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        written.append(path)
+        return path
+
+    yield write
+    for path in written:
+        shutil.rmtree(path.parents[1], ignore_errors=True)  # .../run_id=<run>/task_id=<task>/attempt=1.log

@@ -3,7 +3,6 @@ training, charts and evaluation, its files in the file viewer, and the winner in
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shutil
@@ -14,11 +13,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from ui_run_folders import write_compared_run
 from eagleflow.report.run_page import list_runs
 from plugins.eagleflow_ui import create_app
 
 HTML = {"accept": "text/html"}
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
 
 
 @pytest.fixture()
@@ -28,32 +27,10 @@ def client(output_root: Path, airflow_login) -> TestClient:
     return test_client
 
 
-def png(chart: Path, tag: str) -> bytes:
-    """A chart file of its own: the fixture's PNG ``chart`` with ``tag`` after its end (the route serves files as they are)."""
-    return chart.read_bytes() + tag.encode()
-
-
 @pytest.fixture()
-def multi(output_root: Path, record_dflash_metrics: Callable[[Path], list[dict[str, Any]]]) -> dict[str, Any]:
-    """``<root>/multi``: drafters ``eagle3`` (EAGLE-3 metrics of the fixture run, trained 3725 s) and ``dflash``
-    (the real DFlash training's metrics), each evaluated, with its training and evaluation charts; compared."""
-    from drafter_runs import write_two_drafters
-    from eagleflow.report.compare import main as compare
-
-    run, chart_png = output_root / "multi", output_root / "demo" / "train-progress" / "loss.png"
-    layouts = write_two_drafters(run)
-    shutil.copyfile(FIXTURES / "metrics.jsonl", layouts["eagle3"].train.metrics)
-    dflash_records = record_dflash_metrics(layouts["dflash"].train.metrics)
-    charts = {"eagle3": ("loss", "acc"), "dflash": ("loss", "eal", "acc")}
-    for name, layout in layouts.items():
-        layout.train.log.write_text(f"{name}: step 0 loss 9.1\n")
-        layout.charts.mkdir()
-        for chart in charts[name]:
-            (layout.charts / f"{chart}.png").write_bytes(png(chart_png, f"{name}/{chart}"))
-        (layout.evaluation / "accept.png").write_bytes(png(chart_png, f"{name}/accept"))
-        (layout.evaluation / "sweep.png").write_bytes(png(chart_png, f"{name}/sweep"))
-    assert compare(argparse.Namespace(run=run, drafters=["eagle3", "dflash"])) == 0
-    return {"run": run, "layouts": layouts, "dflash_records": dflash_records}
+def multi(output_root: Path) -> dict[str, Any]:
+    """``<root>/multi``: two drafters, evaluated and compared (:func:`ui_run_folders.write_compared_run`)."""
+    return write_compared_run(output_root / "multi", output_root / "demo" / "train-progress" / "loss.png")
 
 
 def block(page: str, name: str) -> str:
@@ -69,7 +46,14 @@ def test_each_drafter_is_shown_with_its_training_charts_and_evaluation(client: T
     assert "<h2>Drafters</h2>" in page and "This run trains 2 drafters from one capture" in page
     # A run of several drafters has no drafter at its root: the root's empty sections are not shown.
     assert "<h2>Training</h2>" not in page and "Not evaluated yet" not in page.split("<h2>Drafters</h2>")[0]
-    assert page.index('id="drafter-dflash"') < page.index('id="drafter-eagle3"') < page.index("<h2>Drafters compared</h2>")
+    # The answer first: the comparison right under the run's name and DAG run, then each drafter, then the extraction.
+    assert page.index("</h1>") < page.index("<h2>Drafters compared</h2>") < page.index("<h2>Drafters</h2>")
+    assert page.index("<h2>Drafters</h2>") < page.index('id="drafter-dflash"') < page.index('id="drafter-eagle3"') < page.index(
+        "<h2>Extraction</h2>") < page.index("<h2>Shards</h2>")
+    assert not re.search(r"<h2>|<section|<div class=\"cards\">", page.split("</h1>")[1].split("<h2>Drafters compared</h2>")[0])
+    compared = page.split("<h2>Drafters compared</h2>")[1].split("<h2>")[0]
+    assert compared.index("Winner: <b>eagle3</b>") < compared.index("serve with SGLang: <code>--speculative") < compared.index("<table>")
+    assert compared.index("Fastest at batch size 2") < compared.index('alt="Drafters compared: speedup and accept length')
 
     eagle3, dflash = block(page, "eagle3"), block(page, "dflash")
     assert "<h3>Drafter <code>eagle3</code> · EAGLE3</h3>" in eagle3 and "<h3>Drafter <code>dflash</code> · DFLASH</h3>" in dflash
@@ -183,3 +167,31 @@ def test_the_runs_list_shows_the_winner_of_a_run_of_several_drafters(client: Tes
     (row,) = [r.split("</tr>")[0] for r in client.get("/", headers=HTML).text.split("<tr>") if 'href="runs/multi"' in r]
     cells = re.findall(r"<td[^>]*>(.*?)</td>", row, flags=re.S)
     assert cells[8:10] == ['<span class="muted">2 drafters</span> –', "–"]
+
+
+def test_a_running_run_counts_the_drafters_it_plans_not_only_those_begun(
+    client: TestClient, multi: dict[str, Any], output_root: Path, dag_runs: Callable[..., None]
+) -> None:
+    """While a run of two drafters goes, one drafter's folder may not exist yet: its plan (plan_drafters' XCom) counts."""
+    run = multi["run"]
+    shutil.rmtree(run / "drafters" / "eagle3")  # only dflash has begun
+    (run / "eval" / "compare.json").unlink()
+    plan = [{"name": name, "folder": name, "settings": {"draft_algorithm": name}} for name in ("eagle3", "dflash")]
+    here = {"run_name": "multi", "output_root": str(output_root)}
+    dag_runs("manual__two", "running", here, minutes_ago=5, tries=(("plan_drafters", 5),), plan=plan)
+
+    (row,) = [r.split("</tr>")[0] for r in client.get("/", headers=HTML).text.split("<tr>") if 'href="runs/multi"' in r]
+    assert re.findall(r"<td[^>]*>(.*?)</td>", row, flags=re.S)[8] == '<span class="muted">2 drafters</span> –'
+    page = client.get("/runs/multi", headers=HTML).text
+    assert "Not compared yet (<code>eval/compare.json</code>" in page and "This run trains 2 drafters from one capture, each in" in page
+    assert page.index("<h2>Drafters compared</h2>") < page.index('id="drafter-dflash"') < page.index('id="drafter-eagle3"')
+    waiting = block(page, "eagle3")
+    assert '<span class="state queued">not started</span>' in waiting and "No training metrics yet (<code>drafters/eagle3/train/" in waiting
+    assert '<meta http-equiv="refresh"' in page
+
+    # A plan of one drafter in drafters/ (the Param lists one): said in the singular.
+    shutil.rmtree(run / "drafters" / "dflash")
+    dag_runs("manual__one", "running", here, minutes_ago=1, tries=(("plan_drafters", 1),), plan=plan[:1])
+    (row,) = [r.split("</tr>")[0] for r in client.get("/", headers=HTML).text.split("<tr>") if 'href="runs/multi"' in r]
+    assert re.findall(r"<td[^>]*>(.*?)</td>", row, flags=re.S)[8] == '<span class="muted">1 drafter</span> –'
+    assert "This run trains 1 drafter from one capture, in its own folder" in client.get("/runs/multi", headers=HTML).text

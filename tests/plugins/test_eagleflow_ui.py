@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 from fastapi import FastAPI
@@ -454,9 +455,11 @@ def test_airflow_loads_the_plugin_folder_and_mounts_the_app(
     assert errors == {}
     (plugin,) = [p for p in plugins if p.name == "eagleflow"]
     (app_spec,) = plugin.fastapi_apps
-    (view,) = plugin.external_views
+    view, tab = plugin.external_views
     assert app_spec["url_prefix"] == UI_PREFIX and not any(UI_PREFIX.startswith(p) for p in RESERVED_URL_PREFIXES)
     assert view["href"] == f"{UI_PREFIX}/" and view["destination"] == "nav"
+    # Each DAG run's page gets the tab; Airflow's UI fills in the DAG and run ids (quoted) as below.
+    assert tab["destination"] == "dag_run" and tab["url_route"] != view["url_route"]
     # Mounted as the API server mounts plugin apps (airflow.api_fastapi.app.init_plugins).
     server = FastAPI()
     server.mount(app_spec["url_prefix"], app_spec["app"])
@@ -467,6 +470,8 @@ def test_airflow_loads_the_plugin_folder_and_mounts_the_app(
     src = re.search(r'<img src="([^"]+)"', page.text).group(1)
     assert browser.get(f"{UI_PREFIX}/runs/{src}").headers["content-type"] == "image/png"
     assert TestClient(server).get(run_page_path("demo")).status_code == 401
+    other_dag = browser.get(tab["href"].replace("{DAG_ID}", "etl").replace("{RUN_ID}", quote("manual__1+0", safe="")), headers=HTML)
+    assert other_dag.status_code == 404 and "DAG &#39;etl&#39; is not eagleflow&#39;s" in other_dag.text
     assert json.loads(TestClient(server).get(f"{UI_PREFIX}/api/runs/demo").text)["status"] == 401
 
 
@@ -491,7 +496,7 @@ def test_the_run_page_links_its_dag_run_and_the_list_shows_states_and_headline_f
     newest = re.search(r'DAG run <a href="([^"]+)" target="_top"[^>]*><code>([^<]+)</code></a>\s*<span class="state (\w+)">', page)
     assert newest is not None, page
     assert newest.groups() == ("/dags/eagleflow/runs/manual__cleared%2Bagain%3A1", "manual__cleared+again:1", "running")
-    assert "1 earlier DAG run wrote this folder" in page and 'href="/dags/eagleflow/runs/manual__first-try"' in page
+    assert "1 earlier DAG run for this folder" in page and 'href="/dags/eagleflow/runs/manual__first-try"' in page
     assert "same-name-elsewhere" not in page  # its run folder is under another output root
     assert '<meta http-equiv="refresh"' in page  # its DAG run is still running
     summary = client.get("/api/runs/demo").json()

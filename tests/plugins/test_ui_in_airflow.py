@@ -2,7 +2,10 @@
 sandboxed frame, and their links to a DAG run land on Airflow's own DAG run page (the frame's sandbox refuses
 ``target="_top"``: ``templates/base.html`` says how the links get out of it). Also: the list of runs fits that
 frame at 1600×900, a DAG run that failed before writing its folder has a page there, and a script in a run
-folder's SVG never runs, in the frame or on its own, while the run page still shows its charts.
+folder's SVG never runs, in the frame or on its own, while the run page still shows its charts. And what a user
+meets around a run: the trigger form says why it refuses an out-of-range Param, a run of several drafters opens
+with their comparison, each DAG run's page has an "eagleflow run" tab, and a run whose first task failed before
+writing its folder is listed with that task's reason.
 
 Airflow is the real-scheduler tests' stack (``tests/dags/conftest.py``'s ``airflow_stack``: scheduler,
 dag-processor, triggerer and api-server, all-admins, no login), the eagleflow DAG paused so the DAG runs
@@ -30,6 +33,8 @@ DAG_ID = "eagleflow"
 RUN_ID = "manual__2026-12-03T23:19:16.409337+00:00"  # triggered from the form: no run_name, the folder named after it
 FAILED_RUN_ID = "manual__failed-at-once"
 NOT_WRITTEN = "never-written"
+COMPARED, COMPARED_RUN_ID = "two-drafters", "manual__two-drafters"  # a run whose two drafters were evaluated and compared
+BAD_MODEL_RUN_ID, BAD_MODEL = "manual__bad-model", "bad-model"  # a run whose first task refuses its verifier folder
 WIDTH, HEIGHT = 1600, 900
 
 
@@ -54,8 +59,11 @@ def ui_output_root(tmp_path_factory: pytest.TempPathFactory, fill_output_root: A
     set before the stack starts) with the run folder of :data:`RUN_ID`."""
     from eagleflow.layout import run_name_from_run_id
 
+    from ui_run_folders import write_compared_run
+
     root = fill_output_root(tmp_path_factory.mktemp("ui-in-airflow") / "runs")
     (root / "demo").rename(root / run_name_from_run_id(RUN_ID))
+    write_compared_run(root / COMPARED, root / run_name_from_run_id(RUN_ID) / "train-progress" / "loss.png")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("EAGLEFLOW_OUTPUT_ROOT", str(root))
         yield root
@@ -122,14 +130,15 @@ def follow_out_of_the_frame(browser: Any, stack: Any, css: str, run_id: str) -> 
     assert not browser.find_elements(By.CSS_SELECTOR, "iframe[title='eagleflow runs']")  # Airflow's page, not the frame
 
 
-def fail_in_the_metadata_db(database: Path, run_id: str) -> None:
-    """DAG run ``run_id`` failed, as one that fails at its first task is, without running anything. (Marking it
-    failed through the REST API does not: the DAG's teardowns, still to run, keep it queued.)"""
+def end_in_the_metadata_db(database: Path, run_id: str, state: str = "failed") -> None:
+    """DAG run ``run_id`` ended in ``state`` (failed: as one that fails at its first task is) without running anything,
+    so it is never scheduled. (Marking it failed through the REST API does not: the DAG's teardowns, still to run,
+    keep it queued.)"""
     import sqlite3
 
     with contextlib.closing(sqlite3.connect(database, timeout=60)) as db, db:
-        changed = db.execute("UPDATE dag_run SET state = 'failed', end_date = CURRENT_TIMESTAMP WHERE dag_id = ? AND run_id = ?",
-                             (DAG_ID, run_id)).rowcount
+        changed = db.execute("UPDATE dag_run SET state = ?, end_date = CURRENT_TIMESTAMP WHERE dag_id = ? AND run_id = ?",
+                             (state, DAG_ID, run_id)).rowcount
     assert changed == 1
 
 
@@ -152,7 +161,7 @@ def test_links_from_the_plugin_pages_in_airflows_frame_reach_airflows_dag_run_pa
             "dataset_input": str(ui_output_root / "conversations.jsonl")}
     for run_id, conf in ((RUN_ID, here), (FAILED_RUN_ID, {**here, "run_name": NOT_WRITTEN})):
         stack.request("POST", f"/dags/{DAG_ID}/dagRuns", json={"dag_run_id": run_id, "logical_date": None, "conf": conf})
-    fail_in_the_metadata_db(stack.home / "airflow.db", FAILED_RUN_ID)
+    end_in_the_metadata_db(stack.home / "airflow.db", FAILED_RUN_ID)
     run_name = run_name_from_run_id(RUN_ID)
 
     # Browse → eagleflow runs: the list, in Airflow's frame, fits it at 1600×900 ...
@@ -239,3 +248,138 @@ def test_a_script_in_a_run_folders_svg_never_runs_and_the_run_page_still_shows_i
     # Opened on its own, as Airflow's origin's top window: drawn, its script does not run either.
     browser.get(f"{stack.url}/eagleflow/runs/{run_name}/files/train-progress/acc.svg")
     assert drawn(browser) == ["served svg", "green", 200]
+
+
+def body_text(browser: Any) -> str:
+    from selenium.webdriver.common.by import By
+
+    return browser.find_element(By.TAG_NAME, "body").text
+
+
+def click(browser: Any, text: str, within: str = "body") -> None:
+    """Click the button or link whose text is ``text`` (under the CSS ``within``) once it is there, as a user does
+    (again if Airflow's React page redrew it between finding and clicking)."""
+    from selenium.common.exceptions import WebDriverException
+
+    script = """const [text, within] = arguments;
+        const found = [...document.querySelectorAll(within + ' button, ' + within + ' a')]
+            .find(e => e.textContent.trim() === text && e.getClientRects().length);
+        if (found) found.scrollIntoView({block: 'center'});
+        return found || null;"""
+
+    def clicked(b: Any) -> bool:
+        found = b.execute_script(script, text, within)
+        try:
+            return bool(found) and (found.click() or True)
+        except WebDriverException:  # stale, covered or not yet interactable: find it again
+            return False
+
+    wait(browser, clicked, f"{text!r} to click")
+
+
+def test_an_out_of_range_param_is_refused_at_trigger_and_the_form_says_why(
+    airflow_stack: Any, ui_output_root: Path, browser: Any
+) -> None:
+    """Shard size -5 typed in the trigger form: kept as typed (no clamp), the field's help says the range, and the
+    refusal's reason is shown in the form (Airflow's own check has no bounds: its alert shows the API's answer)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    stack = airflow_stack
+    stack.request("PATCH", f"/dags/{DAG_ID}", json={"is_paused": True})
+    runs_before = stack.request("GET", f"/dags/{DAG_ID}/dagRuns")["total_entries"]
+    browser.switch_to.default_content()
+    browser.get(f"{stack.url}/dags/{DAG_ID}")
+    click(browser, "Trigger")
+    wait(browser, lambda b: b.find_elements(By.ID, "element_model_path"), "the trigger form")
+    browser.find_element(By.ID, "element_model_path").send_keys(str(ui_output_root / "model"))
+    browser.find_element(By.ID, "element_dataset_input").send_keys(str(ui_output_root / "conversations.jsonl"))
+    # Refused or not, the form would unpause the DAG first, and the module's queued DAG run would start.
+    unpause = browser.find_element(By.XPATH, "//label[contains(., 'Unpause eagleflow on trigger')]")
+    unpause.click()
+    assert not unpause.find_element(By.TAG_NAME, "input").is_selected()
+
+    click(browser, "Extraction", "[role=dialog]")
+    shard_size = "[id='number-input:element_shard_size'] input"
+    field = wait(browser, lambda b: [e for e in b.find_elements(By.CSS_SELECTOR, shard_size) if e.is_displayed()], "Shard size")[0]
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", field)
+    row = field.find_element(By.XPATH, "ancestor::*[contains(@class, 'chakra-field__root')][1]").get_attribute("textContent")
+    assert "Shard size" in row and "At least 1." in row, row  # the range, where the value is typed
+    field.send_keys(Keys.CONTROL, "a")
+    field.send_keys("-5", Keys.TAB)
+    assert field.get_attribute("value") == "-5"  # kept as typed: the bound is not the field's to enforce silently
+    click(browser, "Trigger", "[role=dialog]")
+
+    alert = wait(browser, lambda b: b.find_elements(By.CSS_SELECTOR, "[role=dialog] [data-testid=error-alert]"), "the form's error")[0]
+    assert "Invalid input for param shard_size: -5 is less than the minimum of 1" in alert.get_attribute("textContent")
+    assert stack.request("GET", f"/dags/{DAG_ID}/dagRuns")["total_entries"] == runs_before  # no DAG run was made
+    assert stack.request("GET", f"/dags/{DAG_ID}")["is_paused"]
+
+
+def test_a_run_of_several_drafters_opens_with_their_comparison_and_each_dag_run_has_an_eagleflow_run_tab(
+    airflow_stack: Any, ui_output_root: Path, browser: Any
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    stack = airflow_stack
+    conf = {"output_root": str(ui_output_root), "model_path": str(ui_output_root / "model"),
+            "dataset_input": str(ui_output_root / "conversations.jsonl"), "run_name": COMPARED}
+    stack.request("POST", f"/dags/{DAG_ID}/dagRuns", json={"dag_run_id": COMPARED_RUN_ID, "logical_date": None, "conf": conf})
+    end_in_the_metadata_db(stack.home / "airflow.db", COMPARED_RUN_ID, "success")  # shown, never scheduled
+
+    # Browse → eagleflow runs → the run: the comparison (its heading, the winner with its SGLang flags, the winner's
+    # rows) within the frame's first screen.
+    into_the_frame(browser, f"{stack.url}/plugin/eagleflow/eagleflow/runs/{COMPARED}")
+    wait(browser, lambda b: "Drafters compared" in body_text(b), "the comparison")
+    bottoms, height = browser.execute_script("""
+        const heading = [...document.querySelectorAll('h2')].find(h => h.textContent === 'Drafters compared');
+        const winner = [...document.querySelectorAll('p')].find(p => p.textContent.startsWith('Winner:'));
+        const rows = [...document.querySelectorAll('tr.winner')];
+        return [[heading, winner, ...rows].map(e => e.getBoundingClientRect().bottom + window.scrollY),
+                document.documentElement.clientHeight];""")
+    assert len(bottoms) == 4 and max(bottoms) <= height, f"the comparison ends at {max(bottoms):.0f} px of a {height} px screen"
+    assert "--speculative-algorithm EAGLE3" in browser.find_element(By.XPATH, "//p[starts-with(normalize-space(), 'Winner:')]").text
+
+    # The DAG run's page in Airflow: its "eagleflow run" tab shows the same page, the comparison first, in Airflow's frame.
+    browser.switch_to.default_content()
+    browser.get(f"{stack.url}/dags/{DAG_ID}/runs/{COMPARED_RUN_ID}")
+    click(browser, "eagleflow run")
+    frame = wait(browser, lambda b: b.find_elements(By.CSS_SELECTOR, "iframe[title='eagleflow run']"), "the tab's frame")[0]
+    browser.switch_to.frame(frame)
+    wait(browser, lambda b: f"eagleflow run {COMPARED}" in body_text(b), "the run page in the tab")
+    top, height = browser.execute_script("""
+        const heading = [...document.querySelectorAll('h2')].find(h => h.textContent === 'Drafters compared');
+        return [heading.getBoundingClientRect().top, document.documentElement.clientHeight];""")
+    assert top < height and body_text(browser).index("Drafters compared") < body_text(browser).index("Drafter eagle3")
+    browser.switch_to.default_content()
+
+
+def test_the_runs_list_says_why_a_run_failed_before_writing_its_folder(airflow_stack: Any, ui_output_root: Path, browser: Any) -> None:
+    """A real run whose first task refuses the verifier folder: the list shows that task's one sentence, read from its log."""
+    from selenium.webdriver.common.by import By
+
+    stack, missing = airflow_stack, ui_output_root / "no-such-model"
+    for queued in stack.request("GET", f"/dags/{DAG_ID}/dagRuns", params={"state": "queued"})["dag_runs"]:
+        end_in_the_metadata_db(stack.home / "airflow.db", queued["dag_run_id"])  # it would run first (one active run at a time)
+    conf = {"output_root": str(ui_output_root), "model_path": str(missing), "run_name": BAD_MODEL,
+            "dataset_input": str(ui_output_root / "conversations.jsonl")}
+    try:
+        stack.trigger(BAD_MODEL_RUN_ID, conf)
+        wait(browser, lambda b: any(ti["state"] == "failed" for ti in stack.task_instances(BAD_MODEL_RUN_ID).values()),
+             "the run's first task failing", timeout=180)
+    finally:  # the rest of the run is not this test's: nothing more is scheduled
+        stack.request("PATCH", f"/dags/{DAG_ID}", json={"is_paused": True})
+    end_in_the_metadata_db(stack.home / "airflow.db", BAD_MODEL_RUN_ID)
+
+    said = f"{missing} does not exist"
+
+    def listed(b: Any) -> str | bool:
+        into_the_frame(b, f"{stack.url}/plugin/eagleflow")  # (the task's log may reach its reader just after its state)
+        rows = [r.text for r in b.find_elements(By.CSS_SELECTOR, "table.runs tr") if r.text.startswith(BAD_MODEL)]
+        return bool(rows) and said in rows[0] and rows[0]
+
+    row = wait(browser, listed, "the failed run's reason in the list", timeout=30)
+    assert "failed" in row and "no run folder was written" in row and " failed: " in row and "Traceback" not in row
+    assert not (ui_output_root / BAD_MODEL).exists()
+    browser.find_element(By.CSS_SELECTOR, f"a[href='runs/{BAD_MODEL}']").click()
+    wait(browser, lambda b: said in body_text(b), "the reason on the run's page")

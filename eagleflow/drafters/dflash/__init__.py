@@ -15,7 +15,7 @@ from eagleflow import lazy_exports
 __all__, __getattr__ = lazy_exports(
     __name__,
     {
-        "flags": ["serving_flags", "train_flags"],
+        "flags": ["check_settings", "serving_flags", "train_flags"],
         "sglang_rules": [
             "DFLASH_TARGETS", "BlockAttention", "DFlashRuleError", "captured_layer_ids", "layer_attention", "sglang_target_layer_ids",
         ],

@@ -10,14 +10,17 @@ serves:
 - the **full vocabulary**: SGLang argmaxes the target's own head, so a reduced draft vocabulary
   (``d2t``) would be served as another function (vllm-ascend#11374: 25 % → 1.7 % acceptance);
 - the **mask token id** SGLang resolves for the verifier's tokenizer, passed explicitly
-  (:func:`eagleflow.sglang_rules.resolve_mask_token_id`), so training and serving embed the same row;
+  (:func:`eagleflow.sglang_rules.choose_mask_token_id`: SGLang's resolution, else the pad token where SGLang
+  could not embed its own), so training and serving embed the same row;
 - the **target layer ids** passed explicitly (speculators' default ``[2, n//2, n-3]`` is EAGLE-3's, so
   one extraction feeds both families).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from eagleflow.train import TrainConfig
@@ -53,3 +56,22 @@ def serving_flags(drafter_path: str, steps: int = 1, topk: int = 1, draft_tokens
         "--speculative-draft-model-path", drafter_path,
         "--speculative-num-draft-tokens", str(draft_tokens),
     ]
+
+
+def check_settings(verifier: Path, aux_layer_ids: Sequence[int], settings: Mapping[str, Any]) -> None:
+    """What SGLang would refuse of a DFlash drafter with these settings for ``verifier``, before any work: context
+    layers it cannot capture (id 0, the final state, out of order) and a mask token it cannot embed (not below the
+    verifier's vocabulary, or not the tokenizer's).
+
+    :raises ValueError: the reason, as training or the export would give it.
+    """
+    from eagleflow.drafters.dflash.sglang_rules import sglang_target_layer_ids
+    from eagleflow.sglang_rules import choose_mask_token_id, resolve_mask_token_id
+    from eagleflow.verifier import config_int, load_tokenizer
+
+    sglang_target_layer_ids(aux_layer_ids, config_int(verifier, "num_hidden_layers"))
+    given = settings.get("mask_token_id")
+    vocab = config_int(verifier, "vocab_size")
+    if given is not None and not 0 <= int(given) < vocab:  # refused without the tokenizer's load
+        resolve_mask_token_id(None, vocab, int(given))
+    choose_mask_token_id(load_tokenizer(verifier), vocab, given)

@@ -208,6 +208,39 @@ def dflash_features(config: Mapping[str, Any]) -> list[str]:
     return used
 
 
+def trained_block_size(checkpoint_folder: Path) -> int | None:
+    """The block size the training that wrote ``checkpoint_folder`` (``<train>/checkpoints/<epoch>``) ran with, from
+    its record (``<train>/.made-from.json``, eagleflow's train step); None where no record says."""
+    from eagleflow.reuse import RECORD
+
+    record = checkpoint_folder.parent.parent / RECORD
+    try:
+        settings = json.loads(record.read_text(encoding="utf-8"))["inputs"]["settings"]
+        return None if settings.get("block_size") is None else int(settings["block_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_trained_block_size(checkpoint: Checkpoint) -> None:
+    """Refuse a checkpoint whose config's ``block_size`` is not the one its weights were trained with (an edited
+    config.json): SGLang would serve blocks of another size than the drafter learnt, and the export would replace
+    a good one. Whatever ``--serve-with`` says, as the checkpoint's other self-checks.
+
+    :raises UserError: naming the file, both sizes and the record.
+    """
+    from eagleflow.errors import UserError
+    from eagleflow.reuse import RECORD
+
+    trained = trained_block_size(checkpoint.folder)
+    stated = checkpoint.config.get("block_size")
+    if trained is not None and stated != trained:
+        raise UserError(
+            f"{checkpoint.config_path}: block_size {stated} is not the block size its weights were trained with "
+            f"({trained}, recorded by the training in {checkpoint.folder.parent.parent / RECORD}); export the checkpoint "
+            "as it was trained"
+        )
+
+
 def export_dflash_sglang(checkpoint: Checkpoint | Path, verifier: Path, target: Path) -> dict[str, Any]:
     """SGLang's DFLASH folder for ``checkpoint`` written to ``target``; returns what ``export.json`` says about it
     (``path`` relative to the drafter folder, ``target``'s parent).
@@ -242,6 +275,7 @@ def write_sglang_folder(
 
     if isinstance(checkpoint, Path):
         checkpoint = read_checkpoint(checkpoint)
+    check_trained_block_size(checkpoint)
     verifier_config = read_config(verifier)
     try:
         config = config_of(checkpoint.config, verifier_config)

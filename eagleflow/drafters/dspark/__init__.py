@@ -19,6 +19,6 @@ __all__, __getattr__ = lazy_exports(
             "CHECKPOINT", "DSPARK_ALGORITHM", "DSPARK_ARCHITECTURE", "checkpoint_dspark_weights", "dspark_sglang_config",
             "expected_dspark_weights", "export_dspark_sglang", "head_tensors",
         ],
-        "reference": ["DSparkBlock", "DSparkDecoder", "DSparkDrafter", "StsRecorder", "dspark_decoder", "load_dspark_decoder"],
+        "reference": ["ConfidenceRecorder", "DSparkBlock", "DSparkDecoder", "DSparkDrafter", "dspark_decoder", "load_dspark_decoder"],
     },
 )

@@ -26,7 +26,9 @@ the bonus token and the γ drafts; SGLang refuses any other value beside the blo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from eagleflow.train import TrainConfig
@@ -34,6 +36,18 @@ if TYPE_CHECKING:
 # speculators 0.9.0's DSpark recipe (train/config/schema.py DSparkArgs): what eagleflow passes rather than leaves to
 # its defaults, so a later speculators default cannot change what SGLang is handed.
 CONFIDENCE_HEAD_ALPHA = 1.0  # the weight of the confidence head's BCE term in the loss
+
+
+def check_settings(verifier: Path, aux_layer_ids: Sequence[int], settings: Mapping[str, Any]) -> None:
+    """What SGLang would refuse of a DSpark drafter with these settings for ``verifier``, before any work: DFlash's
+    rules (its context layers, its mask token), which its backbone and SGLang's DSPARK worker share; the Markov
+    settings are within what SGLang serves by their Params' own bounds.
+
+    :raises ValueError: the reason, as training or the export would give it.
+    """
+    from eagleflow.drafters.dflash.flags import check_settings as dflash_check
+
+    dflash_check(verifier, aux_layer_ids, settings)
 
 
 def train_flags(cfg: TrainConfig, mask_token_id: int | None = None) -> list[str]:

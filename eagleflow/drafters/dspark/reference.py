@@ -30,10 +30,10 @@ length is the tokens emitted per verify (the accepted drafts and the bonus token
 accepted drafts over γ per verify.
 
 **Calibration data** (``--speculative-dspark-confidence-sts-path``): set :attr:`DSparkDecoder.sts_recorder`
-to anything with SGLang's ``StsDataRecorder.record(*, confidence_raw, num_correct_drafts)`` (its own class
-fits): after each verify it gets the round's raw confidence logits ``[1, γ]`` (float32, before any
-temperature) and the number of drafts the target accepted ``[1]``, the full window's greedy count, as
-SGLang's collector records them (``dspark_observability.py``).
+to a :class:`eagleflow.drafters.dspark.calibration.StsRecorder` (or anything with its ``record(confidence_raw,
+num_correct_drafts)``): after each verify it gets the round's raw confidence logits ``[γ]`` (float32, before
+any temperature) and the number of drafts the target accepted, the full window's greedy count, as SGLang's
+collector records them (``dspark_observability.py``: one row of its ``StsDataRecorder.record``'s batch).
 """
 
 from __future__ import annotations
@@ -58,10 +58,10 @@ BUNDLED_KEYS = ("dspark_block_size", "dspark_markov_rank", "dspark_markov_head_t
                 "dspark_target_layer_ids", "dspark_config")
 
 
-class StsRecorder(Protocol):
-    """What the decoder hands each verify's confidence to: SGLang's ``StsDataRecorder.record``'s signature."""
+class ConfidenceRecorder(Protocol):
+    """What the decoder hands each verify's confidence to (:class:`eagleflow.drafters.dspark.calibration.StsRecorder`)."""
 
-    def record(self, *, confidence_raw: torch.Tensor, num_correct_drafts: torch.Tensor) -> None: ...
+    def record(self, confidence_raw: torch.Tensor, num_correct_drafts: int) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -186,14 +186,14 @@ class DSparkDecoder(DFlashDecoder):
     :param gamma: tokens drafted per round (``--speculative-dspark-block-size``); γ + 1 are verified.
 
     :attr:`sts_recorder`: None, or what records each verify's raw confidence logits and accepted drafts for the
-    calibration (SGLang's ``StsDataRecorder.record`` signature, see the module's docstring).
+    calibration (see the module's docstring).
     """
 
     def __init__(self, target: Any, drafter: DSparkDrafter, capture: Any, gamma: int) -> None:
         super().__init__(target, drafter, capture, gamma + 1)  # the verify window: the anchor and the γ drafts
         self.drafter: DSparkDrafter = drafter
         self.gamma = gamma
-        self.sts_recorder: StsRecorder | None = None
+        self.sts_recorder: ConfidenceRecorder | None = None
         self._confidence: torch.Tensor | None = None
 
     def draft(self, bonus: int, position: int, cache: DFlashCache) -> list[int]:
@@ -206,9 +206,7 @@ class DSparkDecoder(DFlashDecoder):
     def verified(self, accepted: int) -> None:
         """Hand the round's raw confidence and its accepted drafts to :attr:`sts_recorder`, as SGLang's collector does."""
         if self.sts_recorder is not None and self._confidence is not None:
-            self.sts_recorder.record(
-                confidence_raw=self._confidence.view(1, -1).cpu(), num_correct_drafts=torch.tensor([accepted])
-            )
+            self.sts_recorder.record(self._confidence.cpu(), accepted)
             self._confidence = None
 
 

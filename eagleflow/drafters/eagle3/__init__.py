@@ -17,7 +17,7 @@ from eagleflow import lazy_exports
 __all__, __getattr__ = lazy_exports(
     __name__,
     {
-        "flags": ["VARIANT_FLAGS", "serving_flags", "train_flags"],
+        "flags": ["VARIANT_FLAGS", "check_settings", "serving_flags", "train_flags"],
         "sglang_export": [
             "CHECKPOINT", "SINCE", "TARGET_CAPTURE_RULES", "captured_layer_ids", "draft_window_size", "expected_eagle3_weights",
             "export_eagle3_sglang", "minimum_sglang", "sglang_aux_layer_ids", "sglang_config", "sglang_features", "sglang_weights",

@@ -11,7 +11,9 @@ the reference decoding :mod:`eagleflow.drafters.eagle3.reference` (a chain, or `
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from eagleflow.train import TrainConfig
@@ -52,3 +54,17 @@ def serving_flags(drafter_path: str, steps: int, topk: int = 1, draft_tokens: in
         "--speculative-num-draft-tokens", str(draft_tokens or steps + 1),
     ]
     return flags + (["--speculative-draft-window-size", str(window)] if window is not None else [])
+
+
+def check_settings(verifier: Path, aux_layer_ids: Sequence[int], settings: Mapping[str, Any]) -> None:
+    """What SGLang would refuse of an EAGLE-3 drafter with these settings for ``verifier``, before any work: aux ids
+    its target's capture rule cannot express (id 0 on Llama/Qwen targets). Served by vLLM (``serve_with``), none.
+
+    :raises ValueError: the reason, as the export would give it.
+    """
+    from eagleflow.drafters.eagle3.sglang_export import TARGET_CAPTURE_RULES, sglang_aux_layer_ids
+    from eagleflow.verifier import read_config
+
+    architecture = (read_config(verifier).get("architectures") or ["?"])[0]
+    if settings.get("serve_with", "sglang") == "sglang" and architecture in TARGET_CAPTURE_RULES:
+        sglang_aux_layer_ids(aux_layer_ids, architecture)

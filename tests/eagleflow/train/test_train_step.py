@@ -31,7 +31,7 @@ from eagleflow.train.config import TrainConfig
 from eagleflow.train.recorder import MetricsRecorder
 from eagleflow.train.resume import CHECKPOINT_FILES, prepare_checkpoints, truncate_for_resume
 from eagleflow.train.speculators_support import RELEASES
-from eagleflow.train.step import check_dataset
+from eagleflow.train.dataset_checks import check_dataset
 from eagleflow.verifier.weights import EMBED, LM_HEAD, NORM, locate_weights
 from eagleflow.train.verifier_head import HEAD_MANIFEST, prepare_verifier
 
@@ -441,7 +441,7 @@ def test_the_dataset_and_verifier_checks_import_neither_torch_nor_datasets(
         "import sys\n"
         "from pathlib import Path\n"
         "from eagleflow.train.config import TrainConfig\n"
-        "from eagleflow.train.step import check_dataset\n"
+        "from eagleflow.train.dataset_checks import check_dataset\n"
         "from eagleflow.train.verifier_head import prepare_verifier\n"
         f"cfg = TrainConfig(dataset=Path({str(trained_data)!r}), verifier=Path('.'), out=Path({str(tmp_path / 'o')!r}), "
         f"aux_layer_ids={AUX!r})\n"

@@ -290,3 +290,24 @@ def test_a_dflash_checkpoint_without_its_block_size_is_damaged(checkpoint: Path,
     bad = _checkpoint_edit(_drop("block_size"))(checkpoint, tmp_path / "torn")
     with pytest.raises(UserError, match=r"config.json: no block_size \(the tokens of one draft block\)"):
         export(ExportConfig(checkpoint=bad, verifier=random_tiny_model, out=tmp_path / "drafter"))
+
+
+def test_a_block_size_that_is_not_the_trained_one_is_refused_and_the_good_export_stays(
+    checkpoint: Path, drafter: Path, random_tiny_model: Path, tmp_path: Path
+) -> None:
+    """A checkpoint's config.json edited to another block size than its training ran with (the train step's record
+    says which) is refused by name, whatever --serve-with says; the export already in --out is kept as it was."""
+    train = tmp_path / "train"
+    epoch = _checkpoint_edit(lambda c: c.update(block_size=4096))(checkpoint, train / "checkpoints" / "0")
+    (train / ".made-from.json").write_text(json.dumps({"inputs": {"settings": {"block_size": BLOCK}}}))
+    out = tmp_path / "drafter"
+    shutil.copytree(drafter, out)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    for serve_with in ("sglang", "vllm"):
+        with pytest.raises(UserError, match=rf"config.json: block_size 4096 is not the block size its weights were trained with \({BLOCK}, recorded"):
+            export(ExportConfig(checkpoint=epoch, verifier=random_tiny_model, out=out, serve_with=serve_with))
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    # The block size it was trained with exports as before.
+    _edit_config(lambda c: c.update(block_size=BLOCK))(epoch)
+    export(ExportConfig(checkpoint=epoch, verifier=random_tiny_model, out=tmp_path / "again"))
+    assert json.loads((tmp_path / "again" / "sglang" / "config.json").read_text())["dflash_config"]["block_size"] == BLOCK

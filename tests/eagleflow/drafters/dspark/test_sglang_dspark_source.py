@@ -197,15 +197,21 @@ def test_sglang_refuses_what_the_reference_drafter_refuses(case: str, exported: 
 def test_the_sts_recorder_sglang_collects_with_takes_the_reference_decoders_confidence(
     exported: dict[str, Path], verifier: Any, tmp_path: Path
 ) -> None:
-    """SGLang's own ``StsDataRecorder`` (``dspark_sts.py``) plugged into the decoder: the shards its fit script reads."""
+    """SGLang's own ``StsDataRecorder`` (``dspark_sts.py``) fed by the decoder: the shards its fit script reads."""
     recorder_class = wheel_definition(
         get_wheel(pinned_version()), "sglang/srt/speculative/dspark_components/dspark_sts.py", "StsDataRecorder",
         {"torch": torch, "Path": Path},
     )
+    sglang = recorder_class(path_stem=str(tmp_path / "sts"), gamma=GAMMA, flush_every=3)
+
+    class OneRequest:  # the decoder serves one request: a batch of one row of SGLang's recorder
+        def record(self, confidence_raw: torch.Tensor, num_correct_drafts: int) -> None:
+            sglang.record(confidence_raw=confidence_raw.view(1, -1), num_correct_drafts=torch.tensor([num_correct_drafts]))
+
     decoder = load_dspark_decoder(verifier, exported["vanilla"], None)
-    decoder.sts_recorder = recorder_class(path_stem=str(tmp_path / "sts"), gamma=GAMMA, flush_every=3)
+    decoder.sts_recorder = OneRequest()
     output, _, stats = decoder.generate([5, 17, 42, 99, 7], 16, set(), True)
-    decoder.sts_recorder.flush()
+    sglang.flush()
     shards = [torch.load(path) for path in sorted(tmp_path.glob("sts.*.pt"))]
     logits = torch.cat([s["logits"] for s in shards])
     mask = torch.cat([s["prefix_mask"] for s in shards])
