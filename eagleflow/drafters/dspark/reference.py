@@ -212,10 +212,20 @@ class DSparkDecoder(DFlashDecoder):
 
 def dspark_decoder(model: Any, config: ReferenceEngineConfig) -> DSparkDecoder:
     """The DSPARK decoder of ``--speculative-draft-model-path`` for ``model``: γ from ``--speculative-dspark-block-size``,
-    else ``--speculative-num-draft-tokens`` − 1, else the export's ``block_size`` (SGLang's order)."""
+    else ``--speculative-num-draft-tokens`` − 1, else the export's ``block_size`` (SGLang's order); recording each
+    verify's confidence where SGLang's collector variable names a file, as SGLang's engine does."""
+    import os
+
+    from eagleflow.drafters.dspark.calibration import COLLECT_ENV, StsRecorder
+
     window = config.speculative_num_draft_tokens
     gamma = config.speculative_dspark_block_size or (window - 1 if window else None)
-    return load_dspark_decoder(model, config.speculative_draft_model_path, gamma)
+    decoder = load_dspark_decoder(model, config.speculative_draft_model_path, gamma)
+    if recording := os.environ.get(COLLECT_ENV):
+        # SGLang's calibration collector (SGLANG_DSPARK_STS_COLLECT_PATH): every verify's raw confidence and accepted
+        # drafts, for the engine's life (one whole flushed line each; eagleflow's JSONL, which calibration.py reads).
+        decoder.sts_recorder = StsRecorder(recording, decoder.gamma)
+    return decoder
 
 
 def load_dspark_decoder(model: Any, folder: Path | None, gamma: int | None) -> DSparkDecoder:

@@ -78,9 +78,11 @@ def test_dspark_decoding_is_greedy_decoding_and_hands_each_verify_to_the_recorde
 
 
 def test_the_reference_engine_serves_dspark_as_sglang_answers(
-    target: tuple[Any, Any], drafter: Path, prompts: list[list[int]], tmp_path: Path
+    target: tuple[Any, Any], drafter: Path, prompts: list[list[int]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``--speculative-algorithm DSPARK``: greedy decoding's tokens, with SGLang's spec fields (γ drafts per verify)."""
+    """``--speculative-algorithm DSPARK``: greedy decoding's tokens, with SGLang's spec fields (γ drafts per verify);
+    with SGLang's collector variable set, every verify's confidence recorded for the calibration."""
+    from eagleflow.drafters.dspark.calibration import COLLECT_ENV, read_records
     from eagleflow.engine.reference.runner import ReferenceEngine
     from eagleflow.engine.reference_config import ReferenceEngineConfig
 
@@ -90,7 +92,9 @@ def test_the_reference_engine_serves_dspark_as_sglang_answers(
         model=tmp_path, dtype="float32", speculative_algorithm="DSPARK", speculative_draft_model_path=drafter,
         speculative_num_draft_tokens=GAMMA + 1,
     )
+    monkeypatch.setenv(COLLECT_ENV, str(tmp_path / "sts.jsonl"))
     speculative = ReferenceEngine(model, tokenizer, config)
+    verifies = 0
     for i, ids in enumerate(prompts[:2]):
         body = {"rid": f"p{i}", "input_ids": ids, "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0}}
         expected, got = plain.generate(dict(body)), speculative.generate(dict(body))
@@ -98,6 +102,8 @@ def test_the_reference_engine_serves_dspark_as_sglang_answers(
         meta = got["meta_info"]
         assert meta["spec_num_proposed_drafts"] == GAMMA * meta["spec_verify_ct"]
         assert meta["spec_accept_length"] == pytest.approx(meta["completion_tokens"] / meta["spec_verify_ct"])
+        verifies += meta["spec_verify_ct"]
+    assert len(read_records(tmp_path / "sts.jsonl", GAMMA)) == verifies
 
 
 def test_gamma_is_sglangs_and_the_verify_window_one_more(target: tuple[Any, Any], drafter: Path, tmp_path: Path) -> None:
