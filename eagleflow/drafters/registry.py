@@ -30,7 +30,7 @@ DraftAlgorithm = Literal["eagle3", "eagle3.1", "dflash", "dspark"]
 
 
 # What a family owns, each named by a "module:attribute" string of its entry.
-Stage = Literal["check", "train", "export", "checkpoint", "serving", "reference"]
+Stage = Literal["check", "train", "export", "checkpoint", "serving", "reference", "calibration"]
 STAGES: tuple[Stage, ...] = ("check", "train", "export", "checkpoint", "serving", "reference")
 
 
@@ -54,6 +54,9 @@ class DrafterFamily:
     # Training settings only this family takes (TrainConfig fields), with speculators' default for each: another
     # family refuses them, and a run that leaves one empty trains (and records, for a resume) this value.
     settings: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    # What the evaluation fits on held-out prompts for SGLang to read, when the family has such a file ("" for none):
+    # an object with ``env`` (where a serving engine records) and ``fit(recording, out, dataset) -> dict``.
+    calibration: str = ""
 
     def owner(self, stage: Stage) -> Any:
         """The function that owns ``stage`` for this family, imported on first use."""
@@ -91,6 +94,7 @@ FAMILIES: dict[str, DrafterFamily] = {
         export="eagleflow.drafters.dspark.sglang_export:export_dspark_sglang",
         checkpoint="eagleflow.drafters.dspark.sglang_export:CHECKPOINT", serving="eagleflow.drafters.dspark.flags:serving_flags",
         reference="eagleflow.drafters.dspark.reference:dspark_decoder",
+        calibration="eagleflow.drafters.dspark.sts:CALIBRATION",
         settings={"markov_rank": 256, "markov_head_type": "vanilla"},
     ),
 }

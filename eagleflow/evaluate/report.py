@@ -103,15 +103,17 @@ def set_figures(passes: list[TimedPass], baseline: list[TimedPass]) -> dict[str,
 
 
 def sweep_rows(
-    results: dict[ServeConfig, dict[str, list[TimedPass]]], drafter_path: str, window: int | None, algorithm: str = "EAGLE3"
+    results: dict[ServeConfig, dict[str, list[TimedPass]]], drafter_path: str, window: int | None, algorithm: str = "EAGLE3",
+    calibration: str | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per config: its figures per prompt set and the SGLang flags serving it (``algorithm``'s)."""
+    """One row per config: its figures per prompt set and the SGLang flags serving it (``algorithm``'s, naming the
+    ``calibration`` file the evaluation fitted, when it did)."""
     rows = []
     for config in sorted(results):
         base = ServeConfig(config.batch_size, 0, 0, 0)
         rows.append({
             "config": config.label, "batch_size": config.batch_size, "steps": config.steps, "topk": config.topk,
-            "draft_tokens": config.draft_tokens, "sglang_flags": config.sglang_flags(drafter_path, window, algorithm),
+            "draft_tokens": config.draft_tokens, "sglang_flags": config.sglang_flags(drafter_path, window, algorithm, calibration),
             "sets": {name: set_figures(passes, results[base][name]) for name, passes in results[config].items()},
         })
     return rows

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from eagleflow.config import add_model_arguments, model_from_args
 from eagleflow.engine import EngineClient, free_port, interrupted_by_signals, serving_engine_command
+from eagleflow.evaluate.calibrate import calibrate
 from eagleflow.evaluate.config import EvaluateConfig, param_label
 from eagleflow.errors import UserError
 from eagleflow.evaluate.charts import write_chart, write_sweep_chart
@@ -168,6 +169,7 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
         flush=True,
     )
     results = measure_sweep(cfg, drafter, configs, sets, chat)
+    calibration = calibrate(cfg, drafter, sets.get("heldout") or [], chat, None)
     heldout = sets.get("heldout")
     facts = {
         "engine": cfg.engine,
@@ -186,7 +188,10 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
         "interleaved": cfg.engine == "reference",
         "offline_estimate": offline_estimate(TrainLayout(cfg.train_dir).metrics if cfg.train_dir else None, drafter.num_steps),
     }
-    report = build_report(sweep_rows(results, str(drafter.path), drafter.window, drafter.algorithm), facts)
+    calibration_path = calibration.get("path") if calibration else None
+    report = build_report(sweep_rows(results, str(drafter.path), drafter.window, drafter.algorithm, calibration_path), facts)
+    if calibration:
+        report["calibration"] = calibration
     report["seconds"] = round(time.monotonic() - started, 1)
     report["chart"] = write_chart(report, cfg.out)
     report["sweep_chart"] = write_sweep_chart(report, cfg.out)

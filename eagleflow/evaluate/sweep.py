@@ -44,14 +44,18 @@ class ServeConfig:
     def label(self) -> str:
         return f"{self.batch_size},{self.steps},{self.topk},{self.draft_tokens}"
 
-    def sglang_flags(self, drafter_path: str, window: int | None = None, algorithm: str = "EAGLE3") -> list[str]:
+    def sglang_flags(
+        self, drafter_path: str, window: int | None = None, algorithm: str = "EAGLE3", calibration: str | None = None
+    ) -> list[str]:
         """SGLang's flags serving this config with a drafter of ``algorithm`` (none for the baseline), as its
-        family gives them (:mod:`eagleflow.drafters`); the batch size is a client setting."""
+        family gives them (:mod:`eagleflow.drafters`), naming its ``calibration`` file when there is one; the batch
+        size is a client setting."""
         from eagleflow.drafters import family_of_algorithm
 
         if self.baseline:
             return []
-        return family_of_algorithm(algorithm).owner("serving")(drafter_path, self.steps, self.topk, self.draft_tokens, window)
+        calibrated = {"calibration": calibration} if calibration else {}
+        return family_of_algorithm(algorithm).owner("serving")(drafter_path, self.steps, self.topk, self.draft_tokens, window, **calibrated)
 
 
 def default_shape(algorithm: str, num_steps: int, block_size: int | None = None) -> tuple[int, int, int]:

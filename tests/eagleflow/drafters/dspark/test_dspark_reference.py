@@ -203,3 +203,21 @@ def test_a_trained_dspark_drafter_is_served_as_trained_and_accepted(
         completion, verify = completion + len(output), verify + stats.verify_ct
     print(f"trained DSpark: val eal {val[-1]['eal']:.3f}, served accept length {completion / verify:.3f} over {verify} verifies")
     assert completion / verify > 1.25, f"accept length {completion / verify:.2f}: the trained drafter's drafts are accepted"
+    # The evaluation measures it and fits, on the held-out prompts, the confidence temperatures SGLang reads: the file
+    # beside its report, the flag in the fastest config's SGLang flags, the calibration error before and after.
+    from eagleflow.drafters.dspark.calibration import STS_FLAG, read_calibration
+    from reference_engines import ENGINE_COMPUTE_FLAGS
+
+    evaluate = [sys.executable, "-m", "eagleflow", "evaluate", "--dataset", str(dataset), "--verifier", str(tiny_model),
+                "--drafter", str(tmp_path / "drafter"), "--train-dir", str(tmp_path / "train"), "--out", str(tmp_path / "eval"),
+                "--eval-rows", "3", "--eval-max-new-tokens", "16", "--eval-sets", "heldout", "--eval-rounds", "1",
+                "--eval-configs", f"1,1,1,{GAMMA + 1}", "--eval-server-extra-args=" + ",".join(ENGINE_COMPUTE_FLAGS)]
+    measured = subprocess.run(evaluate, capture_output=True, text=True, timeout=900)
+    assert measured.returncode == 0, measured.stdout[-3000:] + measured.stderr[-3000:]
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    calibration = report["calibration"]
+    fitted = read_calibration(calibration["path"], GAMMA)
+    assert calibration["records"] > 0 and len(fitted.ece_before) == len(fitted.ece_after) == GAMMA
+    assert list(fitted.temperatures) == calibration["temperatures"] and "ECE per position" in measured.stdout
+    flags = report["fastest"]["1"]["sglang_flags"] if "1" in report["fastest"] else next(iter(report["fastest"].values()))["sglang_flags"]
+    assert flags[flags.index(STS_FLAG) + 1] == calibration["path"], flags
