@@ -84,12 +84,13 @@ DEMO_DSPARK_PARAMS: dict[str, Any] = {
 }
 
 
-# scripts/demo.py --compare: the EAGLE-3 of DEMO_PARAMS and the DFlash of DEMO_DFLASH_PARAMS from one capture,
-# measured side by side (its block at the same batch sizes as the EAGLE-3's chain: 1 and 2 in flight).
+# scripts/demo.py --compare: the EAGLE-3 of DEMO_PARAMS, the DFlash of DEMO_DFLASH_PARAMS and the DSpark of
+# DEMO_DSPARK_PARAMS from one capture, measured side by side (each block drafter verifying 8 tokens at the same batch
+# sizes as the EAGLE-3's chain: 1 and 2 in flight).
 DEMO_COMPARE_DRAFTERS: list[Any] = [
     "eagle3",
-    {"name": "dflash", **{k: v for k, v in DEMO_DFLASH_PARAMS.items() if k not in ("draft_vocab_size", "eval_configs")},
-     "eval_configs": "1,1,1,8 2,1,1,8"},
+    *({"name": params["draft_algorithm"], **{k: v for k, v in params.items() if k not in ("draft_vocab_size", "eval_configs")},
+       "eval_configs": "1,1,1,8 2,1,1,8"} for params in (DEMO_DFLASH_PARAMS, DEMO_DSPARK_PARAMS)),
 ]
 
 
