@@ -111,8 +111,8 @@ def main() -> int:
             "regenerate_responses": args.regenerate, "sample_transport": args.sample_transport}
     if args.draft_algorithm in ("dflash", "dspark"):
         conf.update(DEMO_DFLASH_PARAMS if args.draft_algorithm == "dflash" else DEMO_DSPARK_PARAMS)
-    if args.compare:
-        conf["drafters"] = DEMO_COMPARE_DRAFTERS
+    # The DAG's default drafters are the form's (a comparison, make airflow's): a run of one family says so.
+    conf["drafters"] = DEMO_COMPARE_DRAFTERS if args.compare else []
     if args.thinking:
         conf.update(thinking_inputs, **DEMO_THINKING_PARAMS)
     if args.online:
