@@ -54,7 +54,7 @@ def pipeline_config(context: Context, check_model: bool = True, check_paths: boo
             check_against_verifier(cfg)
         return cfg.check_model() if check_model else cfg
     except UserError as exc:
-        if check_paths and "ti" in context:  # the first task: its sentence is what the last task and the runs list say
+        if check_paths and context.get("ti") is not None:  # the first task: its sentence is what the last task and the runs list say
             context["ti"].xcom_push(key=REFUSAL_XCOM, value=str(exc))
         raise ParamsRefused(str(exc)) from None  # the message is the report: no chain of frames under it
 

@@ -219,5 +219,6 @@ def test_a_trained_dspark_drafter_is_served_as_trained_and_accepted(
     fitted = read_calibration(calibration["path"], GAMMA)
     assert calibration["records"] > 0 and len(fitted.ece_before) == len(fitted.ece_after) == GAMMA
     assert list(fitted.temperatures) == calibration["temperatures"] and "ECE per position" in measured.stdout
-    flags = report["fastest"]["1"]["sglang_flags"] if "1" in report["fastest"] else next(iter(report["fastest"].values()))["sglang_flags"]
+    # The drafter's config names the file in its SGLang flags (the fastest config is whichever the timing picks).
+    flags = next(row["sglang_flags"] for row in report["sweep"] if row["config"] == f"1,1,1,{GAMMA + 1}")
     assert flags[flags.index(STS_FLAG) + 1] == calibration["path"], flags
