@@ -11,11 +11,14 @@ SpecForge's ``--config-list``) stays as it is: that is the name a user looks for
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from pathlib import Path
 from typing import Any
 
 from eagleflow.deploy import UI_PREFIX
+from eagleflow.errors import UserError
 
 SHORT_HELP = 240  # characters a help may have in the form before it is cut to its first sentence and a link
 README_PATH = f"{UI_PREFIX}/readme"
@@ -113,3 +116,19 @@ def form_schemas() -> dict[str, dict[str, Any]]:
             bounds = bounds_text(schema["allOf"][0]) if schema.get("allOf") else ""
             schema.update(form_help(name, schema["description"], schema.get("section"), labels, bounds))
     return schemas
+
+
+def read_form_defaults(path: str | Path, params: Collection[str]) -> dict[str, Any]:
+    """A deployment's defaults for the trigger form: the JSON object ``{Param: value}`` in ``path`` (the file
+    ``EAGLEFLOW_FORM_DEFAULTS`` names). Raises :class:`UserError` naming the file, and the key that is not one of
+    ``params``; a value is checked by its Param's schema where Airflow checks a trigger's."""
+    try:
+        defaults = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"form defaults {path}: cannot be read as JSON ({exc})") from None
+    if not isinstance(defaults, dict):
+        raise UserError(f"form defaults {path}: expected an object of Param values, got {type(defaults).__name__}")
+    unknown = sorted(set(defaults) - set(params))
+    if unknown:
+        raise UserError(f"form defaults {path}: {', '.join(map(repr, unknown))} is not a Param of the DAG")
+    return defaults

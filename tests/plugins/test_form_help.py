@@ -50,3 +50,30 @@ def test_a_bounded_number_says_its_range_in_the_form_even_when_its_help_is_cut()
         assert LINK.sub("", shown(schema)).rstrip().endswith(bounds_text(schema["allOf"][0])), name
     assert shown(bounded["shard_size"]).endswith("At least 1.") and bounded["shard_size"]["allOf"] == [{"minimum": 1}]
     assert LINK.search(shown(bounded["num_engines"])) and "From 1 to 64. [More in the README]" in shown(bounded["num_engines"])
+
+
+def test_a_deployments_defaults_file_fills_the_form_and_a_bad_one_is_refused_naming_it(tmp_path: Any, monkeypatch: Any) -> None:
+    """``EAGLEFLOW_FORM_DEFAULTS`` names a JSON object of Param values, put over the deployment's other defaults."""
+    import json
+
+    import pytest
+
+    from eagleflow.errors import UserError
+    from operators.params import FORM_DEFAULTS_ENV, form_defaults, pipeline_params
+
+    monkeypatch.delenv("EAGLEFLOW_DEMO_DIR", raising=False)
+    monkeypatch.setenv("EAGLEFLOW_OUTPUT_ROOT", str(tmp_path / "runs"))
+    defaults = tmp_path / "form-defaults.json"
+    defaults.write_text(json.dumps({"model_path": "/models/kimi", "shard_size": 500, "drafters": ["eagle3", "dflash"]}))
+    monkeypatch.setenv(FORM_DEFAULTS_ENV, str(defaults))
+    form = pipeline_params(form_defaults())
+    assert (form["model_path"]["default"], form["shard_size"]["default"], form["drafters"]["default"]) == (
+        "/models/kimi", 500, ["eagle3", "dflash"])
+    assert form["output_root"]["default"] == str(tmp_path / "runs")  # the deployment's, not overwritten
+
+    for text, said in (('{"shard_sise": 500}', "'shard_sise' is not a Param of the DAG"), ('["eagle3"]', "expected an object"),
+                       ("{", "cannot be read as JSON")):
+        defaults.write_text(text)
+        with pytest.raises(UserError, match=said) as refused:
+            form_defaults()
+        assert str(defaults) in str(refused.value)
