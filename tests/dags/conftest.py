@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -122,8 +122,9 @@ def run_inputs(random_tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
     return make
 
 
-def shard_in_flight(run_folder: Path, min_rows: int, engine: str = "") -> dict[str, Any] | None:
-    """The manifest of a shard that is extracting (of ``engine``, when given) with at least ``min_rows`` rows written.
+def shard_in_flight(run_folder: Path, min_rows: int, engine: str = "", leaving_out: Collection[str] = ()) -> dict[str, Any] | None:
+    """The manifest of a shard that is extracting (of ``engine``, when given; none named in ``leaving_out``) with at
+    least ``min_rows`` rows written.
 
     Rows are counted by their files: the manifest's own counts move only at progress lines.
     """
@@ -136,7 +137,7 @@ def shard_in_flight(run_folder: Path, min_rows: int, engine: str = "") -> dict[s
             manifest = json.loads(path.read_text())
         except (OSError, ValueError):  # published atomically, but may vanish under the listing
             continue
-        if manifest["state"] != "running" or not manifest["engine"].startswith(engine):
+        if manifest["state"] != "running" or not manifest["engine"].startswith(engine) or manifest["name"] in leaving_out:
             continue
         written = [row for row in range(manifest["start"], manifest["end"]) if sample_path(layout.hidden_states, row).exists()]
         if len(written) >= min_rows:
