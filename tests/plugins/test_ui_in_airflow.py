@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import shutil
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,8 @@ DAG_ID = "eagleflow"
 RUN_ID = "manual__2026-12-03T23:19:16.409337+00:00"  # triggered from the form: no run_name, the folder named after it
 FAILED_RUN_ID = "manual__failed-at-once"
 NOT_WRITTEN = "never-written"
-COMPARED, COMPARED_RUN_ID = "two-drafters", "manual__two-drafters"  # a run whose two drafters were evaluated and compared
+FORM_ROWS = 16  # conversations of the run triggered from the form
+FAMILIES = ["eagle3", "dflash"]  # what that run's form is given: the families, nothing else
 BAD_MODEL_RUN_ID, BAD_MODEL = "manual__bad-model", "bad-model"  # a run whose first task refuses its verifier folder
 WIDTH, HEIGHT = 1600, 900
 
@@ -51,21 +54,26 @@ def _dags_conftest() -> Any:
 
 
 airflow_stack = _dags_conftest().airflow_stack  # the fixture, module-scoped: one Airflow for this module
+run_inputs = _dags_conftest().run_inputs
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ui_output_root(tmp_path_factory: pytest.TempPathFactory, fill_output_root: Any) -> Iterator[Path]:
+def ui_output_root(tmp_path_factory: pytest.TempPathFactory, fill_output_root: Any, run_inputs: Any) -> Iterator[Path]:
     """The api-server's output root (``$EAGLEFLOW_OUTPUT_ROOT``, which the stack's components inherit; autouse:
-    set before the stack starts) with the run folder of :data:`RUN_ID`."""
+    set before the stack starts) with the run folder of :data:`RUN_ID`; and the deployment's form defaults
+    (``$EAGLEFLOW_FORM_DEFAULTS``): this machine's run of the untrained tiny verifier, as a deployment puts its own
+    model folder and sizes there, so a run from the form needs no edit but its drafters."""
+    from eagleflow.files import atomic_write_json
     from eagleflow.layout import run_name_from_run_id
 
-    from ui_run_folders import write_compared_run
-
-    root = fill_output_root(tmp_path_factory.mktemp("ui-in-airflow") / "runs")
+    home = tmp_path_factory.mktemp("ui-in-airflow")
+    root = fill_output_root(home / "runs")
     (root / "demo").rename(root / run_name_from_run_id(RUN_ID))
-    write_compared_run(root / COMPARED, root / run_name_from_run_id(RUN_ID) / "train-progress" / "loss.png")
+    defaults = {k: v for k, v in run_inputs(FORM_ROWS).conf(root, "").items() if k != "run_name"}
+    atomic_write_json(home / "form-defaults.json", defaults)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("EAGLEFLOW_OUTPUT_ROOT", str(root))
+        patch.setenv("EAGLEFLOW_FORM_DEFAULTS", str(home / "form-defaults.json"))
         yield root
 
 
@@ -250,6 +258,13 @@ def test_a_script_in_a_run_folders_svg_never_runs_and_the_run_page_still_shows_i
     assert drawn(browser) == ["served svg", "green", 200]
 
 
+def _seconds(stamp: str) -> float:
+    """Epoch seconds of an Airflow API timestamp."""
+    from datetime import datetime
+
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
 def body_text(browser: Any) -> str:
     from selenium.webdriver.common.by import By
 
@@ -292,8 +307,9 @@ def test_an_out_of_range_param_is_refused_at_trigger_and_the_form_says_why(
     browser.get(f"{stack.url}/dags/{DAG_ID}")
     click(browser, "Trigger")
     wait(browser, lambda b: b.find_elements(By.ID, "element_model_path"), "the trigger form")
-    browser.find_element(By.ID, "element_model_path").send_keys(str(ui_output_root / "model"))
-    browser.find_element(By.ID, "element_dataset_input").send_keys(str(ui_output_root / "conversations.jsonl"))
+    # The deployment's defaults fill the required fields.
+    wait(browser, lambda b: b.find_element(By.ID, "element_model_path").get_attribute("value"), "the verifier folder's default")
+    assert Path(browser.find_element(By.ID, "element_model_path").get_attribute("value")).is_dir()
     # Refused or not, the form would unpause the DAG first, and the module's queued DAG run would start.
     unpause = browser.find_element(By.XPATH, "//label[contains(., 'Unpause eagleflow on trigger')]")
     unpause.click()
@@ -305,8 +321,20 @@ def test_an_out_of_range_param_is_refused_at_trigger_and_the_form_says_why(
     browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", field)
     row = field.find_element(By.XPATH, "ancestor::*[contains(@class, 'chakra-field__root')][1]").get_attribute("textContent")
     assert "Shard size" in row and "At least 1." in row, row  # the range, where the value is typed
-    field.send_keys(Keys.CONTROL, "a")
-    field.send_keys("-5", Keys.TAB)
+    # The form fills its fields from the DAG's Params after it opens: type once the default is shown, and again if a
+    # late fill overwrote what was typed (a CI run once read an empty field here).
+    wait(browser, lambda b: field.get_attribute("value"), "Shard size's default")
+
+    def typed(b: Any) -> bool:
+        if field.get_attribute("value") == "-5":
+            return True
+        field.send_keys(Keys.CONTROL, "a")
+        field.send_keys("-5")
+        return False
+
+    wait(browser, typed, "-5 typed in Shard size", timeout=20)
+    field.send_keys(Keys.TAB)
+    time.sleep(0.5)  # the field's blur handler runs: a clamp would show now
     assert field.get_attribute("value") == "-5"  # kept as typed: the bound is not the field's to enforce silently
     click(browser, "Trigger", "[role=dialog]")
 
@@ -314,44 +342,6 @@ def test_an_out_of_range_param_is_refused_at_trigger_and_the_form_says_why(
     assert "Invalid input for param shard_size: -5 is less than the minimum of 1" in alert.get_attribute("textContent")
     assert stack.request("GET", f"/dags/{DAG_ID}/dagRuns")["total_entries"] == runs_before  # no DAG run was made
     assert stack.request("GET", f"/dags/{DAG_ID}")["is_paused"]
-
-
-def test_a_run_of_several_drafters_opens_with_their_comparison_and_each_dag_run_has_an_eagleflow_run_tab(
-    airflow_stack: Any, ui_output_root: Path, browser: Any
-) -> None:
-    from selenium.webdriver.common.by import By
-
-    stack = airflow_stack
-    conf = {"output_root": str(ui_output_root), "model_path": str(ui_output_root / "model"),
-            "dataset_input": str(ui_output_root / "conversations.jsonl"), "run_name": COMPARED}
-    stack.request("POST", f"/dags/{DAG_ID}/dagRuns", json={"dag_run_id": COMPARED_RUN_ID, "logical_date": None, "conf": conf})
-    end_in_the_metadata_db(stack.home / "airflow.db", COMPARED_RUN_ID, "success")  # shown, never scheduled
-
-    # Browse → eagleflow runs → the run: the comparison (its heading, the winner with its SGLang flags, the winner's
-    # rows) within the frame's first screen.
-    into_the_frame(browser, f"{stack.url}/plugin/eagleflow/eagleflow/runs/{COMPARED}")
-    wait(browser, lambda b: "Drafters compared" in body_text(b), "the comparison")
-    bottoms, height = browser.execute_script("""
-        const heading = [...document.querySelectorAll('h2')].find(h => h.textContent === 'Drafters compared');
-        const winner = [...document.querySelectorAll('p')].find(p => p.textContent.startsWith('Winner:'));
-        const rows = [...document.querySelectorAll('tr.winner')];
-        return [[heading, winner, ...rows].map(e => e.getBoundingClientRect().bottom + window.scrollY),
-                document.documentElement.clientHeight];""")
-    assert len(bottoms) == 4 and max(bottoms) <= height, f"the comparison ends at {max(bottoms):.0f} px of a {height} px screen"
-    assert "--speculative-algorithm EAGLE3" in browser.find_element(By.XPATH, "//p[starts-with(normalize-space(), 'Winner:')]").text
-
-    # The DAG run's page in Airflow: its "eagleflow run" tab shows the same page, the comparison first, in Airflow's frame.
-    browser.switch_to.default_content()
-    browser.get(f"{stack.url}/dags/{DAG_ID}/runs/{COMPARED_RUN_ID}")
-    click(browser, "eagleflow run")
-    frame = wait(browser, lambda b: b.find_elements(By.CSS_SELECTOR, "iframe[title='eagleflow run']"), "the tab's frame")[0]
-    browser.switch_to.frame(frame)
-    wait(browser, lambda b: f"eagleflow run {COMPARED}" in body_text(b), "the run page in the tab")
-    top, height = browser.execute_script("""
-        const heading = [...document.querySelectorAll('h2')].find(h => h.textContent === 'Drafters compared');
-        return [heading.getBoundingClientRect().top, document.documentElement.clientHeight];""")
-    assert top < height and body_text(browser).index("Drafters compared") < body_text(browser).index("Drafter eagle3")
-    browser.switch_to.default_content()
 
 
 def test_the_runs_list_says_why_a_run_failed_before_writing_its_folder(airflow_stack: Any, ui_output_root: Path, browser: Any) -> None:
@@ -383,3 +373,96 @@ def test_the_runs_list_says_why_a_run_failed_before_writing_its_folder(airflow_s
     assert not (ui_output_root / BAD_MODEL).exists()
     browser.find_element(By.CSS_SELECTOR, f"a[href='runs/{BAD_MODEL}']").click()
     wait(browser, lambda b: said in body_text(b), "the reason on the run's page")
+
+
+def test_a_run_from_the_form_given_only_two_families_succeeds_and_opens_with_their_comparison_in_its_dag_run_tab(
+    airflow_stack: Any, ui_output_root: Path, run_inputs: Any, browser: Any
+) -> None:
+    """A newcomer's comparison: the trigger form with the deployment's defaults, the drafters field given two
+    families and nothing else; the run trains, measures and compares both (each with its family's own settings),
+    and its page, in Airflow's frame and in the DAG run's "eagleflow run" tab, opens with the comparison."""
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    from eagleflow.layout import run_name_from_run_id
+
+    stack = airflow_stack
+    for queued in stack.request("GET", f"/dags/{DAG_ID}/dagRuns", params={"state": "queued"})["dag_runs"]:
+        end_in_the_metadata_db(stack.home / "airflow.db", queued["dag_run_id"])  # it would run first (one active run at a time)
+    stack.inject_faults()
+    runs_before = {r["dag_run_id"] for r in stack.request("GET", f"/dags/{DAG_ID}/dagRuns", params={"limit": 100})["dag_runs"]}
+    browser.switch_to.default_content()
+    browser.get(f"{stack.url}/dags/{DAG_ID}")
+    click(browser, "Trigger")
+    wait(browser, lambda b: b.find_element(By.ID, "element_model_path").get_attribute("value"), "the form with its defaults")
+
+    # The drafters field (Training) is a JSON editor (Monaco): the families pasted over its default [], as the help's
+    # example is copied. (Typed key by key, Airflow's form rewrites the field each time it holds JSON: `[""]` at the
+    # second key, the rest after its end.)
+    click(browser, "Training", "[role=dialog]")
+    lines = wait(browser, lambda b: b.find_elements(By.CSS_SELECTOR, "#element_drafters .view-lines"), "the drafters field")[0]
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", lines)
+    browser.execute_cdp_cmd("Browser.grantPermissions", {"origin": stack.url, "permissions": ["clipboardReadWrite", "clipboardSanitizedWrite"]})
+    browser.execute_async_script("navigator.clipboard.writeText(arguments[0]).then(arguments[1], arguments[1])", json.dumps(FAMILIES))
+    lines.click()
+    ActionChains(browser).key_down(Keys.CONTROL).send_keys("a").send_keys("v").key_up(Keys.CONTROL).perform()
+
+    def shown(b: Any) -> Any:
+        with contextlib.suppress(ValueError):
+            return json.loads(lines.text.replace("\u00a0", " "))
+
+    wait(browser, lambda b: shown(b) == FAMILIES, "the families in the drafters field", timeout=20)
+    click(browser, "Trigger", "[role=dialog]")
+
+    def started(b: Any) -> str | None:
+        runs = stack.request("GET", f"/dags/{DAG_ID}/dagRuns", params={"limit": 100})["dag_runs"]
+        new = [r["dag_run_id"] for r in runs if r["dag_run_id"] not in runs_before]
+        return new[0] if new else None
+
+    run_id = wait(browser, started, "the DAG run the form triggered")
+    try:
+        state = stack.wait_for_run(run_id, 900)
+    finally:
+        stack.request("PATCH", f"/dags/{DAG_ID}", json={"is_paused": True})
+    assert state == "success", stack.describe(run_id)
+    run = stack.request("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}")
+    assert run["conf"]["drafters"] == FAMILIES, run["conf"]  # what the form sent: the families alone
+    assert {k: run["conf"][k] for k in ("model_path", "shard_size")} == {"model_path": str(run_inputs(FORM_ROWS).model), "shard_size": 2000}
+    plan = stack.xcom(run_id, "plan_drafters")
+    assert [d["name"] for d in plan] == FAMILIES, plan
+    measured = {d: stack.xcom(run_id, "evaluate_drafter", i) for i, d in enumerate(FAMILIES)}
+    compared = stack.xcom(run_id, "compare_drafters")
+
+    # Browse → eagleflow runs → the run: the comparison (its heading, the winner with its SGLang flags, the winner's
+    # rows) within the frame's first screen.
+    run_name = run_name_from_run_id(run_id)
+    into_the_frame(browser, f"{stack.url}/plugin/eagleflow/eagleflow/runs/{run_name}")
+    wait(browser, lambda b: "Drafters compared" in body_text(b), "the comparison")
+    bottoms, height = browser.execute_script("""
+        const heading = [...document.querySelectorAll('h2')].find(h => h.textContent === 'Drafters compared');
+        const winner = [...document.querySelectorAll('p')].find(p => p.textContent.startsWith('Winner:'));
+        const rows = [...document.querySelectorAll('tr.winner')];
+        return [[heading, winner, ...rows].map(e => e.getBoundingClientRect().bottom + window.scrollY),
+                document.documentElement.clientHeight];""")
+    assert len(bottoms) >= 3 and max(bottoms) <= height, f"the comparison ends at {max(bottoms):.0f} px of a {height} px screen"
+    winner = browser.find_element(By.XPATH, "//p[starts-with(normalize-space(), 'Winner:')]").text
+    assert any(f"--speculative-algorithm {family}" in winner for family in ("EAGLE3", "DFLASH")), winner
+
+    # The DAG run's page in Airflow: its "eagleflow run" tab shows the same page, the comparison first, in Airflow's frame.
+    browser.switch_to.default_content()
+    browser.get(f"{stack.url}/dags/{DAG_ID}/runs/{quote(run_id, safe='')}")
+    click(browser, "eagleflow run")
+    frame = wait(browser, lambda b: b.find_elements(By.CSS_SELECTOR, "iframe[title='eagleflow run']"), "the tab's frame")[0]
+    browser.switch_to.frame(frame)
+    wait(browser, lambda b: f"eagleflow run {run_name}" in body_text(b), "the run page in the tab")
+    top, height = browser.execute_script("""
+        const heading = [...document.querySelectorAll('h2')].find(h => h.textContent === 'Drafters compared');
+        return [heading.getBoundingClientRect().top, document.documentElement.clientHeight];""")
+    assert top < height and body_text(browser).index("Drafters compared") < body_text(browser).index("Drafter eagle3")
+    browser.switch_to.default_content()
+    took = {f"{t}[{ti['rendered_map_index'] or i}]": round(_seconds(ti["end_date"]) - _seconds(ti["start_date"]))
+            for (t, i), ti in stack.task_instances(run_id).items() if ti["end_date"] and ti["start_date"]}
+    print(f"from the form: {FAMILIES} in {run_id}, {run['end_date']} - {run['start_date']}; tasks {took}; "
+          f"winner {compared['winner']['drafter']} {compared['winner']['config']}, accept lengths "
+          f"{ {d: m['accept_length'] for d, m in measured.items()} }")
