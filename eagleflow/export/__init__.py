@@ -19,7 +19,8 @@ __all__, __getattr__ = lazy_exports(
         "step": ["Checkpoint", "read_checkpoint", "ExportConfig"],
         "tensors": [
             "COMMON_CONFIG_KEYS", "CheckpointLayout", "Expected", "LayerShape", "NotServable", "check_tensors",
-            "decoder_layer", "layer_config", "save_weights", "tensor_problems", "vocabulary_tensors",
+            "config_read_as", "decoder_layer", "layer_config", "save_weights", "tensor_problems", "vocabulary_tensors",
+            "write_drafter_folder",
         ],
         "rotary": ["check_rotary"],
     },

@@ -23,15 +23,17 @@ the one trained.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagleflow.errors import UserError
+from eagleflow.errors import UserError, excerpt
 
 # A weights file and its config that disagree: the words every refusal ends with.
 DISAGREE = (
@@ -179,6 +181,27 @@ def check_tensors(expected: Mapping[str, Expected], tensors: Mapping[str, Any], 
     if problems:
         more = f"; and {len(problems) - SHOWN_PROBLEMS} more" if len(problems) > SHOWN_PROBLEMS else ""
         raise UserError(f"{weights}: {'; '.join(problems[:SHOWN_PROBLEMS])}{more}; {DISAGREE}")
+
+
+@contextmanager
+def config_read_as(config_path: Path, what: str) -> Iterator[None]:
+    """Inside, reading ``config_path`` (a checkpoint's config) into what SGLang reads: a key missing or a value of
+    the wrong kind is a :class:`UserError` naming the file as an unusable ``what``; :class:`NotServable` passes
+    as it is (what SGLang would serve as another function has its own words)."""
+    try:
+        yield
+    except NotServable:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"{config_path}: unusable {what} ({type(exc).__name__}: {excerpt(exc)})") from exc
+
+
+def write_drafter_folder(target: Path, weights: Mapping[str, Any], config: Mapping[str, Any]) -> None:
+    """A drafter folder SGLang loads, made at ``target`` (inside the export's staging folder): the weights file and
+    the ``config.json`` beside it."""
+    target.mkdir(parents=True)
+    save_weights(weights, target / "model.safetensors")
+    (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 _OS_ERROR = re.compile(r"os error (\d+)|code: (\d+)")  # how the Rust writer quotes the errno

@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eagleflow.export import (
-    COMMON_CONFIG_KEYS, CheckpointLayout, Expected, LayerShape, NotServable, check_tensors, decoder_layer, layer_config,
-    save_weights, vocabulary_tensors,
+    COMMON_CONFIG_KEYS, CheckpointLayout, Expected, LayerShape, NotServable, check_tensors, config_read_as, decoder_layer,
+    layer_config, vocabulary_tensors, write_drafter_folder,
 )
 
 if TYPE_CHECKING:
@@ -269,7 +269,6 @@ def write_sglang_folder(
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
     from eagleflow.verifier import read_config
-    from eagleflow.errors import UserError, excerpt
     from eagleflow.export import check_rotary
     from eagleflow.export import read_checkpoint
 
@@ -277,18 +276,12 @@ def write_sglang_folder(
         checkpoint = read_checkpoint(checkpoint)
     check_trained_block_size(checkpoint)
     verifier_config = read_config(verifier)
-    try:
+    with config_read_as(checkpoint.config_path, f"{family} config"):
         config = config_of(checkpoint.config, verifier_config)
         check_rotary(layer_config(checkpoint.config["transformer_layer_config"]), config, Qwen3Config, Qwen3RotaryEmbedding)
         check_weights(config, checkpoint)
-    except (KeyError, TypeError, ValueError) as exc:
-        if isinstance(exc, NotServable):
-            raise
-        raise UserError(f"{checkpoint.config_path}: unusable {family} config ({type(exc).__name__}: {excerpt(exc)})") from exc
     weights = dflash_sglang_weights(checkpoint.weights)
-    target.mkdir(parents=True)
-    save_weights(weights, target / "model.safetensors")
-    (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_drafter_folder(target, weights, config)
     return config, weights, verifier_config
 
 

@@ -43,7 +43,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagleflow.errors import UserError, excerpt
 from eagleflow.export import (
     COMMON_CONFIG_KEYS, CheckpointLayout, Expected, LayerShape, NotServable, decoder_layer, layer_config, vocabulary_tensors,
 )
@@ -296,26 +295,21 @@ def export_eagle3_sglang(checkpoint: Checkpoint | Path, verifier: Path, target: 
 
     :raises NotServable: SGLang would not compute what was trained.
     """
-    from eagleflow.export import check_rotary, read_checkpoint, save_weights  # the reference engine needs none of these
+    # the reference engine needs none of these
+    from eagleflow.export import check_rotary, config_read_as, read_checkpoint, write_drafter_folder
 
     if isinstance(checkpoint, Path):
         checkpoint = read_checkpoint(checkpoint)
     architecture = (read_config(verifier).get("architectures") or ["?"])[0]
-    try:
+    with config_read_as(checkpoint.config_path, "draft config"):
         config = sglang_config(checkpoint.config, architecture, config_int(verifier, "hidden_size"))
         window = draft_window_size(checkpoint.config["transformer_layer_config"])
         check_rotary(checkpoint.config["transformer_layer_config"], config)
         dropped = unserved_weights(checkpoint.weights)
         if dropped:
             raise NotServable(f"SGLang's draft layer builds no {', '.join(dropped)} (q/k/v and MLP without bias) and would drop them")
-    except (KeyError, TypeError, ValueError) as exc:
-        if isinstance(exc, NotServable):
-            raise
-        raise UserError(f"{checkpoint.config_path}: unusable draft config ({type(exc).__name__}: {excerpt(exc)})") from exc
     weights = sglang_weights(checkpoint.weights)
-    target.mkdir(parents=True)
-    save_weights(weights, target / "model.safetensors")
-    (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_drafter_folder(target, weights, config)
     sglang_ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     return {
         "path": target.name,
