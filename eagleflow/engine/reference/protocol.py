@@ -148,7 +148,6 @@ def parse_generate(body: Any, limits: ModelLimits) -> GenerateRequest:
     params = body.get("sampling_params") or {}
     if not isinstance(params, dict):
         raise RequestError(400, f"rid {rid}: sampling_params must be a JSON object, got {type(params).__name__}")
-    given = {name for name, value in params.items() if value is not None}
     max_new_tokens = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
     if max_new_tokens is None:
         max_new_tokens = DEFAULT_MAX_NEW_TOKENS
