@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from eagleflow.deploy import UI_PREFIX
-from eagleflow.errors import UserError
+from eagleflow.errors import UserError, excerpt_repr
 
 SHORT_HELP = 240  # characters a help may have in the form before it is cut to its first sentence and a link
 README_PATH = f"{UI_PREFIX}/readme"
@@ -118,17 +118,25 @@ def form_schemas() -> dict[str, dict[str, Any]]:
     return schemas
 
 
-def read_form_defaults(path: str | Path, params: Collection[str]) -> dict[str, Any]:
+def read_form_defaults(path: str | Path, schemas: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """A deployment's defaults for the trigger form: the JSON object ``{Param: value}`` in ``path`` (the file
-    ``EAGLEFLOW_FORM_DEFAULTS`` names). Raises :class:`UserError` naming the file, and the key that is not one of
-    ``params``; a value is checked by its Param's schema where Airflow checks a trigger's."""
+    ``EAGLEFLOW_FORM_DEFAULTS`` names), each value checked by its Param's schema in ``schemas`` as Airflow checks a
+    trigger's. Raises :class:`UserError` naming the file and the key (not a Param, or a value its schema refuses)."""
+    import jsonschema
+
     try:
         defaults = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
         raise UserError(f"form defaults {path}: cannot be read as JSON ({exc})") from None
     if not isinstance(defaults, dict):
         raise UserError(f"form defaults {path}: expected an object of Param values, got {type(defaults).__name__}")
-    unknown = sorted(set(defaults) - set(params))
+    unknown = sorted(set(defaults) - set(schemas))
     if unknown:
         raise UserError(f"form defaults {path}: {', '.join(map(repr, unknown))} is not a Param of the DAG")
+    for name, value in defaults.items():
+        try:
+            schema = {k: v for k, v in schemas[name].items() if k != "default" and v is not None}  # a cut help's null description
+            jsonschema.validate(value, schema, format_checker=jsonschema.FormatChecker())
+        except jsonschema.ValidationError as exc:
+            raise UserError(f"form defaults {path}: {name} {excerpt_repr(value)} is refused by its Param: {exc.message}") from None
     return defaults
