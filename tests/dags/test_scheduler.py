@@ -10,8 +10,8 @@ compared alone, and clearing only the DFlash's training instance trains, exports
 while the EAGLE-3's instances reuse their results and both are compared; last, a complete shard
 cleared with its downstream tasks (Airflow's default) starts no engine and trains, exports and
 measures nothing again: each task's log says it reused its result.
-Another run has its scheduler killed (with its LocalExecutor workers) while a shard extracts,
-and restarted: the run finishes without a finished row being rewritten.
+(A run whose scheduler is killed while a shard extracts, and restarted, is the browser's run from the form:
+``tests/plugins/test_ui_in_airflow.py``.)
 (Two engines in one run, one of them killed, run in ``test_celery.py``, on the Celery deployment.)
 """
 
@@ -254,56 +254,6 @@ def _failed_task_logs(stack: Any, run_id: str) -> str:
                 log = stack.task_log(run_id, task_id, attempt["try_number"], map_index)
                 parts.append(f"--- {task_id}[{map_index}] try {attempt['try_number']} ({attempt['state']}) ---\n{log[-4000:]}")
     return "\n".join(parts)
-
-
-def test_scheduler_killed_mid_extraction_and_restarted_finishes_the_run_without_redoing_a_row(
-    airflow_stack: Any, run_inputs: Any, tmp_path: Path
-) -> None:
-    """The scheduler crashes (SIGKILL to it and its LocalExecutor workers) while a shard extracts,
-    and comes back. Airflow keeps each task process in a process group of its own, so the running
-    shard's task and step outlive the crash and finish their rows, but nobody is left to report it:
-    the new scheduler resets the orphaned task at start-up and runs it again, the rerun finds every
-    finished row complete and skips it, and the run succeeds."""
-    from eagleflow.layout import RunLayout
-
-    rows, shard_size = 12, 6
-    inputs = run_inputs(rows)
-    run_id = run_name = "scheduler-restart"
-    layout = RunLayout.of(tmp_path / "runs", run_name)
-    # A disk slower than the engine (each dump waits 1.5 s) keeps a shard busy when the scheduler dies.
-    conf = inputs.conf(
-        tmp_path / "runs", run_name, shard_size=shard_size,
-        stop_after_extraction=True,  # what is checked is extraction's; training is the other test's
-    )
-    airflow_stack.inject_faults(write_delay=1.5)
-    airflow_stack.trigger(run_id, conf)
-
-    deadline = time.monotonic() + RUN_TIMEOUT
-    while not (layout.hidden_states.is_dir() and any(layout.hidden_states.glob("hs_*.safetensors"))):
-        running = airflow_stack.request("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}")["state"] in ("queued", "running")
-        assert running and time.monotonic() < deadline and not airflow_stack.processes.dead(), airflow_stack.describe(run_id)
-        time.sleep(0.5)
-    tis = airflow_stack.task_instances(run_id)
-    running_shards = {key for key, ti in tis.items() if key[0] == "extract_shard" and ti["state"] == "running"}
-    assert running_shards, airflow_stack.describe(run_id)
-    airflow_stack.processes.kill_component("scheduler")
-    killed_at = time.monotonic()
-    # A restart a little later than the old scheduler's heartbeat threshold: the new one then finds
-    # its tasks orphaned at start-up and resets them. What was published by then is finished work.
-    threshold = float(airflow_stack.processes.env["AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_THRESHOLD"])
-    time.sleep(max(0.0, killed_at + threshold + 5 - time.monotonic()))
-    before = _file_identities(layout.hidden_states)
-    airflow_stack.processes.start_component("scheduler")
-
-    state = airflow_stack.wait_for_run(run_id, RUN_TIMEOUT)
-    assert state == "success", f"{airflow_stack.describe(run_id)}\n{_failed_task_logs(airflow_stack, run_id)}"
-    tis = airflow_stack.task_instances(run_id)
-    for key in running_shards:
-        assert tis[key]["try_number"] >= 2, airflow_stack.describe(run_id)  # reset by the new scheduler and run again
-    after = _file_identities(layout.hidden_states)
-    assert before and {name: after[name] for name in before} == before, "a finished row was rewritten"
-    assert len(after) == rows
-    inputs.check_every_row(layout.dataset)
 
 
 def test_bad_aux_layer_ids_are_refused_at_trigger_or_by_the_first_tasks(

@@ -3,13 +3,15 @@ sandboxed frame, and their links to a DAG run land on Airflow's own DAG run page
 ``target="_top"``: ``templates/base.html`` says how the links get out of it). Also: the list of runs fits that
 frame at 1600×900, a DAG run that failed before writing its folder has a page there, and a script in a run
 folder's SVG never runs, in the frame or on its own, while the run page still shows its charts. And what a user
-meets around a run: the trigger form says why it refuses an out-of-range Param, a run of several drafters opens
-with their comparison, each DAG run's page has an "eagleflow run" tab, and a run whose first task failed before
+meets around a run: the trigger form says why it refuses an out-of-range Param; a run triggered from the form
+given two families and nothing else succeeds (through a scheduler crash and restart mid-extraction) and opens
+with their comparison, in each DAG run's "eagleflow run" tab too; and a run whose first task failed before
 writing its folder is listed with that task's reason.
 
 Airflow is the real-scheduler tests' stack (``tests/dags/conftest.py``'s ``airflow_stack``: scheduler,
 dag-processor, triggerer and api-server, all-admins, no login), the eagleflow DAG paused so the DAG runs
-this test triggers stay as they are; the api-server's output root is this module's.
+this test triggers stay as they are; the api-server's output root and the form's defaults
+(``EAGLEFLOW_FORM_DEFAULTS``) are this module's.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ DAG_ID = "eagleflow"
 RUN_ID = "manual__2026-12-03T23:19:16.409337+00:00"  # triggered from the form: no run_name, the folder named after it
 FAILED_RUN_ID = "manual__failed-at-once"
 NOT_WRITTEN = "never-written"
-FORM_ROWS = 16  # conversations of the run triggered from the form
+FORM_ROWS, FORM_SHARD_SIZE = 16, 8  # conversations of the run triggered from the form, and its shards' rows
 FAMILIES = ["eagle3", "dflash"]  # what that run's form is given: the families, nothing else
 BAD_MODEL_RUN_ID, BAD_MODEL = "manual__bad-model", "bad-model"  # a run whose first task refuses its verifier folder
 WIDTH, HEIGHT = 1600, 900
@@ -69,7 +71,7 @@ def ui_output_root(tmp_path_factory: pytest.TempPathFactory, fill_output_root: A
     home = tmp_path_factory.mktemp("ui-in-airflow")
     root = fill_output_root(home / "runs")
     (root / "demo").rename(root / run_name_from_run_id(RUN_ID))
-    defaults = {k: v for k, v in run_inputs(FORM_ROWS).conf(root, "").items() if k != "run_name"}
+    defaults = {k: v for k, v in run_inputs(FORM_ROWS).conf(root, "", shard_size=FORM_SHARD_SIZE).items() if k != "run_name"}
     atomic_write_json(home / "form-defaults.json", defaults)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("EAGLEFLOW_OUTPUT_ROOT", str(root))
@@ -375,22 +377,34 @@ def test_the_runs_list_says_why_a_run_failed_before_writing_its_folder(airflow_s
     wait(browser, lambda b: said in body_text(b), "the reason on the run's page")
 
 
-def test_a_run_from_the_form_given_only_two_families_succeeds_and_opens_with_their_comparison_in_its_dag_run_tab(
+def _file_identities(folder: Path) -> dict[str, tuple[int, int]]:
+    """``{hidden-states file name: (inode, mtime_ns)}``: a rewrite (even by rename) changes one of them."""
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in sorted(folder.glob("hs_*.safetensors"))}
+
+
+def test_a_run_from_the_form_given_only_two_families_survives_a_scheduler_restart_and_opens_with_their_comparison(
     airflow_stack: Any, ui_output_root: Path, run_inputs: Any, browser: Any
 ) -> None:
     """A newcomer's comparison: the trigger form with the deployment's defaults, the drafters field given two
     families and nothing else; the run trains, measures and compares both (each with its family's own settings),
-    and its page, in Airflow's frame and in the DAG run's "eagleflow run" tab, opens with the comparison."""
+    and its page, in Airflow's frame and in the DAG run's "eagleflow run" tab, opens with the comparison.
+
+    On its way the scheduler crashes (SIGKILL to it and its LocalExecutor workers) while a shard extracts, and comes
+    back. Airflow keeps each task process in a process group of its own, so the running shard's task and step
+    outlive the crash and finish their rows, but nobody is left to report it: the new scheduler resets the orphaned
+    task at start-up and runs it again, the rerun finds every finished row complete and skips it, and the run
+    succeeds."""
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
-    from eagleflow.layout import run_name_from_run_id
+    from eagleflow.layout import RunLayout, run_name_from_run_id
+    from eagleflow.run.pipeline import PipelineConfig
 
     stack = airflow_stack
     for queued in stack.request("GET", f"/dags/{DAG_ID}/dagRuns", params={"state": "queued"})["dag_runs"]:
         end_in_the_metadata_db(stack.home / "airflow.db", queued["dag_run_id"])  # it would run first (one active run at a time)
-    stack.inject_faults()
+    stack.inject_faults(write_delay=1.5)  # a disk slower than the engine (each dump waits 1.5 s) keeps a shard busy
     runs_before = {r["dag_run_id"] for r in stack.request("GET", f"/dags/{DAG_ID}/dagRuns", params={"limit": 100})["dag_runs"]}
     browser.switch_to.default_content()
     browser.get(f"{stack.url}/dags/{DAG_ID}")
@@ -421,14 +435,37 @@ def test_a_run_from_the_form_given_only_two_families_succeeds_and_opens_with_the
         return new[0] if new else None
 
     run_id = wait(browser, started, "the DAG run the form triggered")
+    run_name = run_name_from_run_id(run_id)
+    layout = RunLayout.of(ui_output_root, run_name)
     try:
+        # The scheduler, killed while a shard extracts (a row of it written), restarted a little later than its
+        # heartbeat threshold: the new one finds its tasks orphaned at start-up and resets them.
+        wait(browser, lambda b: layout.hidden_states.is_dir() and any(layout.hidden_states.glob("hs_*.safetensors"))
+             and not stack.processes.dead(), "a shard's first row", timeout=600)
+        running_shards = {key for key, ti in stack.task_instances(run_id).items() if key[0] == "extract_shard" and ti["state"] == "running"}
+        assert running_shards, stack.describe(run_id)
+        stack.processes.kill_component("scheduler")
+        killed_at = time.monotonic()
+        threshold = float(stack.processes.env["AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_THRESHOLD"])
+        time.sleep(max(0.0, killed_at + threshold + 5 - time.monotonic()))
+        before = _file_identities(layout.hidden_states)  # what was published by then is finished work
+        stack.processes.start_component("scheduler")
         state = stack.wait_for_run(run_id, 900)
     finally:
         stack.request("PATCH", f"/dags/{DAG_ID}", json={"is_paused": True})
+        stack.inject_faults()
     assert state == "success", stack.describe(run_id)
+    tis = stack.task_instances(run_id)
+    for key in running_shards:
+        assert tis[key]["try_number"] >= 2, stack.describe(run_id)  # reset by the new scheduler and run again
+    after = _file_identities(layout.hidden_states)
+    assert before and {name: after[name] for name in before} == before, "a finished row was rewritten"
+    assert len(after) == FORM_ROWS
     run = stack.request("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}")
-    assert run["conf"]["drafters"] == FAMILIES, run["conf"]  # what the form sent: the families alone
-    assert {k: run["conf"][k] for k in ("model_path", "shard_size")} == {"model_path": str(run_inputs(FORM_ROWS).model), "shard_size": 2000}
+    run_inputs(FORM_ROWS).check_every_row(layout.dataset, PipelineConfig.from_params(run["conf"], run_id).captured_aux_layer_ids())
+    # What the form sent: the deployment's defaults as they were, and the families.
+    defaults = json.loads((ui_output_root.parent / "form-defaults.json").read_text())
+    assert {k: run["conf"][k] for k in defaults} == defaults and run["conf"]["drafters"] == FAMILIES, run["conf"]
     plan = stack.xcom(run_id, "plan_drafters")
     assert [d["name"] for d in plan] == FAMILIES, plan
     measured = {d: stack.xcom(run_id, "evaluate_drafter", i) for i, d in enumerate(FAMILIES)}
@@ -436,7 +473,6 @@ def test_a_run_from_the_form_given_only_two_families_succeeds_and_opens_with_the
 
     # Browse → eagleflow runs → the run: the comparison (its heading, the winner with its SGLang flags, the winner's
     # rows) within the frame's first screen.
-    run_name = run_name_from_run_id(run_id)
     into_the_frame(browser, f"{stack.url}/plugin/eagleflow/eagleflow/runs/{run_name}")
     wait(browser, lambda b: "Drafters compared" in body_text(b), "the comparison")
     bottoms, height = browser.execute_script("""
