@@ -11,14 +11,15 @@ SpecForge's ``--config-list``) stays as it is: that is the name a user looks for
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from eagleflow.deploy import UI_PREFIX
-from eagleflow.errors import UserError, excerpt_repr
+from eagleflow.errors import UserError, excerpt_repr, param_text
 
 SHORT_HELP = 240  # characters a help may have in the form before it is cut to its first sentence and a link
 README_PATH = f"{UI_PREFIX}/readme"
@@ -125,18 +126,21 @@ def read_form_defaults(path: str | Path, schemas: Mapping[str, Mapping[str, Any]
     import jsonschema
 
     try:
-        defaults = json.loads(Path(path).read_text())
+        text = Path(path).read_text()
+        defaults = json.loads(text) if text.strip() else None
     except (OSError, ValueError) as exc:
         raise UserError(f"form defaults {path}: cannot be read as JSON ({exc})") from None
     if not isinstance(defaults, dict):
-        raise UserError(f"form defaults {path}: expected an object of Param values, got {type(defaults).__name__}")
-    unknown = sorted(set(defaults) - set(schemas))
-    if unknown:
-        raise UserError(f"form defaults {path}: {', '.join(map(repr, unknown))} is not a Param of the DAG")
+        got = "an empty file" if defaults is None else type(defaults).__name__
+        raise UserError(f"form defaults {path}: expected an object of Param values, got {got}")
+    for name in sorted(set(defaults) - set(schemas)):
+        close = difflib.get_close_matches(name, list(schemas), n=1)
+        raise UserError(f"form defaults {path}: {name!r} is not a Param of the DAG" + (f" (did you mean {close[0]!r}?)" if close else ""))
     for name, value in defaults.items():
         try:
             schema = {k: v for k, v in schemas[name].items() if k != "default" and v is not None}  # a cut help's null description
             jsonschema.validate(value, schema, format_checker=jsonschema.FormatChecker())
         except jsonschema.ValidationError as exc:
-            raise UserError(f"form defaults {path}: {name} {excerpt_repr(value)} is refused by its Param: {exc.message}") from None
+            raise UserError(f"form defaults {path}: {param_text(name, schemas[name].get('title'))} refuses "
+                            f"{excerpt_repr(value)}: {exc.message}") from None
     return defaults

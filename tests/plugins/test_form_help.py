@@ -71,9 +71,11 @@ def test_a_deployments_defaults_file_fills_the_form_and_a_bad_one_is_refused_nam
         "/models/kimi", 500, ["eagle3", "dflash"])
     assert form["output_root"]["default"] == str(tmp_path / "runs")  # the deployment's, not overwritten
 
-    for text, said in (('{"shard_sise": 500}', "'shard_sise' is not a Param of the DAG"), ('["eagle3"]', "expected an object"),
-                       ("{", "cannot be read as JSON"), ('{"shard_size": 0}', "shard_size 0 is refused by its Param: 0 is less than the minimum of 1")):
+    for text, said in (('{"shard_sise": 500}', "'shard_sise' is not a Param of the DAG (did you mean 'shard_size'?)"),
+                       ('["eagle3"]', "expected an object of Param values, got list"), ("", "got an empty file"),
+                       ("{", "cannot be read as JSON"),
+                       ('{"shard_size": 0}', 'Param shard_size ("Shard size") refuses 0: 0 is less than the minimum of 1')):
         defaults.write_text(text)
-        with pytest.raises(UserError, match=said) as refused:
+        with pytest.raises(UserError, match=re.escape(said)) as refused:
             form_defaults()
         assert str(defaults) in str(refused.value)
